@@ -1,0 +1,387 @@
+"""Caching allocator over a runtime's malloc/free, with CUDA's statistics.
+
+Device mallocs are slow and synchronising on real hardware, so -- like PyTorch's
+CUDACachingAllocator -- memory is taken from the runtime in segments, carved
+into blocks, and freed blocks are kept for reuse. Sizes, pools and split rules
+follow CUDA's (512-byte rounding; a small pool of 2 MiB segments for requests up
+to 1 MiB; 20 MiB segments for requests up to 10 MiB; larger ones rounded to
+2 MiB). Statistics use the key names of ``torch.cuda.memory_stats()``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchport.runtime import Runtime
+
+K_MIN_BLOCK = 512
+K_SMALL_SIZE = 1 << 20
+K_SMALL_BUFFER = 2 << 20
+K_LARGE_BUFFER = 20 << 20
+K_MIN_LARGE_ALLOC = 10 << 20
+K_ROUND_LARGE = 2 << 20
+
+_STAT_NAMES = ("allocation", "segment", "active", "inactive_split")
+_BYTE_STAT_NAMES = ("allocated_bytes", "reserved_bytes", "active_bytes",
+                    "inactive_split_bytes", "requested_bytes")
+_POOLS = ("all", "small_pool", "large_pool")
+
+
+class _Stat:
+    __slots__ = ("current", "peak", "allocated", "freed")
+
+    def __init__(self) -> None:
+        self.current = self.peak = self.allocated = self.freed = 0
+
+    def add(self, n: int) -> None:
+        self.current += n
+        if n > 0:
+            self.allocated += n
+        else:
+            self.freed -= n
+        if self.current > self.peak:
+            self.peak = self.current
+
+
+@dataclass(eq=False)
+class Block:
+    """A range of a segment; ``allocated`` blocks belong to a live storage."""
+
+    ptr: int
+    size: int
+    segment_size: int
+    small: bool
+    stream: Any = None
+    allocated: bool = False
+    requested: int = 0
+    prev: Block | None = None
+    next: Block | None = None
+    is_segment_head: bool = False
+    stream_uses: set = field(default_factory=set)
+
+    def key(self) -> tuple[int, int]:
+        return (self.size, self.ptr)
+
+
+class _Pool:
+    """Free blocks ordered by (size, address) for best-fit search."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[Any, int, int]] = []
+        self.blocks: dict[tuple[Any, int, int], Block] = {}
+
+    @staticmethod
+    def _k(b: Block) -> tuple[Any, int, int]:
+        return (id(b.stream), b.size, b.ptr)
+
+    def insert(self, b: Block) -> None:
+        k = self._k(b)
+        bisect.insort(self.keys, k)
+        self.blocks[k] = b
+
+    def remove(self, b: Block) -> None:
+        k = self._k(b)
+        i = bisect.bisect_left(self.keys, k)
+        if i < len(self.keys) and self.keys[i] == k:
+            del self.keys[i]
+            del self.blocks[k]
+
+    def best_fit(self, stream: Any, size: int) -> Block | None:
+        i = bisect.bisect_left(self.keys, (id(stream), size, -1))
+        if i < len(self.keys) and self.keys[i][0] == id(stream):
+            return self.blocks[self.keys[i]]
+        return None
+
+    def __iter__(self):
+        return iter(list(self.blocks.values()))
+
+
+def round_size(nbytes: int) -> int:
+    if nbytes < K_MIN_BLOCK:
+        return K_MIN_BLOCK
+    return (nbytes + K_MIN_BLOCK - 1) // K_MIN_BLOCK * K_MIN_BLOCK
+
+
+def _segment_size(size: int) -> int:
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return K_LARGE_BUFFER
+    return (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE
+
+
+def format_size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}" if unit != "bytes" else f"{int(n)} bytes"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+class DeviceAllocator:
+    """The caching allocator of one device (physical index ``phys``)."""
+
+    def __init__(self, runtime: Runtime, phys: int, logical: int, device_name: str) -> None:
+        self.runtime = runtime
+        self.phys = phys
+        self.logical = logical
+        self.device_name = device_name
+        self.lock = threading.RLock()
+        self.small = _Pool()
+        self.large = _Pool()
+        self.active: dict[int, Block] = {}
+        self.segments: dict[int, Block] = {}
+        self.fraction: float | None = None
+        self.pending_free: list[tuple[Block, list[Any]]] = []
+        self.event_query: Callable[[Any], bool] | None = None
+        self.reset_stats()
+
+    # ---- statistics ------------------------------------------------------------
+    def reset_stats(self) -> None:
+        self.stats = {(n, p): _Stat() for n in _STAT_NAMES + _BYTE_STAT_NAMES for p in _POOLS}
+        self.num_alloc_retries = 0
+        self.num_ooms = 0
+        self.num_sync_all_streams = 0
+        self.num_device_alloc = 0
+        self.num_device_free = 0
+
+    def _stat(self, name: str, small: bool, n: int) -> None:
+        self.stats[(name, "all")].add(n)
+        self.stats[(name, "small_pool" if small else "large_pool")].add(n)
+
+    def reset_peak(self) -> None:
+        for s in self.stats.values():
+            s.peak = s.current
+
+    def reset_accumulated(self) -> None:
+        for s in self.stats.values():
+            s.allocated = s.freed = 0
+        self.num_alloc_retries = self.num_ooms = self.num_sync_all_streams = 0
+        self.num_device_alloc = self.num_device_free = 0
+
+    def memory_stats(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for (name, pool), s in sorted(self.stats.items()):
+            for metric in ("current", "peak", "allocated", "freed"):
+                out[f"{name}.{pool}.{metric}"] = getattr(s, metric)
+        out["num_alloc_retries"] = self.num_alloc_retries
+        out["num_ooms"] = self.num_ooms
+        out["num_sync_all_streams"] = self.num_sync_all_streams
+        out["num_device_alloc"] = self.num_device_alloc
+        out["num_device_free"] = self.num_device_free
+        out["max_split_size"] = -1
+        out["oversize_allocations.current"] = 0
+        out["oversize_segments.current"] = 0
+        return out
+
+    def allocated(self) -> int:
+        return self.stats[("allocated_bytes", "all")].current
+
+    def reserved(self) -> int:
+        return self.stats[("reserved_bytes", "all")].current
+
+    # ---- allocation ------------------------------------------------------------
+    def malloc(self, nbytes: int, stream: Any = None) -> Block:
+        """A block of at least ``nbytes``; raises ``torch.OutOfMemoryError``."""
+        size = round_size(nbytes)
+        small = size <= K_SMALL_SIZE
+        pool = self.small if small else self.large
+        with self.lock:
+            self._process_pending_frees()
+            block = pool.best_fit(stream, size)
+            if block is not None and not small and block.size >= size + K_LARGE_BUFFER \
+                    and block.size > 2 * size:
+                block = None  # do not carve a small request out of a huge cached block
+            if block is None:
+                block = self._new_segment(size, small, stream, nbytes)
+            else:
+                pool.remove(block)
+            self._maybe_split(block, size, pool)
+            block.allocated = True
+            block.requested = nbytes
+            self.active[block.ptr] = block
+            self._stat("allocation", small, 1)
+            self._stat("allocated_bytes", small, block.size)
+            self._stat("active", small, 1)
+            self._stat("active_bytes", small, block.size)
+            self._stat("requested_bytes", small, nbytes)
+            if block.prev is not None or block.next is not None:
+                self._recount_inactive_split()
+            return block
+
+    def _maybe_split(self, block: Block, size: int, pool: _Pool) -> None:
+        remaining = block.size - size
+        threshold = K_MIN_BLOCK if block.small else K_SMALL_SIZE
+        if remaining < threshold:
+            return
+        rest = Block(ptr=block.ptr + size, size=remaining, segment_size=block.segment_size,
+                     small=block.small, stream=block.stream, prev=block, next=block.next)
+        if block.next is not None:
+            block.next.prev = rest
+        block.next = rest
+        block.size = size
+        pool.insert(rest)
+
+    def _device_malloc(self, seg_size: int) -> int | None:
+        total = self.runtime.get_device_properties(self.phys).total_memory
+        if self.fraction is not None and self.reserved() + seg_size > self.fraction * total:
+            return None
+        return self.runtime.malloc(self.phys, seg_size)
+
+    def _new_segment(self, size: int, small: bool, stream: Any, requested: int) -> Block:
+        seg_size = _segment_size(size)
+        ptr = self._device_malloc(seg_size)
+        if ptr is None:
+            self.num_alloc_retries += 1
+            self.runtime.synchronize(self.phys)
+            self._process_pending_frees(force=True)
+            self.empty_cache()
+            ptr = self._device_malloc(seg_size)
+        if ptr is None:
+            self.num_ooms += 1
+            raise torch.OutOfMemoryError(self._oom_message(requested))
+        self.num_device_alloc += 1
+        block = Block(ptr=ptr, size=seg_size, segment_size=seg_size, small=small,
+                      stream=stream, is_segment_head=True)
+        self.segments[ptr] = block
+        self._stat("segment", small, 1)
+        self._stat("reserved_bytes", small, seg_size)
+        return block
+
+    def _oom_message(self, requested: int) -> str:
+        free, total = self.runtime.mem_get_info(self.phys)
+        alloc, reserved = self.allocated(), self.reserved()
+        limit = ""
+        if self.fraction is not None:
+            limit = (f" The process is limited to {self.fraction:.2f} of the device "
+                     f"({format_size(self.fraction * total)}) by set_per_process_memory_fraction.")
+        return (
+            f"{self.device_name.upper()} out of memory. Tried to allocate {format_size(requested)}. "
+            f"{self.device_name}:{self.logical} has a total capacity of {format_size(total)} of which "
+            f"{format_size(free)} is free. Of the allocated memory {format_size(alloc)} is allocated "
+            f"by PyTorch, and {format_size(reserved - alloc)} is reserved by PyTorch but unallocated."
+            f"{limit} Free tensors you no longer need, reduce the batch size, or call "
+            f"torch.{self.device_name}.empty_cache()."
+        )
+
+    # ---- freeing ---------------------------------------------------------------
+    def free(self, ptr: int) -> None:
+        with self.lock:
+            block = self.active.pop(ptr)
+            small = block.small
+            self._stat("allocation", small, -1)
+            self._stat("allocated_bytes", small, -block.size)
+            self._stat("requested_bytes", small, -block.requested)
+            if block.stream_uses and self.event_query is not None:
+                events = self._record_stream_uses(block)
+                if events:
+                    self.pending_free.append((block, events))
+                    return
+            self._release_block(block)
+
+    def _record_stream_uses(self, block: Block) -> list[Any]:
+        """Hook for stream-aware freeing; set by the stream layer."""
+        uses = list(block.stream_uses)
+        block.stream_uses.clear()
+        return self.record_free_events(uses) if hasattr(self, "record_free_events") else []
+
+    def _process_pending_frees(self, force: bool = False) -> None:
+        if not self.pending_free:
+            return
+        keep = []
+        for block, events in self.pending_free:
+            if force or all(self.event_query(e) for e in events):
+                self._release_block(block)
+            else:
+                keep.append((block, events))
+        self.pending_free = keep
+
+    def _release_block(self, block: Block) -> None:
+        small = block.small
+        self._stat("active", small, -1)
+        self._stat("active_bytes", small, -block.size)
+        block.allocated = False
+        pool = self.small if small else self.large
+        for nb in (block.prev, block.next):
+            if nb is not None and not nb.allocated and nb.ptr not in self.active:
+                if not self._is_pending(nb):
+                    self._merge(block, nb, pool)
+        pool.insert(block)
+        self._recount_inactive_split()
+
+    def _is_pending(self, b: Block) -> bool:
+        return any(p is b for p, _ in self.pending_free)
+
+    @staticmethod
+    def _merge(dst: Block, src: Block, pool: _Pool) -> None:
+        pool.remove(src)
+        if src is dst.prev:
+            dst.ptr = src.ptr
+            dst.prev = src.prev
+            if dst.prev is not None:
+                dst.prev.next = dst
+            dst.is_segment_head = src.is_segment_head
+        else:
+            dst.next = src.next
+            if dst.next is not None:
+                dst.next.prev = dst
+        dst.size += src.size
+
+    def _recount_inactive_split(self) -> None:
+        for p in _POOLS:
+            self.stats[("inactive_split", p)].current = 0
+            self.stats[("inactive_split_bytes", p)].current = 0
+        for pool in (self.small, self.large):
+            for b in pool:
+                if b.prev is not None or b.next is not None:
+                    self._stat("inactive_split", b.small, 1)
+                    self._stat("inactive_split_bytes", b.small, b.size)
+
+    def empty_cache(self) -> None:
+        """Return every fully free segment to the runtime."""
+        with self.lock:
+            self._process_pending_frees()
+            for pool in (self.small, self.large):
+                for b in pool:
+                    if b.prev is None and b.next is None and b.size == b.segment_size:
+                        pool.remove(b)
+                        del self.segments[b.ptr]
+                        self.runtime.free(self.phys, b.ptr)
+                        self.num_device_free += 1
+                        self._stat("segment", b.small, -1)
+                        self._stat("reserved_bytes", b.small, -b.size)
+            self._recount_inactive_split()
+
+    # ---- introspection -----------------------------------------------------------
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Segments and their blocks, in the shape of ``torch.cuda.memory_snapshot()``."""
+        out = []
+        with self.lock:
+            for ptr, head in sorted(self.segments.items()):
+                blocks = []
+                b: Block | None = self._segment_first(head, ptr)
+                total = 0
+                while b is not None and total < head.segment_size:
+                    state = "active_allocated" if b.allocated else "inactive"
+                    blocks.append({"address": b.ptr, "size": b.size, "state": state,
+                                   "requested_size": b.requested if b.allocated else 0})
+                    total += b.size
+                    b = b.next
+                out.append({"device": self.logical, "address": ptr,
+                            "total_size": head.segment_size,
+                            "allocated_size": sum(x["size"] for x in blocks
+                                                  if x["state"] == "active_allocated"),
+                            "segment_type": "small" if head.small else "large",
+                            "blocks": blocks})
+        return out
+
+    def _segment_first(self, head: Block, ptr: int) -> Block | None:
+        candidates = [b for b in list(self.active.values()) + list(self.small) + list(self.large)
+                      if b.ptr == ptr]
+        return candidates[0] if candidates else None

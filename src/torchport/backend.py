@@ -1,0 +1,255 @@
+"""Registering a backend: PrivateUse1 renamed, device module, kernels, fallback.
+
+A :class:`Backend` binds a device name to a :class:`~torchport.runtime.Runtime`
+and a kernel set. PyTorch has one PrivateUse1 key, so a process hosts one
+backend: registering the same one again is a no-op; a different one is an error.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from torchport import tensors
+from torchport.allocator import DeviceAllocator
+from torchport.runtime import Runtime
+
+_ACTIVE: Backend | None = None
+_CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_set_storage = torch.ops.aten.set_.source_Storage_storage_offset
+DEFAULT_SEED = 67280421310721  # CUDA's default generator seed
+
+
+class BackendError(RuntimeError):
+    """A backend cannot be registered or used as asked."""
+
+
+def parse_visible_devices(text: str | None, count: int) -> list[int]:
+    """``TORCHPORT_VISIBLE_DEVICES`` -> physical indices, like ``CUDA_VISIBLE_DEVICES``:
+    a comma list of indices; the list stops at the first invalid entry."""
+    if text is None:
+        return list(range(count))
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.lstrip("-").isdigit():
+            break
+        i = int(part)
+        if i < 0 or i >= count or i in out:
+            break
+        out.append(i)
+    return out
+
+
+class Backend:
+    """A device type made from a runtime and kernels."""
+
+    def __init__(self, name: str, runtime: Runtime, kernels: Iterable[Any] = ()) -> None:
+        self.name = name
+        self.runtime = runtime
+        self.kernel_sets = list(kernels)
+        self.visible = parse_visible_devices(os.environ.get("TORCHPORT_VISIBLE_DEVICES"),
+                                             runtime.device_count())
+        self.allocators = [DeviceAllocator(runtime, p, i, name) for i, p in enumerate(self.visible)]
+        self.generators = [torch.Generator() for _ in self.visible]
+        for g in self.generators:
+            g.manual_seed(DEFAULT_SEED)
+        self.initial_seeds = [DEFAULT_SEED for _ in self.visible]
+        self._tls = threading.local()
+        self.device_module: Any = None
+        self.registered = False
+        self._libs: list[torch.library.Library] = []
+        self._keep_alive: list[tuple[int, Any, Any]] = []
+
+    # ---- devices ------------------------------------------------------------
+    def device_count(self) -> int:
+        return len(self.visible)
+
+    def phys(self, index: int | None) -> int:
+        """Physical runtime index of logical device ``index`` (``None``: current)."""
+        return self.visible[self.check_index(index)]
+
+    def check_index(self, index: int | None) -> int:
+        if index is None:
+            return self.current_device()
+        if not isinstance(index, int) or not 0 <= index < len(self.visible):
+            raise torch.AcceleratorError(
+                f"{self.name}: invalid device ordinal {index}; {len(self.visible)} {self.name} "
+                f"device(s) are visible (TORCHPORT_VISIBLE_DEVICES="
+                f"{os.environ.get('TORCHPORT_VISIBLE_DEVICES', 'unset')})"
+            ) if hasattr(torch, "AcceleratorError") else RuntimeError(
+                f"{self.name}: invalid device ordinal {index}")
+        return index
+
+    def current_device(self) -> int:
+        return getattr(self._tls, "device", 0)
+
+    def set_device(self, index: int) -> None:
+        self._tls.device = self.check_index(index)
+
+    def index_of(self, device: Any) -> int:
+        """Logical index named by a device spec (``torch.device``, str, int, None)."""
+        if device is None:
+            return self.current_device()
+        if isinstance(device, int):
+            return self.check_index(device)
+        d = torch.device(device)
+        if d.type != self.name:
+            raise ValueError(f"expected a {self.name} device, got {d}")
+        return self.check_index(d.index)
+
+    def allocator(self, index: int | None) -> DeviceAllocator:
+        return self.allocators[self.check_index(index)]
+
+    # ---- tensors ------------------------------------------------------------
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        if dtype in self.runtime.unsupported_dtypes:
+            raise TypeError(
+                f"{self.name} does not support {dtype} (the runtime declares it unsupported); "
+                f"cast to a supported dtype first, e.g. .to(torch.float32)")
+
+    def empty_strided(self, size, stride, dtype: torch.dtype | None,
+                      device: Any = None) -> torch.Tensor:
+        """A new device tensor with exactly these size/strides, memory from the allocator."""
+        dtype = dtype or torch.get_default_dtype()
+        self.check_dtype(dtype)
+        index = self.index_of(device)
+        size, stride = list(size), list(stride)
+        nbytes = tensors.storage_nbytes(size, stride, dtype.itemsize)
+        if nbytes == 0:
+            return tensors.wrap_memory(self, index, 0, 0, dtype, size, stride, None)
+        alloc = self.allocators[index]
+        block = alloc.malloc(nbytes, self.current_stream_handle(index))
+        ptr = block.ptr
+        return tensors.wrap_memory(self, index, ptr, nbytes, dtype, size, stride,
+                                   lambda: alloc.free(ptr))
+
+    def empty(self, size, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
+        return self.empty_strided(size, tensors.contiguous_strides(size), dtype, device)
+
+    def synchronize(self, index: int | None = None) -> None:
+        """Wait for all work on a device (``torch.<device>.synchronize``)."""
+        self.runtime.synchronize(self.phys(index))
+
+    def current_stream_handle(self, index: int) -> Any:
+        """The runtime stream new work on ``index`` goes to (``None``: default stream)."""
+        hook = getattr(self, "stream_hook", None)
+        return hook(index) if hook is not None else None
+
+    def keep_alive_until_stream(self, phys: int, stream: Any, obj: Any) -> None:
+        """Hold a host buffer until an asynchronous copy on ``stream`` has run."""
+        self._keep_alive.append((phys, stream, obj))
+        if len(self._keep_alive) > 64:
+            self._keep_alive = [e for e in self._keep_alive
+                                if not self.runtime.query_stream(e[0], e[1])]
+
+    def to_device(self, cpu: torch.Tensor, index: int) -> torch.Tensor:
+        """Move a CPU tensor to logical device ``index`` keeping its strides when dense."""
+        if tensors.is_non_overlapping_and_dense(cpu):
+            out = self.empty_strided(cpu.shape, cpu.stride(), cpu.dtype, index)
+        else:
+            out = self.empty(cpu.shape, cpu.dtype, index)
+        tensors.write_from_host(self, out, cpu)
+        return out
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """CPU tensor with ``t``'s values: an alias when host-addressable, else a copy."""
+        if self.runtime.host_addressable:
+            return tensors.host_view(self, t)
+        return tensors.read_to_host(self, t)
+
+    def write_tensor(self, dev: torch.Tensor, cpu: torch.Tensor, non_blocking: bool = False) -> None:
+        """Store CPU values ``cpu`` (broadcastable, any dtype) into device tensor ``dev``."""
+        if self.runtime.host_addressable:
+            tensors.host_view(self, dev).copy_(cpu)
+            return
+        stream = self.current_stream_handle(dev.device.index) if non_blocking else None
+        tensors.write_from_host(self, dev, cpu.expand(dev.shape), stream)
+
+    def resize_device_tensor(self, t: torch.Tensor, size, stride) -> None:
+        """``resize_`` semantics: grow the storage when needed, keeping its bytes."""
+        size, stride = list(size), list(stride)
+        need = tensors.storage_nbytes(size, stride, t.element_size(), t.storage_offset())
+        storage = t.untyped_storage()
+        if need > storage.nbytes():
+            index = t.device.index
+            grown = self.empty_strided([need], [1], torch.uint8, index).untyped_storage()
+            if storage.nbytes():
+                p = self.phys(index)
+                self.runtime.copy_d2d(p, grown.data_ptr(), p, storage.data_ptr(), storage.nbytes())
+            storage = grown
+        _set_storage.redispatch(_CPU_KS, t, storage, t.storage_offset(), size, stride)
+
+    # ---- registration -------------------------------------------------------
+    def register(self) -> Backend:
+        """Make the device usable from PyTorch; idempotent."""
+        global _ACTIVE
+        if _ACTIVE is not None:
+            if _ACTIVE is self or (_ACTIVE.name == self.name
+                                   and type(_ACTIVE.runtime) is type(self.runtime)):
+                return _ACTIVE
+            raise BackendError(
+                f"cannot register backend {self.name!r}: backend {_ACTIVE.name!r} already owns "
+                f"PrivateUse1 in this process (PyTorch allows one); use a separate process")
+        current = torch._C._get_privateuse1_backend_name()
+        if current != "privateuseone" and current != self.name:
+            raise BackendError(f"PrivateUse1 is already renamed to {current!r} by another plug-in")
+        import importlib
+
+        from torchport import device_module, serialization
+        from torchport.features import FEATURE_MODULES
+
+        for feature in FEATURE_MODULES:
+            importlib.import_module(feature)
+        from torchport.ops import registry
+
+        self.device_module = device_module.make_device_module(self)
+        _ACTIVE = self
+        try:
+            torch.utils.backend_registration._setup_privateuseone_for_python_backend(
+                self.name, backend_module=self.device_module, hook=_Hooks(self),
+                device_guard=_Guard())
+            torch.utils.generate_methods_for_privateuse1_backend(
+                for_tensor=False, for_module=False, for_packed_sequence=False, for_storage=True,
+                unsupported_dtype=list(self.runtime.unsupported_dtypes))
+            registry.install(self)
+            serialization.install(self)
+            # The Python device guard reports one device; the autograd engine's per-device
+            # threads would assert on index >= 1 (see DESIGN-NOTES).
+            torch.autograd.set_multithreading_enabled(False)
+        except Exception:
+            _ACTIVE = None
+            raise
+        self.registered = True
+        return self
+
+
+def active_backend() -> Backend:
+    if _ACTIVE is None:
+        raise BackendError("no torchport backend is registered; import torchport.sim "
+                           "(or your vendor backend) first")
+    return _ACTIVE
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def __init__(self, backend: Backend) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def is_available(self) -> bool:
+        return self.backend.device_count() > 0
+
+    def has_primary_context(self, dev_id: int) -> bool:
+        return 0 <= dev_id < self.backend.device_count()
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):
+    def type_(self):
+        return torch._C._autograd.DeviceType.PrivateUse1

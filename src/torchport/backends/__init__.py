@@ -1,0 +1,1 @@
+"""Backends shipped with torchport (the reference ``sim`` accelerator)."""

@@ -1,0 +1,76 @@
+"""The sim accelerator's kernels.
+
+The sim "chip" computes with ATen's CPU kernels on its own memory, reached
+through :meth:`SimRuntime.device_tensor` -- zero-copy in both memory modes, the
+way a real kernel addresses its device's memory. A real vendor would put its
+kernel library calls here; the declarations are the same.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchport.ops import KernelSet
+
+# Op families the sim runs natively: what common models use (issue: core ops).
+MODEL_OPS = [
+    # elementwise
+    "add", "sub", "rsub", "mul", "div", "neg", "abs", "exp", "exp2", "expm1", "log", "log2",
+    "log10", "log1p", "sqrt", "rsqrt", "reciprocal", "pow", "sign", "sgn", "floor", "ceil",
+    "round", "trunc", "frac", "remainder", "fmod", "sin", "cos", "tan", "asin", "acos",
+    "atan", "atan2", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "erf", "erfc", "erfinv",
+    "sigmoid", "logit", "relu", "leaky_relu", "elu", "gelu", "silu", "mish", "hardtanh",
+    "hardsigmoid", "hardswish", "softplus", "clamp", "clamp_min", "clamp_max", "where",
+    "maximum", "minimum", "fmax", "fmin", "lerp", "addcmul", "addcdiv", "masked_fill",
+    "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "logical_and", "logical_or",
+    "logical_xor", "logical_not", "eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf",
+    "nan_to_num", "fill", "fill_", "zero_", "clone", "sigmoid_backward", "tanh_backward",
+    "threshold_backward", "gelu_backward", "silu_backward", "leaky_relu_backward",
+    "elu_backward", "hardtanh_backward", "softplus_backward", "hardswish_backward",
+    "hardsigmoid_backward", "mish_backward", "logit_backward",
+    # reductions
+    "sum", "mean", "prod", "amax", "amin", "max", "min", "argmax", "argmin", "var", "std",
+    "var_mean", "std_mean", "logsumexp", "norm", "linalg_vector_norm", "all", "any",
+    "cumsum", "cumprod", "sort", "topk", "count_nonzero",
+    # linear algebra, convolution
+    "mm", "bmm", "addmm", "addmv", "mv", "dot", "baddbmm", "addbmm", "convolution",
+    "convolution_backward", "_convolution", "_unsafe_index",
+    # softmax, norms
+    "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
+    "native_layer_norm", "native_layer_norm_backward", "native_batch_norm",
+    "native_batch_norm_backward", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training", "native_group_norm", "native_group_norm_backward",
+    "_fused_rms_norm",
+    # embedding, indexing, shape
+    "embedding", "embedding_dense_backward", "index_select", "index", "index_put",
+    "index_put_", "_index_put_impl_", "index_add", "index_copy", "gather", "scatter",
+    "scatter_add", "scatter_reduce", "masked_scatter", "masked_select", "nonzero", "cat",
+    "constant_pad_nd", "reflection_pad2d", "replication_pad2d", "flip", "roll", "repeat",
+    "tril", "triu", "arange", "one_hot", "bucketize", "searchsorted", "unique_dim",
+    "_unique2", "new_zeros", "new_ones", "new_full", "new_empty_strided", "full", "zeros_like",
+    "ones_like", "full_like", "scalar_tensor",
+    # pooling, losses
+    "max_pool2d_with_indices", "max_pool2d_with_indices_backward", "avg_pool2d",
+    "avg_pool2d_backward", "_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward",
+    "adaptive_max_pool2d", "upsample_nearest2d", "upsample_bilinear2d",
+    "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward",
+    "mse_loss", "mse_loss_backward", "l1_loss", "smooth_l1_loss", "smooth_l1_loss_backward",
+    "huber_loss", "huber_loss_backward", "binary_cross_entropy",
+    "binary_cross_entropy_backward", "binary_cross_entropy_with_logits",
+    # random
+    "bernoulli", "bernoulli_", "normal", "normal_", "uniform_", "random_", "exponential_",
+    "native_dropout", "native_dropout_backward", "randperm", "multinomial", "rand", "randn",
+    "randint",
+    # optimizer support
+    "_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_",
+]
+
+
+def _foreach_ops() -> list[str]:
+    return sorted(n for n in dir(torch.ops.aten) if n.startswith("_foreach_"))
+
+
+def make_kernels(device_view) -> KernelSet:
+    ks = KernelSet("sim")
+    ks.host_ops(MODEL_OPS + _foreach_ops(), to_cpu=device_view)
+    return ks

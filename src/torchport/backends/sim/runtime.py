@@ -1,0 +1,263 @@
+"""The sim runtime: a simulated accelerator whose device memory lives in host RAM.
+
+Two modes, chosen by ``TORCHPORT_SIM_STRICT``:
+
+* default: device addresses are real host addresses (``host_addressable``), so the
+  framework may build zero-copy host views, like a unified-memory device;
+* strict: device addresses are fake (a private address range that is never
+  mapped), so anything that touches device memory without going through this
+  runtime's copies crashes or is caught; this proves the framework's
+  device-only paths, which a discrete accelerator needs.
+
+In both modes the sim's own kernels ("device code") reach memory through
+:meth:`SimRuntime.device_tensor`, the way a real kernel reads its device's memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from torchport.runtime import DeviceProperties, Runtime
+
+_ALIGN = 256
+_FAKE_BASE = 0x7A00_0000_0000
+_FAKE_STRIDE = 1 << 40  # address space reserved per device in strict mode
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+          "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """``"512MiB"``, ``"8GiB"``, ``"1.5GB"`` or a plain byte count."""
+    m = _SIZE_RE.match(text)
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise ValueError(f"TORCHPORT_SIM_MEMORY={text!r} is not a size; use e.g. 512MiB, 8GiB or 1073741824")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def _env_flag(name: str, default: bool = False) -> bool:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    return v.strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass
+class _Segment:
+    base: int  # device address
+    nbytes: int
+    buffer: torch.Tensor  # uint8 host storage backing the segment
+
+
+@dataclass
+class _Device:
+    capacity: int
+    used: int = 0
+    bases: list[int] = field(default_factory=list)
+    segments: dict[int, _Segment] = field(default_factory=dict)
+    next_fake: int = 0
+
+
+@dataclass
+class SimStream:
+    """A sim stream; work runs in order on it (synchronously unless the stream layer
+    makes it asynchronous)."""
+
+    index: int
+    priority: int = 0
+    handle_id: int = 0
+
+
+@dataclass
+class SimEvent:
+    index: int
+    enable_timing: bool = False
+    blocking: bool = False
+    recorded: bool = False
+    timestamp: float = 0.0
+
+
+class SimRuntime(Runtime):
+    """Simulated devices backed by host memory with a per-device capacity."""
+
+    def __init__(self, num_devices: int | None = None, memory: int | None = None,
+                 strict: bool | None = None, unsupported_dtypes: frozenset | None = None) -> None:
+        if num_devices is None:
+            num_devices = int(os.environ.get("TORCHPORT_SIM_DEVICES", "2"))
+        if memory is None:
+            memory = parse_size(os.environ.get("TORCHPORT_SIM_MEMORY", "8GiB"))
+        if strict is None:
+            strict = _env_flag("TORCHPORT_SIM_STRICT")
+        if num_devices < 0:
+            raise ValueError(f"TORCHPORT_SIM_DEVICES={num_devices} must be >= 0")
+        self.strict = strict
+        self.host_addressable = not strict
+        if unsupported_dtypes is not None:
+            self.unsupported_dtypes = frozenset(unsupported_dtypes)
+        self._devices = [_Device(capacity=memory) for _ in range(num_devices)]
+        self._lock = threading.Lock()
+        self._next_stream = 1
+
+    # ---- devices -------------------------------------------------------------
+    def device_count(self) -> int:
+        return len(self._devices)
+
+    def _dev(self, index: int) -> _Device:
+        if not 0 <= index < len(self._devices):
+            raise RuntimeError(f"sim: invalid device index {index}; "
+                               f"there are {len(self._devices)} sim devices")
+        return self._devices[index]
+
+    def get_device_properties(self, index: int) -> DeviceProperties:
+        d = self._dev(index)
+        mode = "strict" if self.strict else "unified"
+        return DeviceProperties(name=f"torchport sim ({mode} memory)", total_memory=d.capacity,
+                                major=1, minor=0, multi_processor_count=os.cpu_count() or 1)
+
+    def synchronize(self, index: int) -> None:
+        self._dev(index)
+
+    # ---- memory --------------------------------------------------------------
+    def malloc(self, index: int, nbytes: int) -> int | None:
+        d = self._dev(index)
+        with self._lock:
+            if d.used + nbytes > d.capacity:
+                return None
+            try:
+                buf = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
+            except RuntimeError:  # the host itself is out of memory
+                return None
+            host = buf.data_ptr()
+            shift = (-host) % _ALIGN
+            buf = buf[shift:shift + nbytes]
+            if self.strict:
+                base = _FAKE_BASE + index * _FAKE_STRIDE + d.next_fake
+                d.next_fake += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN + _ALIGN
+            else:
+                base = buf.data_ptr()
+            d.used += nbytes
+            bisect.insort(d.bases, base)
+            d.segments[base] = _Segment(base, nbytes, buf)
+            return base
+
+    def free(self, index: int, ptr: int) -> None:
+        d = self._dev(index)
+        with self._lock:
+            seg = d.segments.pop(ptr, None)
+            if seg is None:
+                raise RuntimeError(f"sim: free of unknown address {ptr:#x} on device {index}")
+            d.bases.remove(ptr)
+            d.used -= seg.nbytes
+
+    def mem_get_info(self, index: int) -> tuple[int, int]:
+        d = self._dev(index)
+        return d.capacity - d.used, d.capacity
+
+    def _locate(self, index: int, ptr: int, nbytes: int) -> tuple[_Segment, int]:
+        d = self._dev(index)
+        i = bisect.bisect_right(d.bases, ptr) - 1
+        if i >= 0:
+            seg = d.segments[d.bases[i]]
+            off = ptr - seg.base
+            if off + nbytes <= seg.nbytes:
+                return seg, off
+        raise RuntimeError(f"sim: illegal memory access at {ptr:#x} (+{nbytes} bytes) on sim:{index}")
+
+    def _host_ptr(self, index: int, ptr: int, nbytes: int) -> int:
+        seg, off = self._locate(index, ptr, nbytes)
+        return seg.buffer.data_ptr() + off
+
+    def host_address(self, ptr: int) -> int:
+        if self.strict:
+            raise RuntimeError("sim (strict): device memory is not host-addressable")
+        return ptr
+
+    def device_tensor(self, index: int, ptr: int, nbytes: int) -> torch.Tensor:
+        """The uint8 host tensor holding ``nbytes`` of device memory at ``ptr``.
+
+        Only the sim's own kernels use this: it is the simulated chip reading its memory."""
+        seg, off = self._locate(index, ptr, nbytes)
+        return seg.buffer[off:off + nbytes]
+
+    # ---- copies --------------------------------------------------------------
+    def copy_h2d(self, index, dst, src_host, nbytes, stream=None) -> None:
+        if nbytes:
+            self.launch(index, stream, lambda: ctypes.memmove(
+                self._host_ptr(index, dst, nbytes), src_host, nbytes), "copy_h2d")
+
+    def copy_d2h(self, index, dst_host, src, nbytes, stream=None) -> None:
+        if nbytes:
+            self.launch(index, stream, lambda: ctypes.memmove(
+                dst_host, self._host_ptr(index, src, nbytes), nbytes), "copy_d2h")
+
+    def copy_d2d(self, dst_index, dst, src_index, src, nbytes, stream=None) -> None:
+        if nbytes:
+            self.launch(dst_index, stream, lambda: ctypes.memmove(
+                self._host_ptr(dst_index, dst, nbytes),
+                self._host_ptr(src_index, src, nbytes), nbytes), "copy_d2d")
+
+    def memset(self, index, ptr, value, nbytes, stream=None) -> None:
+        if nbytes:
+            self.launch(index, stream, lambda: ctypes.memset(
+                self._host_ptr(index, ptr, nbytes), value, nbytes), "memset")
+
+    # ---- streams -------------------------------------------------------------
+    def create_stream(self, index: int, priority: int = 0) -> SimStream:
+        self._dev(index)
+        with self._lock:
+            sid = self._next_stream
+            self._next_stream += 1
+        return SimStream(index=index, priority=priority, handle_id=sid)
+
+    def destroy_stream(self, index: int, stream: SimStream) -> None:
+        self.synchronize_stream(index, stream)
+
+    def synchronize_stream(self, index: int, stream) -> None:
+        self._dev(index)
+
+    def query_stream(self, index: int, stream) -> bool:
+        return True
+
+    # ---- events --------------------------------------------------------------
+    def create_event(self, index: int, enable_timing: bool = False, blocking: bool = False) -> SimEvent:
+        self._dev(index)
+        return SimEvent(index=index, enable_timing=enable_timing, blocking=blocking)
+
+    def destroy_event(self, index: int, event: SimEvent) -> None:
+        pass
+
+    def record_event(self, index: int, event: SimEvent, stream) -> None:
+        self.launch(index, stream, lambda: _stamp(event), "record_event")
+
+    def stream_wait_event(self, index: int, stream, event: SimEvent) -> None:
+        self._dev(index)
+
+    def synchronize_event(self, index: int, event: SimEvent) -> None:
+        pass
+
+    def query_event(self, index: int, event: SimEvent) -> bool:
+        return True
+
+    def event_elapsed_time(self, index: int, start: SimEvent, end: SimEvent) -> float:
+        for e in (start, end):
+            if not e.enable_timing:
+                raise RuntimeError("Both events must be created with enable_timing=True "
+                                   "to measure elapsed time")
+            if not e.recorded:
+                raise RuntimeError("Both events must be recorded before calculating elapsed time")
+        return (end.timestamp - start.timestamp) * 1000.0
+
+
+def _stamp(event: SimEvent) -> None:
+    event.timestamp = time.perf_counter()
+    event.recorded = True

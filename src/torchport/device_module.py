@@ -1,0 +1,247 @@
+"""``torch.<device>``: the device module, mirroring ``torch.cuda``.
+
+PyTorch looks attributes up on this module (AMP asks ``get_amp_supported_dtype``,
+serialization ``device_count``, ``torch.manual_seed`` ``manual_seed_all``), so it is
+a real module object, registered in ``sys.modules`` as ``torch.<device>``. Other
+layers (streams, amp) add their names with :func:`extend`.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchport.allocator import format_size
+
+if TYPE_CHECKING:
+    from torchport.backend import Backend
+
+_EXTENSIONS: list[Any] = []
+
+
+def extend(fn: Any) -> Any:
+    """Register ``fn(module, backend)`` to add names to every device module made."""
+    _EXTENSIONS.append(fn)
+    return fn
+
+
+def make_device_module(backend: Backend) -> types.ModuleType:
+    mod = types.ModuleType(f"torch.{backend.name}",
+                           f"torch.{backend.name}: the {backend.name} device, mirroring torch.cuda.")
+    b = backend
+
+    def _index(device: Any = None) -> int:
+        if isinstance(device, str) and device == b.name:
+            return b.current_device()
+        return b.index_of(device)
+
+    # ---- devices ---------------------------------------------------------------
+    def is_available() -> bool:
+        return b.device_count() > 0
+
+    def is_initialized() -> bool:
+        return True
+
+    def init() -> None:
+        return None
+
+    def _lazy_init() -> None:
+        return None
+
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    def device_count() -> int:
+        return b.device_count()
+
+    def current_device() -> int:
+        return b.current_device()
+
+    def set_device(device: Any) -> None:
+        idx = _index(device)
+        if idx >= 0:
+            b.set_device(idx)
+
+    class device:
+        """Context manager that changes the current device (``torch.cuda.device``)."""
+
+        def __init__(self, device: Any) -> None:
+            self.idx = -1 if device is None or (isinstance(device, int) and device < 0) \
+                else _index(device)
+            self.prev = -1
+
+        def __enter__(self) -> None:
+            self.prev = b.current_device()
+            if self.idx >= 0:
+                b.set_device(self.idx)
+
+        def __exit__(self, *exc: Any) -> bool:
+            if self.idx >= 0:
+                b.set_device(self.prev)
+            return False
+
+    class device_of(device):
+        """Context manager that makes the device of ``obj`` current (CPU: no-op)."""
+
+        def __init__(self, obj: Any) -> None:
+            d = obj.device if obj.device.type == b.name else None
+            super().__init__(d.index if d is not None else -1)
+
+    def get_device_properties(device: Any = None):
+        return b.runtime.get_device_properties(b.phys(_index(device)))
+
+    def get_device_name(device: Any = None) -> str:
+        return get_device_properties(device).name
+
+    def get_device_capability(device: Any = None) -> tuple[int, int]:
+        p = get_device_properties(device)
+        return (p.major, p.minor)
+
+    def synchronize(device: Any = None) -> None:
+        b.synchronize(_index(device))
+
+    # ---- memory ----------------------------------------------------------------
+    def memory_stats(device: Any = None) -> dict[str, int]:
+        return b.allocator(_index(device)).memory_stats()
+
+    def memory_allocated(device: Any = None) -> int:
+        return b.allocator(_index(device)).allocated()
+
+    def max_memory_allocated(device: Any = None) -> int:
+        return b.allocator(_index(device)).stats[("allocated_bytes", "all")].peak
+
+    def memory_reserved(device: Any = None) -> int:
+        return b.allocator(_index(device)).reserved()
+
+    def max_memory_reserved(device: Any = None) -> int:
+        return b.allocator(_index(device)).stats[("reserved_bytes", "all")].peak
+
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        b.allocator(_index(device)).reset_peak()
+
+    def reset_max_memory_allocated(device: Any = None) -> None:
+        reset_peak_memory_stats(device)
+
+    def reset_max_memory_cached(device: Any = None) -> None:
+        reset_peak_memory_stats(device)
+
+    def reset_accumulated_memory_stats(device: Any = None) -> None:
+        b.allocator(_index(device)).reset_accumulated()
+
+    def empty_cache() -> None:
+        for a in b.allocators:
+            a.empty_cache()
+
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        return b.runtime.mem_get_info(b.phys(_index(device)))
+
+    def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
+        if not isinstance(fraction, float) or not 0 <= fraction <= 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        b.allocator(_index(device)).fraction = fraction
+
+    def get_per_process_memory_fraction(device: Any = None) -> float:
+        f = b.allocator(_index(device)).fraction
+        return 1.0 if f is None else f
+
+    def memory_snapshot() -> list[dict[str, Any]]:
+        return [seg for a in b.allocators for seg in a.snapshot()]
+
+    def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
+        return _summary(b, _index(device), memory_stats(device))
+
+    def list_gpu_processes(device: Any = None) -> str:
+        return f"{b.name}:{_index(device)}: process listing is not available for {b.name}"
+
+    # ---- random numbers --------------------------------------------------------
+    def _gens(device: Any = None) -> list[torch.Generator]:
+        return [b.generators[_index(device)]]
+
+    def manual_seed(seed: int) -> None:
+        seed = int(seed)
+        i = b.current_device()
+        b.generators[i].manual_seed(seed)
+        b.initial_seeds[i] = seed
+
+    def manual_seed_all(seed: int) -> None:
+        seed = int(seed)
+        for i, g in enumerate(b.generators):
+            g.manual_seed(seed)
+            b.initial_seeds[i] = seed
+
+    def seed() -> None:
+        i = b.current_device()
+        b.initial_seeds[i] = b.generators[i].seed()
+
+    def seed_all() -> None:
+        s = torch.Generator().seed()
+        manual_seed_all(s)
+
+    def initial_seed() -> int:
+        return b.initial_seeds[b.current_device()]
+
+    def get_rng_state(device: Any = b.name) -> torch.Tensor:
+        return b.generators[_index(device)].get_state()
+
+    def get_rng_state_all() -> list[torch.Tensor]:
+        return [g.get_state() for g in b.generators]
+
+    def set_rng_state(new_state: torch.Tensor, device: Any = b.name) -> None:
+        b.generators[_index(device)].set_state(new_state.clone().cpu())
+
+    def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+        for i, s in enumerate(new_states):
+            b.generators[i].set_state(s.clone().cpu())
+
+    # ---- dtypes ----------------------------------------------------------------
+    def get_amp_supported_dtype() -> list[torch.dtype]:
+        return [d for d in (torch.float16, torch.bfloat16)
+                if d not in b.runtime.unsupported_dtypes]
+
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        return torch.bfloat16 not in b.runtime.unsupported_dtypes
+
+    for name, value in list(locals().items()):
+        if not name.startswith("__") and name not in ("mod", "b", "backend", "_gens"):
+            setattr(mod, name, value)
+    mod.backend = b
+    mod.OutOfMemoryError = torch.OutOfMemoryError
+    for ext in _EXTENSIONS:
+        ext(mod, b)
+    sys.modules[mod.__name__] = mod
+    return mod
+
+
+def _summary(b: Backend, index: int, st: dict[str, int]) -> str:
+    """A ``torch.cuda.memory_summary``-style table."""
+    rows = [("Allocated memory", "allocated_bytes", True),
+            ("Active memory", "active_bytes", True),
+            ("Requested memory", "requested_bytes", True),
+            ("Reserved memory", "reserved_bytes", True),
+            ("Non-releasable memory", "inactive_split_bytes", True),
+            ("Allocations", "allocation", False),
+            ("Active allocs", "active", False),
+            ("Reserved segments", "segment", False),
+            ("Non-releasable allocs", "inactive_split", False)]
+    line = "|" + "=" * 75 + "|"
+    out = [line,
+           f"|{'PyTorch ' + b.name.upper() + ' memory summary, device ID ' + str(index):^75}|",
+           "|" + "-" * 75 + "|",
+           f"|  {b.name.upper()} OOMs: {st['num_ooms']:<12}| "
+           f"{b.name}Malloc retries: {st['num_alloc_retries']:<27}|",
+           line,
+           f"|        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  |",
+           "|" + "-" * 75 + "|"]
+    for title, key, is_bytes in rows:
+        for pool in ("all", "large_pool", "small_pool"):
+            vals = [st[f"{key}.{pool}.{m}"] for m in ("current", "peak", "allocated", "freed")]
+            cells = [format_size(v).replace(" bytes", " B") if is_bytes else str(v) for v in vals]
+            label = title if pool == "all" else f"      from {pool.replace('_pool', '')} pool"
+            out.append(f"| {label:<22}|" + "|".join(f" {c:>10} " for c in cells) + "|")
+        out.append("|" + "-" * 75 + "|")
+    out.append(line)
+    return "\n".join(out) + "\n"
+

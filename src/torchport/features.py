@@ -1,0 +1,8 @@
+"""Optional layers that extend the device module; imported when a backend registers.
+
+Each line imports a module whose ``@device_module.extend`` functions add names
+to ``torch.<device>`` (streams, amp, ...). Append-only: one line per layer.
+"""
+
+FEATURE_MODULES: list[str] = [
+]

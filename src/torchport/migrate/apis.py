@@ -1,0 +1,188 @@
+"""What the migration tool knows about CUDA APIs, in one place.
+
+The rewriter consults these tables to decide whether a CUDA reference can be
+renamed to the backend (``torch.cuda.X`` -> ``torch.sim.X``), must be left
+alone and reported as *unsupported*, is harmless but has *no effect* on the
+backend, or is *unknown* (renamed, but torch.<backend> is not known to provide
+it).  Keeping the lists here means a backend author only has one file to edit
+when the ``torch.sim`` mirror grows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+FindingKind = Literal["unsupported", "unknown", "no-effect"]
+
+#: Names that ``torch.<backend>`` (the ``torch.cuda`` mirror registered by a
+#: torchport backend) is known to provide.  ``torch.cuda.<name>`` for any of
+#: these is renamed silently; any other ``torch.cuda.<name>`` is renamed too but
+#: reported as "unknown" so a human checks it.
+TORCH_BACKEND_MIRROR_APIS: frozenset[str] = frozenset(
+    {
+        "is_available",
+        "device_count",
+        "current_device",
+        "set_device",
+        "device",
+        "device_of",
+        "get_device_name",
+        "get_device_properties",
+        "get_device_capability",
+        "synchronize",
+        "memory_allocated",
+        "max_memory_allocated",
+        "memory_reserved",
+        "max_memory_reserved",
+        "memory_stats",
+        "memory_summary",
+        "reset_peak_memory_stats",
+        "empty_cache",
+        "mem_get_info",
+        "set_per_process_memory_fraction",
+        "manual_seed",
+        "manual_seed_all",
+        "seed",
+        "seed_all",
+        "initial_seed",
+        "get_rng_state",
+        "get_rng_state_all",
+        "set_rng_state",
+        "set_rng_state_all",
+        "Stream",
+        "Event",
+        "current_stream",
+        "default_stream",
+        "set_stream",
+        "stream",
+        "amp",
+        "is_bf16_supported",
+        "get_amp_supported_dtype",
+        "reset_max_memory_allocated",
+        "ipc_collect",
+        "is_initialized",
+        "init",
+    }
+)
+
+#: ``torch.cuda.<name>`` with no backend equivalent: never rewritten, reported.
+UNSUPPORTED_CUDA_APIS: dict[str, str] = {
+    "graph": "CUDA graphs have no equivalent on this backend",
+    "graphs": "CUDA graphs have no equivalent on this backend",
+    "CUDAGraph": "CUDA graphs have no equivalent on this backend",
+    "make_graphed_callables": "CUDA graphs have no equivalent on this backend",
+    "graph_pool_handle": "CUDA graphs have no equivalent on this backend",
+    "jiterator": "torch.cuda.jiterator compiles CUDA C++ at runtime",
+    "nvtx": "NVTX ranges are NVIDIA profiler markers; use torch.profiler.record_function",
+    "comm": "torch.cuda.comm is CUDA-specific; use torch.distributed collectives",
+    "nccl": "torch.cuda.nccl is CUDA-specific; use torch.distributed collectives",
+}
+
+#: Qualified-name prefixes of torch APIs reported wherever they are used.
+#: Longest matching prefix wins.
+TORCH_API_FINDINGS: dict[str, tuple[FindingKind, str]] = {
+    "torch.backends.cudnn": (
+        "no-effect",
+        "cuDNN flags are accepted but have no effect on this backend",
+    ),
+    "torch.backends.cuda": (
+        "no-effect",
+        "CUDA backend flags (e.g. matmul.allow_tf32) have no effect on this backend",
+    ),
+    "torch.utils.cpp_extension.CUDAExtension": (
+        "unsupported",
+        "CUDAExtension builds CUDA kernels; port the kernels to the backend",
+    ),
+    "torch.utils.cpp_extension.CUDA_HOME": (
+        "unsupported",
+        "CUDA_HOME refers to a CUDA toolkit installation",
+    ),
+    "torch.distributed.Backend.NCCL": (
+        "unsupported",
+        "NCCL constant; pass the backend's collective library name as a string instead",
+    ),
+    "torch.distributed.is_nccl_available": (
+        "unsupported",
+        "NCCL-specific check; use torch.distributed.is_backend_available(<name>)",
+    ),
+}
+
+#: Third-party CUDA-only libraries, reported where they are imported.
+UNSUPPORTED_MODULES: dict[str, str] = {
+    "cupy": "CuPy is a CUDA-only array library",
+    "cupyx": "CuPy is a CUDA-only array library",
+    "pynvml": "NVML queries NVIDIA drivers",
+    "nvidia_smi": "NVML queries NVIDIA drivers",
+    "pycuda": "PyCUDA is CUDA-only",
+    "numba.cuda": "numba.cuda compiles CUDA kernels",
+    "apex": "NVIDIA apex is CUDA-only; use torch.amp / torch.nn.parallel instead",
+    "tensorrt": "TensorRT is NVIDIA-only",
+    "torch_tensorrt": "TensorRT is NVIDIA-only",
+}
+
+#: Environment variables that only steer the CUDA runtime.
+NO_EFFECT_ENV_VARS: dict[str, str] = {
+    "CUDA_VISIBLE_DEVICES": "CUDA_VISIBLE_DEVICES does not select devices of this backend",
+    "CUDA_LAUNCH_BLOCKING": "CUDA_LAUNCH_BLOCKING does not affect this backend",
+}
+
+#: ``torch.cuda.amp`` callables the rewriter moves to ``torch.amp`` and how:
+#: "device-arg" inserts the device type as first positional argument,
+#: "device-kw" adds ``device_type=`` (the torch.amp decorators require it).
+AMP_CALLABLES: dict[str, Literal["autocast", "device-arg", "device-kw"]] = {
+    "autocast": "autocast",
+    "GradScaler": "device-arg",
+    "custom_fwd": "device-kw",
+    "custom_bwd": "device-kw",
+}
+
+#: Positional order of ``torch.cuda.amp.autocast``; torch.amp.autocast puts
+#: ``device_type`` first and orders the rest differently, so positional
+#: arguments are turned into keywords.
+CUDA_AUTOCAST_POSITIONAL: tuple[str, ...] = ("enabled", "dtype", "cache_enabled")
+
+
+def _longest_prefix(qname: str, table: Mapping[str, object]) -> str | None:
+    best: str | None = None
+    for prefix in table:
+        if (qname == prefix or qname.startswith(prefix + ".")) and (
+            best is None or len(prefix) > len(best)
+        ):
+            best = prefix
+    return best
+
+
+def classify_torch_api(qname: str) -> tuple[FindingKind, str] | None:
+    """Classify a fully qualified torch name; ``None`` means nothing to report.
+
+    ``torch.cuda.amp`` is handled by dedicated rewrite rules, so it is never a
+    finding here.
+    """
+    parts = qname.split(".")
+    if parts[:2] == ["torch", "cuda"] and len(parts) >= 3:
+        name = parts[2]
+        if name in UNSUPPORTED_CUDA_APIS:
+            return "unsupported", UNSUPPORTED_CUDA_APIS[name]
+        if name in TORCH_BACKEND_MIRROR_APIS:
+            return None
+        return (
+            "unknown",
+            f"torch.cuda.{name} is not in the list of APIs the backend mirror is known "
+            "to provide; it was renamed, check that it exists",
+        )
+    prefix = _longest_prefix(qname, TORCH_API_FINDINGS)
+    if prefix is not None:
+        return TORCH_API_FINDINGS[prefix]
+    return None
+
+
+def classify_module(qname: str) -> str | None:
+    """Reason why importing ``qname`` is unsupported, or ``None``."""
+    prefix = _longest_prefix(qname, UNSUPPORTED_MODULES)
+    return None if prefix is None else UNSUPPORTED_MODULES[prefix]
+
+
+def is_unsupported_cuda_name(name: str) -> bool:
+    """True when ``torch.cuda.<name>`` must be left as is."""
+    return name in UNSUPPORTED_CUDA_APIS

@@ -1,0 +1,143 @@
+"""Kernels every backend gets from torchport: allocation, copies, resize, set_, scalars.
+
+They are written once against the runtime interface, so a vendor never
+implements them: memory comes from the caching allocator and bytes move with
+the runtime's copy functions (or zero-copy host views when it allows them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchport import tensors
+
+if TYPE_CHECKING:
+    from torchport.backend import Backend
+
+_CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_set_storage = torch.ops.aten.set_.source_Storage_storage_offset
+
+
+def strides_for(size, memory_format: torch.memory_format | None) -> list[int]:
+    """Strides of a new tensor in ``memory_format`` (CUDA's rules)."""
+    size = list(size)
+    if memory_format == torch.channels_last and len(size) == 4:
+        n, c, h, w = size
+        return [h * w * c, 1, w * c, c] if c else tensors.contiguous_strides(size)
+    if memory_format == torch.channels_last_3d and len(size) == 5:
+        n, c, d, h, w = size
+        return [d * h * w * c, 1, h * w * c, w * c, c] if c else tensors.contiguous_strides(size)
+    if memory_format in (torch.channels_last, torch.channels_last_3d):
+        raise RuntimeError(f"required rank {4 if memory_format == torch.channels_last else 5} "
+                           f"tensor to use {memory_format} format, got size {size}")
+    return tensors.contiguous_strides(size)
+
+
+def copy_between(backend: Backend, dst: torch.Tensor, src: torch.Tensor,
+                 non_blocking: bool = False) -> torch.Tensor:
+    """``dst.copy_(src)`` where either side is a device tensor."""
+    name = backend.name
+    if src.shape != dst.shape:
+        src = src.expand(dst.shape)
+    if dst.numel() == 0:
+        return dst
+    if dst.device.type == name:
+        if src.device.type == name and src.device != dst.device and _plain_bytes(src, dst):
+            rt = backend.runtime
+            n = dst.numel() * dst.element_size()
+            rt.copy_d2d(backend.phys(dst.device.index), dst.data_ptr(),
+                        backend.phys(src.device.index), src.data_ptr(), n,
+                        backend.current_stream_handle(dst.device.index) if non_blocking else None)
+            return dst
+        if src.device.type == name:
+            src = backend.to_host(src)
+        elif src.device.type != "cpu":
+            raise RuntimeError(f"copy_ from {src.device} to {dst.device} is not supported; "
+                               f"go through the CPU: .cpu().to({str(dst.device)!r})")
+        backend.write_tensor(dst, src, non_blocking)
+        return dst
+    if dst.device.type != "cpu":
+        raise RuntimeError(f"copy_ from {src.device} to {dst.device} is not supported; "
+                           f"go through the CPU")
+    dst.copy_(backend.to_host(src))
+    return dst
+
+
+def _plain_bytes(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    return (src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous())
+
+
+def core_kernels(backend: Backend) -> dict[str, Callable[..., Any]]:
+    """ATen overload name -> kernel, for the ops torchport implements for every backend."""
+
+    def empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None,
+                            memory_format=None):
+        _check_layout(layout)
+        return backend.empty_strided(size, strides_for(size, memory_format), dtype, device)
+
+    def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+        _check_layout(layout)
+        return backend.empty_strided(size, stride, dtype, device)
+
+    def copy_(self, src, non_blocking=False):
+        return copy_between(backend, self, src, non_blocking)
+
+    def _copy_from(self, dst, non_blocking=False):
+        return copy_between(backend, dst, self, non_blocking)
+
+    def _copy_from_and_resize(self, dst):
+        if dst.shape != self.shape:
+            backend.resize_device_tensor(dst, self.shape, tensors.contiguous_strides(self.shape))
+        return copy_between(backend, dst, self)
+
+    def resize_(self, size, memory_format=None):
+        backend.resize_device_tensor(self, size, strides_for(size, memory_format))
+        return self
+
+    def set_storage(self, source, storage_offset=0, size=None, stride=None):
+        if size is None:
+            size = [source.nbytes() // self.element_size()]
+        if stride is None:
+            stride = tensors.contiguous_strides(size)
+        _check_same_device(backend, self, source.device)
+        return _set_storage.redispatch(_CPU_KS, self, source, storage_offset, size, stride)
+
+    def set_tensor(self, source):
+        _check_same_device(backend, self, source.device)
+        return _set_storage.redispatch(_CPU_KS, self, source.untyped_storage(),
+                                       source.storage_offset(), source.shape, source.stride())
+
+    def set_empty(self):
+        empty = backend.empty([0], self.dtype, self.device.index)
+        return _set_storage.redispatch(_CPU_KS, self, empty.untyped_storage(), 0, [0], [1])
+
+    def local_scalar_dense(self):
+        return backend.to_host(self).item()
+
+    return {
+        "empty.memory_format": empty_memory_format,
+        "empty_strided": empty_strided,
+        "copy_": copy_,
+        "_copy_from": _copy_from,
+        "_copy_from_and_resize": _copy_from_and_resize,
+        "resize_": resize_,
+        "set_.source_Storage": set_storage,
+        "set_.source_Storage_storage_offset": set_storage,
+        "set_.source_Tensor": set_tensor,
+        "set_": set_empty,
+        "_local_scalar_dense": local_scalar_dense,
+    }
+
+
+def _check_layout(layout: Any) -> None:
+    if layout is not None and layout != torch.strided:
+        raise RuntimeError(f"torchport devices hold strided tensors only, got layout={layout}")
+
+
+def _check_same_device(backend: Backend, t: torch.Tensor, device: torch.device) -> None:
+    if device.type != backend.name or device.index != t.device.index:
+        raise RuntimeError(f"set_: storage is on {device} but the tensor is on {t.device}; "
+                           f"move the storage first")

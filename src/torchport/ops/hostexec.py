@@ -1,0 +1,228 @@
+"""Run an ATen op's CPU kernel on device tensors, honouring the op's schema.
+
+This is what the CPU fallback is made of, and what the sim backend's kernels
+are made of too (with the simulated chip's own view of its memory in place of
+host views). Given a way to see device tensors as CPU tensors it:
+
+* maps device tensors (also inside lists) to CPU tensors, factory ``device=`` to CPU;
+* runs the op (random ops on the device's generator, never the CPU one);
+* makes ``out=`` and in-place arguments receive the result in the tensor the caller
+  passed (resized when the CPU kernel resized its copy);
+* returns new results as device tensors on the op's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchport.ops.plan import OpPlan, plan_for
+
+if TYPE_CHECKING:
+    from torchport.backend import Backend
+
+_CPU = torch.device("cpu")
+_CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_as_strided = torch.ops.aten.as_strided.default
+Tensor = torch.Tensor
+
+
+class DeviceMismatchError(RuntimeError):
+    """Tensors of one op live on different devices."""
+
+
+def op_device(backend: Backend, op: Any, plan: OpPlan, args: tuple, kwargs: dict) -> int:
+    """The device index an op runs on; raises when its tensors are on different devices."""
+    name = backend.name
+    found: torch.device | None = None
+    for v in _iter_tensors(args, kwargs):
+        d = v.device
+        if d.type == name:
+            if found is None:
+                found = d
+            elif d != found:
+                _mismatch(found, d, plan)
+        elif v.dim() > 0 and not plan.mixed_device_ok:
+            _mismatch(found or torch.device(name), d, plan)
+    if found is not None:
+        return found.index
+    dev = kwargs.get("device")
+    if dev is None and plan.has_device_arg:
+        i = plan.arg_names.index("device")
+        dev = args[i] if i < len(args) else None
+    return backend.index_of(dev)
+
+
+def _mismatch(a: torch.device, b: torch.device, plan: OpPlan) -> None:
+    raise DeviceMismatchError(
+        f"Expected all tensors to be on the same device, but found at least two devices, "
+        f"{a} and {b}! (in {plan.overload_name}; move them with .to({str(a)!r}))")
+
+
+def _iter_tensors(args: tuple, kwargs: dict):
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                if isinstance(x, Tensor):
+                    yield x
+
+
+def run_view_op(op: Any, args: tuple, kwargs: dict) -> Any:
+    """View ops only touch metadata: PyTorch's CPU kernel works on device tensors."""
+    return op.redispatch(_CPU_KS, *args, **kwargs)
+
+
+class HostCall:
+    """One execution of ``op`` with device tensors seen through ``to_cpu``.
+
+    ``zero_copy`` says whether ``to_cpu`` aliases device memory (then in-place
+    writes land directly); otherwise written arguments are copied back."""
+
+    __slots__ = ("backend", "op", "plan", "index", "to_cpu", "zero_copy", "views")
+
+    def __init__(self, backend: Backend, op: Any, plan: OpPlan, index: int,
+                 to_cpu: Callable[[Tensor], Tensor], zero_copy: bool) -> None:
+        self.backend = backend
+        self.op = op
+        self.plan = plan
+        self.index = index
+        self.to_cpu = to_cpu
+        self.zero_copy = zero_copy
+        self.views: list[tuple[Tensor, Tensor]] = []  # (device, cpu) pairs
+
+    def _map(self, v: Any, write: bool = False) -> Any:
+        if isinstance(v, Tensor):
+            if v.device.type != self.backend.name:
+                return v
+            if write and self.plan.is_inplace_or_out and v.numel() == 0:
+                c = torch.empty(0, dtype=v.dtype)  # an empty out= grows on CPU, then on device
+            else:
+                c = self.to_cpu(v)
+            self.views.append((v, c))
+            return c
+        if isinstance(v, (list, tuple)) and v and any(isinstance(x, Tensor) for x in v):
+            return type(v)(self._map(x, write) for x in v)
+        if isinstance(v, torch.device) and v.type == self.backend.name:
+            return _CPU
+        if isinstance(v, str) and v.startswith(self.backend.name):
+            return _CPU
+        return v
+
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        plan = self.plan
+        writes = plan.write_args
+        names = plan.arg_names
+        cargs = [self._map(a, names[i] in writes if i < len(names) else False)
+                 for i, a in enumerate(args)]
+        ckw = {k: self._map(v, k in writes) for k, v in kwargs.items()}
+        if plan.has_device_arg and "pin_memory" in ckw:
+            ckw["pin_memory"] = None
+        if plan.random:
+            result = self._run_random(cargs, ckw)
+        else:
+            result = self.op(*cargs, **ckw)
+        self._write_back(args, kwargs, cargs, ckw)
+        return self._results(result, args, kwargs)
+
+    def _run_random(self, cargs: list, ckw: dict) -> Any:
+        gen = self.backend.generators[self.index]
+        if self.plan.has_generator_arg:
+            i = self.plan.arg_names.index("generator")
+            given = cargs[i] if i < len(cargs) else ckw.get("generator")
+            if given is not None:
+                raise RuntimeError(
+                    f"{self.plan.overload_name} on {self.backend.name}: a torch.Generator cannot "
+                    f"be passed to {self.backend.name} ops (PyTorch 2.13 gives Python backends no "
+                    f"device generators); seed with torch.{self.backend.name}.manual_seed instead")
+            if i < len(cargs):
+                cargs[i] = gen
+            else:
+                ckw["generator"] = gen
+            return self.op(*cargs, **ckw)
+        cpu_gen = torch.default_generator
+        saved = cpu_gen.get_state()
+        cpu_gen.set_state(gen.get_state())
+        try:
+            return self.op(*cargs, **ckw)
+        finally:
+            gen.set_state(cpu_gen.get_state())
+            cpu_gen.set_state(saved)
+
+    def _write_back(self, args: tuple, kwargs: dict, cargs: list, ckw: dict) -> None:
+        plan = self.plan
+        if not plan.write_args:
+            return
+        for name in plan.write_args:
+            if name in kwargs:
+                dev, cpu = kwargs[name], ckw[name]
+            else:
+                i = plan.arg_names.index(name)
+                if i >= len(args):
+                    continue
+                dev, cpu = args[i], cargs[i]
+            if isinstance(dev, Tensor):
+                self._write_one(dev, cpu)
+            elif isinstance(dev, (list, tuple)):
+                for d, c in zip(dev, cpu, strict=True):
+                    if isinstance(d, Tensor):
+                        self._write_one(d, c)
+
+    def _write_one(self, dev: Tensor, cpu: Tensor) -> None:
+        if dev.device.type != self.backend.name:
+            return
+        same_layout = dev.shape == cpu.shape and dev.stride() == cpu.stride()
+        if not same_layout:
+            self.backend.resize_device_tensor(dev, cpu.shape, cpu.stride())
+        elif self.zero_copy and dev.numel() > 0:
+            return  # the CPU kernel already wrote device memory
+        self.backend.write_tensor(dev, cpu)
+
+    def _results(self, result: Any, args: tuple, kwargs: dict) -> Any:
+        plan = self.plan
+        if plan.num_returns == 0:
+            return None
+        if plan.num_returns == 1:
+            return self._result_one(result, plan.return_alias[0], args, kwargs)
+        return tuple(self._result_one(r, a, args, kwargs)
+                     for r, a in zip(result, plan.return_alias, strict=True))
+
+    def _result_one(self, r: Any, alias: str | None, args: tuple, kwargs: dict) -> Any:
+        if alias is not None:
+            if alias in kwargs:
+                return kwargs[alias]
+            return args[self.plan.arg_names.index(alias)]
+        if isinstance(r, Tensor):
+            return self._to_device(r)
+        if isinstance(r, (list, tuple)):
+            return type(r)(self._to_device(x) if isinstance(x, Tensor) else x for x in r)
+        return r
+
+    def _to_device(self, r: Tensor) -> Tensor:
+        if r.device.type != "cpu":
+            return r
+        if self.zero_copy and r.numel() > 0:
+            ptr = r.untyped_storage().data_ptr()
+            for dev, cpu in self.views:
+                if cpu.untyped_storage().data_ptr() == ptr and cpu.numel() > 0:
+                    # The CPU kernel returned (a view of) an input: keep aliasing on device.
+                    return _as_strided.redispatch(_CPU_KS, dev, r.shape, r.stride(),
+                                                  r.storage_offset())
+        return self.backend.to_device(r, self.index)
+
+
+def run_on_host(backend: Backend, op: Any, args: tuple, kwargs: dict,
+                to_cpu: Callable[[Tensor], Tensor] | None = None,
+                zero_copy: bool | None = None) -> Any:
+    """Run ``op`` with its CPU kernel; the default view is the backend's own."""
+    plan = plan_for(op)
+    if plan.is_view:
+        return run_view_op(op, args, kwargs)
+    index = op_device(backend, op, plan, args, kwargs)
+    if to_cpu is None:
+        to_cpu = backend.to_host
+        zero_copy = backend.runtime.host_addressable
+    return HostCall(backend, op, plan, index, to_cpu, bool(zero_copy)).run(args, kwargs)

@@ -1,0 +1,97 @@
+"""Per-overload dispatch plans, computed once from the op schema.
+
+Reading ``op._schema`` on every call is what makes a naive Python backend slow;
+a plan holds what the fallback and the kernels need to know about an overload:
+which arguments are written, which returns alias which argument, whether the
+op is a view, a factory or a random op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_PLANS: dict[object, OpPlan] = {}
+
+# Ops whose CUDA kernels accept CPU index tensors next to device tensors.
+MIXED_DEVICE_OK = frozenset({
+    "aten::index.Tensor", "aten::index.Tensor_out", "aten::index_put_", "aten::index_put",
+    "aten::_index_put_impl_", "aten::_index_put_impl",
+})
+
+
+@dataclass(frozen=True)
+class OpPlan:
+    name: str  # "aten::add.out"
+    overload_name: str  # "add.out"
+    arg_names: tuple[str, ...]
+    kwarg_only: frozenset[str]
+    write_args: tuple[str, ...]  # arguments the op mutates
+    return_alias: tuple[str | None, ...]  # for each return, the argument it is (or None)
+    is_view: bool  # returns alias an input without writing it
+    is_inplace_or_out: bool
+    has_device_arg: bool
+    has_generator_arg: bool
+    random: bool
+    mixed_device_ok: bool
+    num_returns: int
+
+
+def plan_for(op: torch._ops.OpOverload) -> OpPlan:
+    plan = _PLANS.get(op)
+    if plan is None:
+        plan = _PLANS[op] = _make_plan(op)
+    return plan
+
+
+def _make_plan(op: torch._ops.OpOverload) -> OpPlan:
+    schema = op._schema
+    alias_to_arg: dict[str, str] = {}
+    write_args, kwarg_only = [], set()
+    for a in schema.arguments:
+        if a.kwarg_only:
+            kwarg_only.add(a.name)
+        info = a.alias_info
+        if info is not None:
+            for s in info.before_set:
+                alias_to_arg.setdefault(s, a.name)
+            if info.is_write:
+                write_args.append(a.name)
+    ret_alias: list[str | None] = []
+    is_view = False
+    for r in schema.returns:
+        info = r.alias_info
+        if info is None:
+            ret_alias.append(None)
+            continue
+        target = next((alias_to_arg[s] for s in info.before_set if s in alias_to_arg), None)
+        ret_alias.append(target)
+        if not info.is_write:
+            is_view = True
+    overload = schema.name.split("::", 1)[-1] + ("." + schema.overload_name
+                                                 if schema.overload_name else "")
+    names = tuple(a.name for a in schema.arguments)
+    return OpPlan(
+        name=schema.name + ("." + schema.overload_name if schema.overload_name else ""),
+        overload_name=overload,
+        arg_names=names,
+        kwarg_only=frozenset(kwarg_only),
+        write_args=tuple(write_args),
+        return_alias=tuple(ret_alias),
+        is_view=is_view,
+        is_inplace_or_out=bool(write_args),
+        has_device_arg="device" in names,
+        has_generator_arg="generator" in names,
+        random=torch.Tag.nondeterministic_seeded in op.tags,
+        mixed_device_ok=(schema.name + ("." + schema.overload_name
+                                        if schema.overload_name else "")) in MIXED_DEVICE_OK,
+        num_returns=len(schema.returns),
+    )
+
+
+def bind(plan: OpPlan, args: tuple, kwargs: dict) -> dict[str, object]:
+    """Argument name -> value for a boxed call (positional then keyword)."""
+    bound = dict(zip(plan.arg_names, args, strict=False))
+    bound.update(kwargs)
+    return bound

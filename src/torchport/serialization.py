@@ -1,0 +1,37 @@
+"""Storages on the device, so ``torch.save``/``torch.load`` and ``Storage.to`` work.
+
+PyTorch's own privateuse1 serialization package tags device storages
+``<device>:<index>`` and restores them with ``UntypedStorage(size, device=...)``,
+which in C++ asks for a PrivateUse1 allocator a Python backend cannot register
+(it would crash). torchport routes storage creation for its device through its
+own allocator instead.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from torchport.backend import Backend
+
+_C_NEW = torch._C.StorageBase.__new__
+
+
+def install(backend: Backend) -> None:
+    def storage_new(cls: type, *args: Any, device: Any = None, **kwargs: Any) -> Any:
+        if device is None or torch.device(device).type != backend.name:
+            if device is not None:
+                kwargs["device"] = device
+            return _C_NEW(cls, *args, **kwargs)
+        index = backend.index_of(device)
+        if not args or isinstance(args[0], int):
+            nbytes = args[0] if args else 0
+            return backend.empty([nbytes], torch.uint8, index).untyped_storage()
+        cpu = _C_NEW(cls, *args, **kwargs)  # from a sequence: build on CPU, then copy
+        out = backend.empty([cpu.nbytes()], torch.uint8, index)
+        out.copy_(torch.empty(0, dtype=torch.uint8).set_(cpu))
+        return out.untyped_storage()
+
+    torch.UntypedStorage.__new__ = staticmethod(storage_new)

@@ -1,0 +1,199 @@
+"""Device allocations -> real ``torch.Tensor`` objects, and bytes to and from them.
+
+A device tensor is a plain ``torch.Tensor`` on ``<device>:<index>`` made from a
+DLPack capsule (device type kDLExtDev) whose data pointer is a block of the
+caching allocator; the capsule's deleter returns the block when the storage
+dies. Everything else (views, autograd, serialization) is PyTorch's own.
+
+Moving bytes uses only the runtime's copy functions, unless the runtime declares
+its memory host-addressable, in which case a zero-copy host view is built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from torchport.backend import Backend
+
+_CPU = torch.device("cpu")
+_CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_set_storage = torch.ops.aten.set_.source_Storage_storage_offset
+_view_dtype = torch.ops.aten.view.dtype
+_construct_storage = torch._C._construct_storage_from_data_pointer
+
+
+# ---- DLPack plumbing -------------------------------------------------------------
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                             ("deleter", _DELETER)]
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+_KDL_EXT_DEV = 12
+_DL_CODES: dict[torch.dtype, tuple[int, int]] = {
+    torch.bool: (6, 8), torch.uint8: (1, 8), torch.int8: (0, 8), torch.int16: (0, 16),
+    torch.int32: (0, 32), torch.int64: (0, 64), torch.float16: (2, 16),
+    torch.float32: (2, 32), torch.float64: (2, 64), torch.bfloat16: (4, 16),
+    torch.complex64: (5, 64), torch.complex128: (5, 128), torch.uint16: (1, 16),
+    torch.uint32: (1, 32), torch.uint64: (1, 64),
+}
+
+# Live capsules: address of the DLManagedTensor -> (struct, shape, strides, on_free).
+_LIVE: dict[int, tuple] = {}
+
+
+@_DELETER
+def _deleter(managed) -> None:
+    entry = _LIVE.pop(ctypes.addressof(managed.contents), None)
+    if entry is not None and entry[3] is not None:
+        try:
+            entry[3]()
+        except Exception:  # never let an exception escape into C++
+            pass
+
+
+def _from_dlpack(ptr: int, device_index: int, dtype: torch.dtype, size, stride,
+                 on_free) -> torch.Tensor:
+    code, bits = _DL_CODES[dtype]
+    ndim = len(size)
+    m = _DLManagedTensor()
+    shape = (ctypes.c_int64 * max(ndim, 1))(*size)
+    strides = (ctypes.c_int64 * max(ndim, 1))(*stride)
+    dl = m.dl_tensor
+    dl.data = ptr
+    dl.device = _DLDevice(_KDL_EXT_DEV, device_index)
+    dl.ndim = ndim
+    dl.dtype = _DLDataType(code, bits, 1)
+    dl.shape = shape
+    dl.strides = strides
+    m.deleter = _deleter
+    _LIVE[ctypes.addressof(m)] = (m, shape, strides, on_free)
+    return torch._C._from_dlpack(_capsule_new(ctypes.addressof(m), b"dltensor", None))
+
+
+def storage_nbytes(size, stride, itemsize: int, offset: int = 0) -> int:
+    """Bytes a (size, stride, storage_offset) layout needs, as ``computeStorageNbytes``."""
+    if any(s == 0 for s in size):
+        return 0
+    extent = 1 + offset + sum((s - 1) * st for s, st in zip(size, stride, strict=True))
+    return extent * itemsize
+
+
+def contiguous_strides(size) -> list[int]:
+    strides, acc = [], 1
+    for s in reversed(list(size)):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return strides[::-1]
+
+
+def wrap_memory(backend: Backend, index: int, ptr: int, nbytes: int, dtype: torch.dtype,
+                size, stride, on_free) -> torch.Tensor:
+    """A device tensor over ``nbytes`` at ``ptr``; ``on_free`` runs when its storage dies."""
+    if dtype in _DL_CODES and storage_nbytes(size, stride, dtype.itemsize) == nbytes:
+        return _from_dlpack(ptr, index, dtype, size, stride, on_free)
+    raw = _from_dlpack(ptr, index, torch.uint8, [nbytes], [1], on_free)
+    base = _view_dtype.redispatch(_CPU_KS, raw[:0], dtype) if dtype.itemsize != 1 else raw
+    if dtype.itemsize == 1 and dtype != torch.uint8:
+        base = _view_dtype.redispatch(_CPU_KS, raw, dtype)
+    return _set_storage.redispatch(_CPU_KS, base, raw.untyped_storage(), 0, list(size),
+                                   list(stride))
+
+
+# ---- host views and staging ------------------------------------------------------
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """(first byte, byte count) of the storage range a tensor can touch."""
+    n = storage_nbytes(t.shape, t.stride(), t.element_size())
+    return t.storage_offset() * t.element_size(), n
+
+
+def host_view(backend: Backend, t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor aliasing device tensor ``t`` (host-addressable runtimes only)."""
+    st = t.untyped_storage()
+    nbytes = st.nbytes()
+    if nbytes == 0:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    host = backend.runtime.host_address(st.data_ptr())
+    cpu_storage = _construct_storage(host, _CPU, nbytes)
+    return torch.empty(0, dtype=t.dtype).set_(cpu_storage, t.storage_offset(), t.shape, t.stride())
+
+
+def read_to_host(backend: Backend, t: torch.Tensor, stream=None) -> torch.Tensor:
+    """A CPU copy of device tensor ``t`` (same shape and strides), via the runtime."""
+    start, n = _byte_span(t)
+    buf = torch.empty(max(n, 1), dtype=torch.uint8)
+    if n:
+        src = t.untyped_storage().data_ptr() + start
+        backend.runtime.copy_d2h(backend.phys(t.device.index), buf.data_ptr(), src, n, stream)
+    if t.dtype.itemsize > 1 and n % t.dtype.itemsize:
+        raise RuntimeError(f"misaligned storage span of {n} bytes for {t.dtype}")
+    typed = buf[:n].view(t.dtype) if n else torch.empty(0, dtype=t.dtype)
+    return typed.as_strided(t.shape, t.stride(), 0) if n else torch.empty_strided(
+        t.shape, t.stride(), dtype=t.dtype)
+
+
+def write_from_host(backend: Backend, dst: torch.Tensor, src: torch.Tensor, stream=None) -> None:
+    """Write CPU tensor ``src`` (same shape; any dtype, strides) into device tensor ``dst``."""
+    if dst.numel() == 0:
+        return
+    rt, idx = backend.runtime, backend.phys(dst.device.index)
+    start, n = _byte_span(dst)
+    dptr = dst.untyped_storage().data_ptr() + start
+    if _is_dense_row_major(dst):
+        staged = src.to(dst.dtype).contiguous()
+        if staged.data_ptr() == src.data_ptr() and stream is not None:
+            staged = staged.clone()  # the caller may reuse src before the copy runs
+        rt.copy_h2d(idx, dptr, staged.data_ptr(), n, stream)
+        if stream is not None:
+            backend.keep_alive_until_stream(idx, stream, staged)
+        return
+    # Read-modify-write of the storage span keeps the bytes between strided elements.
+    span = read_to_host(backend, dst)
+    span.copy_(src)
+    base = span.untyped_storage()
+    rt.copy_h2d(idx, dptr, base.data_ptr(), n, None)
+
+
+def _is_dense_row_major(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and (t.numel() * t.element_size()) == _byte_span(t)[1]
+
+
+def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    if t.numel() <= 1:
+        return True
+    dims = sorted((st, s) for s, st in zip(t.shape, t.stride(), strict=True) if s != 1)
+    expected = 1
+    for st, s in dims:
+        if st != expected:
+            return False
+        expected *= s
+    return True
+
+
+def numel(size) -> int:
+    return math.prod(size)
