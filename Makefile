@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/train_cnn.py
 
+# The whole suite on default (host-addressable) sim memory, then the core tests again with
+# device-only memory (TORCHPORT_SIM_STRICT=1), where every byte must go through the runtime.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x --durations=15 tests
+	$(BIN)/python -m pytest -q --durations=15 tests
+	TORCHPORT_SIM_STRICT=1 $(BIN)/python -m pytest -q tests/test_core_*.py
 
 conformance: $(STAMP)
 	$(BIN)/python -m tests.conformance.run --full

@@ -139,7 +139,11 @@ class DeviceAllocator:
         self.segments: dict[int, Block] = {}
         self.fraction: float | None = None
         self.pending_free: list[tuple[Block, list[Any]]] = []
+        # Stream-aware freeing (set by torchport.streams): record one event per stream a
+        # block was used on, poll them, release them once the block is reusable.
         self.event_query: Callable[[Any], bool] | None = None
+        self.record_free_events: Callable[[list[Any]], list[Any]] | None = None
+        self.event_release: Callable[[Any], None] | None = None
         self.reset_stats()
 
     # ---- statistics ------------------------------------------------------------
@@ -166,6 +170,8 @@ class DeviceAllocator:
         self.num_device_alloc = self.num_device_free = 0
 
     def memory_stats(self) -> dict[str, int]:
+        with self.lock:
+            self._recount_inactive_split()  # computed on demand: O(free blocks)
         out: dict[str, int] = {}
         for (name, pool), s in sorted(self.stats.items()):
             for metric in ("current", "peak", "allocated", "freed"):
@@ -211,8 +217,6 @@ class DeviceAllocator:
             self._stat("active", small, 1)
             self._stat("active_bytes", small, block.size)
             self._stat("requested_bytes", small, nbytes)
-            if block.prev is not None or block.next is not None:
-                self._recount_inactive_split()
             return block
 
     def _maybe_split(self, block: Block, size: int, pool: _Pool) -> None:
@@ -289,7 +293,7 @@ class DeviceAllocator:
         """Hook for stream-aware freeing; set by the stream layer."""
         uses = list(block.stream_uses)
         block.stream_uses.clear()
-        return self.record_free_events(uses) if hasattr(self, "record_free_events") else []
+        return self.record_free_events(uses) if self.record_free_events is not None else []
 
     def _process_pending_frees(self, force: bool = False) -> None:
         if not self.pending_free:
@@ -297,6 +301,9 @@ class DeviceAllocator:
         keep = []
         for block, events in self.pending_free:
             if force or all(self.event_query(e) for e in events):
+                if self.event_release is not None:
+                    for e in events:
+                        self.event_release(e)
                 self._release_block(block)
             else:
                 keep.append((block, events))
@@ -313,7 +320,6 @@ class DeviceAllocator:
                 if not self._is_pending(nb):
                     self._merge(block, nb, pool)
         pool.insert(block)
-        self._recount_inactive_split()
 
     def _is_pending(self, b: Block) -> bool:
         return any(p is b for p, _ in self.pending_free)

@@ -189,9 +189,8 @@ class Backend:
         """Make the device usable from PyTorch; idempotent."""
         global _ACTIVE
         if _ACTIVE is not None:
-            if _ACTIVE is self or (_ACTIVE.name == self.name
-                                   and type(_ACTIVE.runtime) is type(self.runtime)):
-                return _ACTIVE
+            if _ACTIVE is self:
+                return self
             raise BackendError(
                 f"cannot register backend {self.name!r}: backend {_ACTIVE.name!r} already owns "
                 f"PrivateUse1 in this process (PyTorch allows one); use a separate process")

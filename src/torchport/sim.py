@@ -1,3 +1,12 @@
 """``import torchport.sim`` registers the sim device and ``torch.sim``."""
 
-from torchport.backends.sim import BACKEND, SimRuntime, runtime  # noqa: F401
+from torchport import backend as _backend
+from torchport.backends.sim import SimRuntime, make_backend
+
+__all__ = ["BACKEND", "SimRuntime", "runtime"]
+
+if _backend._ACTIVE is not None and _backend._ACTIVE.name == "sim":
+    BACKEND = _backend._ACTIVE  # re-import or reload: keep the registered one
+else:
+    BACKEND = make_backend().register()
+runtime = BACKEND.runtime

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +29,12 @@ _construct_storage = torch._C._construct_storage_from_data_pointer
 
 
 # ---- DLPack plumbing -------------------------------------------------------------
+# The capsule comes from torch.to_dlpack of a tiny CPU "owner" tensor, with its
+# DLTensor fields rewritten to describe device memory. PyTorch's own C++ deleter
+# then releases the owner when the device storage dies; the owner is a tensor
+# subclass, so PyTorch keeps its Python object alive until then, and its weakref
+# callback (which CPython runs with any in-flight exception saved, unlike a ctypes
+# callback) returns the block to the allocator.
 class _DLDevice(ctypes.Structure):
     _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
 
@@ -42,17 +49,9 @@ class _DLTensor(ctypes.Structure):
                 ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
 
 
-class _DLManagedTensor(ctypes.Structure):
-    pass
-
-
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
-_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
-                             ("deleter", _DELETER)]
-
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.restype = ctypes.py_object
-_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_capsule_ptr = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_ptr.restype = ctypes.c_void_p
+_capsule_ptr.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 _KDL_EXT_DEV = 12
 _DL_CODES: dict[torch.dtype, tuple[int, int]] = {
@@ -63,37 +62,40 @@ _DL_CODES: dict[torch.dtype, tuple[int, int]] = {
     torch.uint32: (1, 32), torch.uint64: (1, 64),
 }
 
-# Live capsules: address of the DLManagedTensor -> (struct, shape, strides, on_free).
-_LIVE: dict[int, tuple] = {}
+
+class _StorageOwner(torch.Tensor):
+    """Kept alive by the device storage's DLPack context; dies with it."""
 
 
-@_DELETER
-def _deleter(managed) -> None:
-    entry = _LIVE.pop(ctypes.addressof(managed.contents), None)
-    if entry is not None and entry[3] is not None:
-        try:
-            entry[3]()
-        except Exception:  # never let an exception escape into C++
-            pass
+_OWNERS: dict[int, weakref.ref] = {}
+
+
+def _owner_died(ref: weakref.ref) -> None:
+    entry = _OWNERS.pop(id(ref), None)
+    if entry is not None:
+        entry[1]()
 
 
 def _from_dlpack(ptr: int, device_index: int, dtype: torch.dtype, size, stride,
                  on_free) -> torch.Tensor:
     code, bits = _DL_CODES[dtype]
+    owner = torch.empty(0).as_subclass(_StorageOwner)
+    if on_free is not None:
+        ref = weakref.ref(owner, _owner_died)
+        _OWNERS[id(ref)] = (ref, on_free)
+    capsule = torch._C._to_dlpack(owner)
+    dl = _DLTensor.from_address(_capsule_ptr(capsule, b"dltensor"))
     ndim = len(size)
-    m = _DLManagedTensor()
     shape = (ctypes.c_int64 * max(ndim, 1))(*size)
     strides = (ctypes.c_int64 * max(ndim, 1))(*stride)
-    dl = m.dl_tensor
     dl.data = ptr
     dl.device = _DLDevice(_KDL_EXT_DEV, device_index)
     dl.ndim = ndim
     dl.dtype = _DLDataType(code, bits, 1)
     dl.shape = shape
     dl.strides = strides
-    m.deleter = _deleter
-    _LIVE[ctypes.addressof(m)] = (m, shape, strides, on_free)
-    return torch._C._from_dlpack(_capsule_new(ctypes.addressof(m), b"dltensor", None))
+    dl.byte_offset = 0
+    return torch._C._from_dlpack(capsule)
 
 
 def storage_nbytes(size, stride, itemsize: int, offset: int = 0) -> int:

@@ -114,6 +114,25 @@ def core_kernels(backend: Backend) -> dict[str, Callable[..., Any]]:
         empty = backend.empty([0], self.dtype, self.device.index)
         return _set_storage.redispatch(_CPU_KS, self, empty.untyped_storage(), 0, [0], [1])
 
+    def to_copy(self, dtype=None, layout=None, device=None, pin_memory=None,
+                non_blocking=False, memory_format=None):
+        # Own kernel: PyTorch's would pin the CPU destination of a non_blocking copy, which
+        # needs a pinned-memory allocator hook a Python backend cannot register.
+        _check_layout(layout)
+        dtype = dtype or self.dtype
+        device = torch.device(device) if device is not None else self.device
+        keep = memory_format in (None, torch.preserve_format) and \
+            tensors.is_non_overlapping_and_dense(self)
+        if device.type == backend.name:
+            out = (backend.empty_strided(self.shape, self.stride(), dtype, device) if keep else
+                   backend.empty_strided(self.shape, strides_for(self.shape, memory_format),
+                                         dtype, device))
+        else:
+            out = (torch.empty_strided(self.shape, self.stride(), dtype=dtype, device=device)
+                   if keep else torch.empty(self.shape, dtype=dtype, device=device,
+                                            memory_format=memory_format or torch.contiguous_format))
+        return copy_between(backend, out, self, non_blocking)
+
     def local_scalar_dense(self):
         return backend.to_host(self).item()
 
@@ -129,6 +148,7 @@ def core_kernels(backend: Backend) -> dict[str, Callable[..., Any]]:
         "set_.source_Tensor": set_tensor,
         "set_": set_empty,
         "_local_scalar_dense": local_scalar_dense,
+        "_to_copy": to_copy,
     }
 
 

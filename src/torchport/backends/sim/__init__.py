@@ -1,8 +1,9 @@
-"""The sim accelerator: torchport's reference backend, importable as ``torchport.sim``.
+"""The sim accelerator: torchport's reference backend.
 
-Importing it registers the ``sim`` device and ``torch.sim``. Settings:
-``TORCHPORT_SIM_DEVICES`` (default 2), ``TORCHPORT_SIM_MEMORY`` (default 8GiB),
-``TORCHPORT_SIM_STRICT=1`` (device-only memory).
+``import torchport.sim`` registers it (this package only defines it, so a test or
+a tool can build a differently configured sim with :func:`make_backend`).
+Settings: ``TORCHPORT_SIM_DEVICES`` (default 2), ``TORCHPORT_SIM_MEMORY`` (default
+8GiB), ``TORCHPORT_SIM_STRICT=1`` (device-only memory).
 """
 
 from __future__ import annotations
@@ -13,18 +14,16 @@ from torchport.backend import Backend
 from torchport.backends.sim.kernels import make_kernels
 from torchport.backends.sim.runtime import SimRuntime, parse_size
 
-__all__ = ["BACKEND", "SimRuntime", "parse_size", "runtime"]
+__all__ = ["SimRuntime", "make_backend", "parse_size"]
 
 
-def _make_backend() -> Backend:
-    from torchport import backend as _b
-
-    if _b._ACTIVE is not None and _b._ACTIVE.name == "sim":
-        return _b._ACTIVE
-    rt = SimRuntime()
+def make_backend(runtime: SimRuntime | None = None) -> Backend:
+    """The sim backend (not yet registered) over ``runtime`` (default: from the environment)."""
+    rt = runtime if runtime is not None else SimRuntime()
     holder: dict[str, Backend] = {}
 
     def device_view(t: torch.Tensor) -> torch.Tensor:
+        # The simulated chip reading its own memory: zero-copy in both memory modes.
         st = t.untyped_storage()
         n = st.nbytes()
         if n == 0:
@@ -34,8 +33,4 @@ def _make_backend() -> Backend:
 
     b = Backend("sim", rt, [make_kernels(device_view)])
     holder["b"] = b
-    return b.register()
-
-
-BACKEND = _make_backend()
-runtime = BACKEND.runtime
+    return b

@@ -65,6 +65,20 @@ MODEL_OPS = [
     "_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_",
 ]
 
+# The rest of the Core ATen opset (overloads tagged torch.Tag.core with a backend
+# slot), so that an exported program runs without the CPU fallback. (``_to_copy``
+# is a torchport core kernel: it crosses devices, which a host op cannot
+# express.)
+CORE_OPS = [
+    "_adaptive_avg_pool3d", "_cdist_forward", "_embedding_bag", "_fft_c2r", "_fft_r2c",
+    "_pdist_forward", "avg_pool3d", "col2im", "copy", "grid_sampler_2d",
+    "max_pool3d_with_indices", "reflection_pad1d", "reflection_pad3d", "replication_pad3d",
+    "select_scatter", "slice_scatter",
+    # views: metadata only, registered to skip the boxed fallback's dispatch
+    "alias", "as_strided", "diagonal", "expand", "permute", "select.int", "slice.Tensor",
+    "split_with_sizes", "squeeze", "unsqueeze", "view",
+]
+
 
 def _foreach_ops() -> list[str]:
     return sorted(n for n in dir(torch.ops.aten) if n.startswith("_foreach_"))
@@ -72,5 +86,5 @@ def _foreach_ops() -> list[str]:
 
 def make_kernels(device_view) -> KernelSet:
     ks = KernelSet("sim")
-    ks.host_ops(MODEL_OPS + _foreach_ops(), to_cpu=device_view)
+    ks.host_ops(MODEL_OPS + CORE_OPS + _foreach_ops(), to_cpu=device_view)
     return ks

@@ -1,0 +1,64 @@
+"""Per-op host overhead: median time per call of tiny ops on sim vs native CPU.
+
+The per-op host cost is the performance frontier of a Python backend. Run:
+``.venv/bin/python benchmarks/op_overhead.py [--repeat 7] [--number 2000]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import torchport.sim  # noqa: F401
+
+
+def bench(fn: Callable[[], object], number: int, repeat: int) -> float:
+    """Median over ``repeat`` runs of the mean time per call, in microseconds."""
+    for _ in range(min(number, 200)):
+        fn()
+    runs = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        runs.append((time.perf_counter() - t0) / number * 1e6)
+    return statistics.median(runs)
+
+
+def cases(device: str) -> dict[str, Callable[[], object]]:
+    a = torch.randn(8, 8, device=device)
+    b = torch.randn(8, 8, device=device)
+    w = torch.randn(8, 8, device=device)
+    idx = torch.tensor([0, 3, 5], device=device)
+    return {
+        "add": lambda: a + b,
+        "mul": lambda: a * b,
+        "view": lambda: a.view(64),
+        "sum": lambda: a.sum(),
+        "linear": lambda: torch.nn.functional.linear(a, w),
+        "index_select": lambda: a.index_select(0, idx),
+        "getitem[idx]": lambda: a[idx],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--number", type=int, default=2000)
+    args = p.parse_args()
+    sim, cpu = cases("sim"), cases("cpu")
+    print(f"torch {torch.__version__}; median of {args.repeat} runs x {args.number} calls; "
+          f"sim memory {'strict' if torchport.sim.runtime.strict else 'host-addressable'}")
+    print(f"{'op':<14}{'sim (us)':>10}{'cpu (us)':>10}{'ratio':>8}{'extra (us)':>12}")
+    for name in sim:
+        ts = bench(sim[name], args.number, args.repeat)
+        tc = bench(cpu[name], args.number, args.repeat)
+        print(f"{name:<14}{ts:>10.2f}{tc:>10.2f}{ts / tc:>8.1f}{ts - tc:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Copies between CPU and device and across devices (issue 2, item 6)."""
+
+import pytest
+import torch
+
+
+def test_to_and_back_bitwise():
+    c = torch.randn(5, 7)
+    assert torch.equal(c.to("sim").cpu(), c)
+    assert torch.equal(c.to("sim:1").to("cpu"), c)
+
+
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_non_blocking(non_blocking):
+    c = torch.randn(64)
+    d = c.to("sim", non_blocking=non_blocking)
+    torch.sim.synchronize()
+    assert torch.equal(d.to("cpu", non_blocking=non_blocking), c)
+
+
+def test_dtype_converting_copies():
+    c = torch.randn(4, 4)
+    assert torch.equal(c.to("sim", torch.float64).cpu(), c.double())
+    assert torch.equal(c.to("sim").to(torch.float16).cpu(), c.half())
+    assert torch.equal(c.to("sim").to("cpu", torch.int32), c.to(torch.int32))
+    d = torch.zeros(4, 4, dtype=torch.float64, device="sim")
+    d.copy_(c)
+    assert torch.equal(d.cpu(), c.double())
+
+
+def test_non_contiguous_source_and_destination():
+    c = torch.randn(6, 4)
+    d = c.to("sim")
+    assert torch.equal(d.t().cpu(), c.t())
+    assert torch.equal(d[:, ::2].cpu(), c[:, ::2])
+    dst = torch.zeros(4, 6, device="sim")
+    dst.t().copy_(c)  # strided destination
+    assert torch.equal(dst.cpu(), c.t())
+    dst2 = torch.zeros(6, 8, device="sim")
+    dst2[:, ::2] = d  # strided slice assignment
+    ref = torch.zeros(6, 8)
+    ref[:, ::2] = c
+    assert torch.equal(dst2.cpu(), ref)
+    out = torch.zeros(4, 6)
+    out.t().copy_(d)  # device -> strided CPU
+    assert torch.equal(out, c.t())
+
+
+def test_across_device_indices():
+    c = torch.randn(3, 5)
+    d0 = c.to("sim:0")
+    d1 = d0.to("sim:1")
+    assert d1.device.index == 1 and torch.equal(d1.cpu(), c)
+    assert torch.equal(d0.t().to("sim:1").cpu(), c.t())
+    e = torch.zeros(3, 5, dtype=torch.float64, device="sim:1")
+    e.copy_(d0)
+    assert torch.equal(e.cpu(), c.double())
+
+
+def test_broadcasting_copy():
+    d = torch.zeros(3, 4, device="sim")
+    d.copy_(torch.arange(4.0))
+    assert torch.equal(d.cpu(), torch.arange(4.0).expand(3, 4))
+
+
+def test_copies_go_through_runtime(sim_backend, monkeypatch):
+    calls = []
+    rt = sim_backend.runtime
+    for name in ("copy_h2d", "copy_d2h"):
+        orig = getattr(rt, name)
+        monkeypatch.setattr(rt, name, lambda *a, _o=orig, _n=name, **k: (calls.append(_n), _o(*a, **k))[1])
+    c = torch.randn(8)
+    d = c.to("sim")
+    if not rt.host_addressable:
+        assert "copy_h2d" in calls
+        calls.clear()
+        d.cpu()
+        assert "copy_d2h" in calls
+    else:
+        assert torch.equal(d.cpu(), c)

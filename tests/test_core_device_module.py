@@ -1,0 +1,121 @@
+"""torch.sim mirrors torch.cuda; registration; visible devices (issue 2, items 3, 9)."""
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import torchport
+from torchport.backends.sim.runtime import SimRuntime
+
+
+def test_module_is_real_and_registered():
+    assert isinstance(torch.sim, types.ModuleType)
+    import torch.sim as again  # noqa: F401  (importable by name)
+    assert torch._C._get_privateuse1_backend_name() == "sim"
+    assert torch.sim.is_available() and torch.sim.device_count() == 2
+
+
+def test_reimport_is_harmless():
+    import importlib
+
+    import torchport.sim as s
+    importlib.reload(s)
+    assert torchport.active_backend() is s.BACKEND
+    assert s.BACKEND.register() is s.BACKEND
+
+
+def test_second_backend_is_clear_error():
+    other = torchport.Backend("npu", SimRuntime(num_devices=1, memory=1 << 20))
+    with pytest.raises(torchport.BackendError, match="already owns PrivateUse1"):
+        other.register()
+
+
+def test_current_device_and_context_managers():
+    assert torch.sim.current_device() == 0
+    with torch.sim.device(1):
+        assert torch.sim.current_device() == 1
+        assert torch.empty(1, device="sim").device.index == 1
+    assert torch.sim.current_device() == 0
+    t = torch.ones(1, device="sim:1")
+    with torch.sim.device_of(t):
+        assert torch.sim.current_device() == 1
+    torch.sim.set_device("sim:1")
+    try:
+        assert torch.zeros(1, device="sim").device.index == 1
+    finally:
+        torch.sim.set_device(0)
+
+
+def test_properties():
+    p = torch.sim.get_device_properties(0)
+    assert p.total_memory == 8 << 30 and "sim" in torch.sim.get_device_name(0)
+    assert torch.sim.get_device_capability() == (p.major, p.minor)
+    torch.sim.synchronize()
+    torch.sim.synchronize(1)
+
+
+def test_invalid_device_index():
+    with pytest.raises(RuntimeError, match="invalid device ordinal 7"):
+        torch.empty(2, device="sim:7")
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.sim.set_device(5)
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.sim.get_device_properties(3)
+
+
+def test_rng_functions():
+    torch.sim.manual_seed(123)
+    a = torch.randn(5, device="sim").cpu()
+    torch.sim.manual_seed(123)
+    b = torch.randn(5, device="sim").cpu()
+    assert torch.equal(a, b)
+    assert torch.sim.initial_seed() == 123
+    cpu_state = torch.get_rng_state()
+    state = torch.sim.get_rng_state()
+    x = torch.rand(3, device="sim").cpu()
+    torch.sim.set_rng_state(state)
+    assert torch.equal(torch.rand(3, device="sim").cpu(), x)
+    assert torch.equal(torch.get_rng_state(), cpu_state)  # the CPU generator did not move
+    torch.manual_seed(7)  # seeds the device too
+    assert torch.sim.initial_seed() == 7
+    states = torch.sim.get_rng_state_all()
+    assert len(states) == 2
+    torch.sim.seed()
+    torch.sim.seed_all()
+    torch.sim.manual_seed_all(3)
+    torch.sim.set_rng_state_all(states)
+
+
+def test_autograd_on_every_device_index():
+    for i in (0, 1):
+        x = torch.randn(4, 3, device=f"sim:{i}", requires_grad=True)
+        (x * x).sum().backward()
+        assert x.grad.device.index == i
+        assert torch.allclose(x.grad.cpu(), 2 * x.detach().cpu())
+
+
+def _run(code, **env):
+    e = dict(os.environ, **env)
+    return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_visible_devices_select_and_renumber():
+    r = _run("import torch, torchport.sim as s; print(torch.sim.device_count(), s.BACKEND.visible)",
+             TORCHPORT_SIM_DEVICES="4", TORCHPORT_VISIBLE_DEVICES="3,1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["2", "[3,", "1]"]
+
+
+def test_sim_settings_from_environment():
+    r = _run("import torch, torchport.sim; print(torch.sim.device_count(), "
+             "torch.sim.get_device_properties(0).total_memory)",
+             TORCHPORT_SIM_DEVICES="3", TORCHPORT_SIM_MEMORY="512MiB")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["3", str(512 << 20)]
+    bad = _run("import torchport.sim", TORCHPORT_SIM_MEMORY="lots")
+    assert bad.returncode != 0 and "TORCHPORT_SIM_MEMORY" in bad.stderr

@@ -1,0 +1,49 @@
+"""Bad input gets a clear exception and leaves inputs intact (issue 2, item 11)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def test_mixing_devices():
+    a = torch.ones(3, device="sim:0")
+    b = torch.ones(3, device="sim:1")
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        a + b
+    with pytest.raises(RuntimeError, match="sim:0 and cpu"):
+        a + torch.ones(3)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.special.bessel_j0(a, out=torch.empty(3, device="sim:1"))
+    assert torch.equal(a.cpu(), torch.ones(3)) and torch.equal(b.cpu(), torch.ones(3))
+    assert (a + torch.tensor(2.0)).device.type == "sim"  # CPU scalars are fine, as on CUDA
+
+
+def test_failed_op_leaves_inputs_intact():
+    a = torch.arange(6.0, device="sim").view(2, 3)
+    with pytest.raises(RuntimeError):
+        a.view(4, 4)
+    with pytest.raises(RuntimeError):
+        a @ torch.ones(2, 2, device="sim")
+    with pytest.raises(RuntimeError):
+        a.add_(torch.ones(4, device="sim"))
+    assert torch.equal(a.cpu(), torch.arange(6.0).view(2, 3))
+
+
+def test_unsupported_dtype_declared_by_runtime():
+    code = """
+import torch
+from torchport.backends.sim import SimRuntime, make_backend
+make_backend(SimRuntime(unsupported_dtypes={torch.float64})).register()
+x = torch.ones(2, device="sim")
+try:
+    x.to(torch.float64)
+except TypeError as e:
+    print("ERR", e)
+print(x.cpu().tolist(), torch.sim.get_amp_supported_dtype())
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "ERR sim does not support torch.float64" in r.stdout
+    assert "[1.0, 1.0]" in r.stdout

@@ -1,0 +1,144 @@
+"""Caching allocator, statistics and OOM (issue 2, item 5)."""
+
+import gc
+
+import pytest
+import torch
+
+from torchport.allocator import K_SMALL_BUFFER, round_size
+
+
+def _fresh():
+    gc.collect()
+    torch.sim.synchronize()
+    torch.sim.empty_cache()
+
+
+def test_allocated_counts_rounded_blocks_and_returns_to_start():
+    _fresh()
+    start = torch.sim.memory_allocated()
+    t = torch.empty(1000, dtype=torch.uint8, device="sim")
+    assert torch.sim.memory_allocated() == start + round_size(1000)
+    assert torch.sim.memory_reserved() >= K_SMALL_BUFFER
+    del t
+    assert torch.sim.memory_allocated() == start
+
+
+def test_block_reuse_no_new_segment():
+    _fresh()
+    t = torch.empty(256, device="sim")
+    ptr = t.data_ptr()
+    reserved = torch.sim.memory_reserved()
+    del t
+    u = torch.empty(256, device="sim")
+    assert u.data_ptr() == ptr
+    assert torch.sim.memory_reserved() == reserved
+
+
+def test_splitting_small_segment():
+    _fresh()
+    a = torch.empty(128, device="sim")
+    b = torch.empty(128, device="sim")
+    assert abs(a.data_ptr() - b.data_ptr()) == 512  # both carved from one 2 MiB segment
+    assert torch.sim.memory_stats()["segment.all.current"] >= 1
+
+
+def test_stats_names_like_cuda():
+    _fresh()
+    torch.sim.reset_peak_memory_stats()
+    x = torch.empty(3 << 20, dtype=torch.uint8, device="sim")
+    st = torch.sim.memory_stats()
+    for key in ("allocated_bytes.all.current", "allocated_bytes.all.peak",
+                "reserved_bytes.all.current", "reserved_bytes.all.peak", "active_bytes.all.current",
+                "active_bytes.all.peak", "allocation.all.allocated", "allocation.all.freed",
+                "num_ooms", "num_alloc_retries", "segment.large_pool.current"):
+        assert key in st
+    assert torch.sim.max_memory_allocated() >= 3 << 20
+    peak = torch.sim.max_memory_allocated()
+    del x
+    assert torch.sim.max_memory_allocated() == peak
+    torch.sim.reset_peak_memory_stats()
+    assert torch.sim.max_memory_allocated() == torch.sim.memory_allocated()
+    assert torch.sim.max_memory_reserved() >= torch.sim.memory_reserved()
+
+
+def test_empty_cache_releases_reserved():
+    _fresh()
+    base = torch.sim.memory_reserved()
+    x = torch.empty(30 << 20, dtype=torch.uint8, device="sim")
+    assert torch.sim.memory_reserved() >= base + (30 << 20)
+    del x
+    torch.sim.empty_cache()
+    assert torch.sim.memory_reserved() == base
+
+
+def test_mem_get_info_and_summary_and_snapshot():
+    _fresh()
+    free, total = torch.sim.mem_get_info()
+    assert total == torch.sim.get_device_properties(0).total_memory and 0 < free <= total
+    x = torch.empty(1 << 20, dtype=torch.uint8, device="sim")  # noqa: F841
+    assert torch.sim.mem_get_info()[0] < free
+    s = torch.sim.memory_summary()
+    assert "Allocated memory" in s and "SIM OOMs" in s
+    snap = torch.sim.memory_snapshot()
+    assert any(b["state"] == "active_allocated" for seg in snap for b in seg["blocks"])
+
+
+def test_oom_message_and_recovery():
+    _fresh()
+    before = torch.sim.memory_stats()["num_ooms"]
+    keep = torch.ones(10, device="sim")
+    with pytest.raises(torch.OutOfMemoryError) as ei:
+        torch.empty(10**12, dtype=torch.uint8, device="sim")
+    msg = str(ei.value)
+    assert "Tried to allocate" in msg and "total capacity" in msg and "reserved" in msg
+    assert torch.sim.memory_stats()["num_ooms"] == before + 1
+    assert torch.sim.memory_stats()["num_alloc_retries"] >= 1
+    assert torch.equal((keep + 1).cpu(), torch.full((10,), 2.0))
+
+
+def test_oom_frees_cache_then_retries():
+    _fresh()
+    total = torch.sim.get_device_properties(1).total_memory
+    big = int(total * 0.6)
+    x = torch.empty(big, dtype=torch.uint8, device="sim:1")
+    del x  # cached, not returned
+    assert torch.sim.memory_reserved(1) >= big
+    y = torch.empty(big + (4 << 20), dtype=torch.uint8, device="sim:1")  # needs the cache freed
+    assert y.numel() == big + (4 << 20)
+    assert torch.sim.memory_stats(1)["num_alloc_retries"] >= 1
+    del y
+    torch.sim.empty_cache()
+
+
+def test_per_process_memory_fraction():
+    _fresh()
+    torch.sim.set_per_process_memory_fraction(0.001, 1)
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="set_per_process_memory_fraction"):
+            torch.empty(64 << 20, dtype=torch.uint8, device="sim:1")
+    finally:
+        torch.sim.set_per_process_memory_fraction(1.0, 1)
+    with pytest.raises(ValueError):
+        torch.sim.set_per_process_memory_fraction(2.0)
+
+
+def test_no_leak_over_training_iterations():
+    _fresh()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4)).to("sim")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(8, 16, device="sim"), torch.randn(8, 4, device="sim")
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    for _ in range(5):
+        step()
+    start_alloc, start_res = torch.sim.memory_allocated(), torch.sim.memory_reserved()
+    for _ in range(1000):
+        step()
+    assert torch.sim.memory_allocated() == start_alloc
+    assert torch.sim.memory_reserved() == start_res
