@@ -82,6 +82,14 @@ UNSUPPORTED_CUDA_APIS: dict[str, str] = {
 #: Qualified-name prefixes of torch APIs reported wherever they are used.
 #: Longest matching prefix wins.
 TORCH_API_FINDINGS: dict[str, tuple[FindingKind, str]] = {
+    "torch.cuda.amp.common": (
+        "unsupported",
+        "torch.cuda.amp.common only checks CUDA availability",
+    ),
+    "torch.cuda.amp.amp_definitely_not_available": (
+        "unsupported",
+        "only checks CUDA availability; use torch.<backend>.is_available()",
+    ),
     "torch.backends.cudnn": (
         "no-effect",
         "cuDNN flags are accepted but have no effect on this backend",
@@ -137,6 +145,33 @@ AMP_CALLABLES: dict[str, Literal["autocast", "device-arg", "device-kw"]] = {
     "custom_bwd": "device-kw",
 }
 
+#: Calls whose first positional argument is a device (``torch.device("cuda")``...).
+DEVICE_FIRST_ARG_CALLS: frozenset[str] = frozenset(
+    {
+        "torch.device",
+        "torch.autocast",
+        "torch.amp.autocast",
+        "torch.amp.autocast_mode.autocast",
+        "torch.amp.GradScaler",
+        "torch.amp.grad_scaler.GradScaler",
+        "torch.amp.is_autocast_available",
+        "torch.set_default_device",
+        "torch.get_autocast_dtype",
+        "torch.set_autocast_dtype",
+        "torch.is_autocast_enabled",
+        "torch.set_autocast_enabled",
+        "torch.get_device_module",
+        "torch.Generator",
+        "torch.Stream",
+        "torch.Event",
+    }
+)
+
+#: torch.utils.cpp_extension entry points that compile sources (reported when given .cu files).
+CPP_EXTENSION_LOADERS: frozenset[str] = frozenset(
+    {"torch.utils.cpp_extension.load", "torch.utils.cpp_extension.load_inline"}
+)
+
 #: Positional order of ``torch.cuda.amp.autocast``; torch.amp.autocast puts
 #: ``device_type`` first and orders the rest differently, so positional
 #: arguments are turned into keywords.
@@ -156,9 +191,12 @@ def _longest_prefix(qname: str, table: Mapping[str, object]) -> str | None:
 def classify_torch_api(qname: str) -> tuple[FindingKind, str] | None:
     """Classify a fully qualified torch name; ``None`` means nothing to report.
 
-    ``torch.cuda.amp`` is handled by dedicated rewrite rules, so it is never a
-    finding here.
+    ``torch.cuda.amp`` is handled by dedicated rewrite rules (it is in the mirror
+    list), so only its CUDA-only corner ``torch.cuda.amp.common`` is a finding.
     """
+    prefix = _longest_prefix(qname, TORCH_API_FINDINGS)
+    if prefix is not None:
+        return TORCH_API_FINDINGS[prefix]
     parts = qname.split(".")
     if parts[:2] == ["torch", "cuda"] and len(parts) >= 3:
         name = parts[2]
@@ -171,9 +209,6 @@ def classify_torch_api(qname: str) -> tuple[FindingKind, str] | None:
             f"torch.cuda.{name} is not in the list of APIs the backend mirror is known "
             "to provide; it was renamed, check that it exists",
         )
-    prefix = _longest_prefix(qname, TORCH_API_FINDINGS)
-    if prefix is not None:
-        return TORCH_API_FINDINGS[prefix]
     return None
 
 
@@ -183,6 +218,7 @@ def classify_module(qname: str) -> str | None:
     return None if prefix is None else UNSUPPORTED_MODULES[prefix]
 
 
-def is_unsupported_cuda_name(name: str) -> bool:
-    """True when ``torch.cuda.<name>`` must be left as is."""
-    return name in UNSUPPORTED_CUDA_APIS
+def is_unsupported(qname: str) -> bool:
+    """True when a reference to ``qname`` must be left as is (no equivalent)."""
+    result = classify_torch_api(qname)
+    return result is not None and result[0] == "unsupported"

@@ -112,6 +112,7 @@ class MigrationResult:
     skipped: list[Skipped] = field(default_factory=list)
     report_files: list[Path] = field(default_factory=list)
     analysis: str | None = None
+    analysis_report: Path | None = None
 
     def add_findings(self, findings: list[Finding]) -> None:
         """File findings into the list matching their kind."""

@@ -1,0 +1,168 @@
+"""Markdown and CSV migration reports.
+
+Markdown is for people reviewing a port (what changed, what still needs a
+human); the CSV carries the same rows for spreadsheets and scripts.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+from torchport.migrate.model import Finding, MigrationResult
+
+MARKDOWN_NAME = "migration_report.md"
+CSV_NAME = "migration_report.csv"
+CSV_COLUMNS = ("category", "file", "line", "column", "rule_or_api", "before", "after", "detail")
+_SNIPPET_LIMIT = 240
+
+
+def write_reports(result: MigrationResult, report_dir: Path) -> list[Path]:
+    """Write ``migration_report.md`` and ``migration_report.csv`` into ``report_dir``."""
+    report_dir.mkdir(parents=True, exist_ok=True)
+    markdown = report_dir / MARKDOWN_NAME
+    table = report_dir / CSV_NAME
+    markdown.write_text(render_markdown(result, report_dir), encoding="utf-8")
+    with table.open("w", encoding="utf-8", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(CSV_COLUMNS)
+        writer.writerows(csv_rows(result))
+    return [markdown, table]
+
+
+def csv_rows(result: MigrationResult) -> list[tuple[str, str, str, str, str, str, str, str]]:
+    """One row per change, finding, failure and skipped path."""
+    rows: list[tuple[str, str, str, str, str, str, str, str]] = []
+    for change in result.changes:
+        rows.append(
+            (
+                "change",
+                change.path,
+                str(change.line),
+                str(change.column),
+                change.rule,
+                change.before,
+                change.after,
+                change.note,
+            )
+        )
+    for category, findings in _finding_groups(result):
+        for finding in findings:
+            rows.append(
+                (
+                    category,
+                    finding.path,
+                    str(finding.line),
+                    str(finding.column),
+                    finding.api,
+                    "",
+                    "",
+                    finding.reason,
+                )
+            )
+    for failure in result.failures:
+        rows.append((f"{failure.kind}-failure", failure.path, "", "", "", "", "", failure.message))
+    for skipped in result.skipped:
+        rows.append(("skipped", skipped.path, "", "", "", "", "", skipped.reason))
+    return rows
+
+
+def _finding_groups(result: MigrationResult) -> list[tuple[str, list[Finding]]]:
+    return [
+        ("unsupported", result.unsupported),
+        ("unknown", result.unknown),
+        ("no-effect", result.no_effect),
+    ]
+
+
+def _cell(text: str) -> str:
+    text = text.replace("\r\n", "\n").replace("\n", " ⏎ ")
+    if len(text) > _SNIPPET_LIMIT:
+        text = text[: _SNIPPET_LIMIT - 1] + "…"
+    return text.replace("|", "\\|")
+
+
+def _code(text: str) -> str:
+    if not text:
+        return ""
+    text = _cell(text)
+    fence = "``" if "`" in text else "`"
+    pad = " " if "`" in text else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def render_markdown(result: MigrationResult, report_dir: Path | None = None) -> str:
+    """The human-readable report; ``report_dir`` makes links relative to it."""
+    backend = result.backend
+    lines = [
+        "# torchport migration report",
+        "",
+        f"- Source: `{result.src}`",
+        ("- Destination: none" if result.dst is None else f"- Destination: `{result.dst}`")
+        + (" (dry run: nothing was written)" if result.dry_run else ""),
+        f"- Backend: `{backend.name}` (import `{backend.module}`, "
+        f"collectives `{backend.collective}`)",
+        "",
+        "## Summary",
+        "",
+        "| | count |",
+        "|---|---:|",
+    ]
+    lines += [f"| {name} | {count} |" for name, count in result.summary.items()]
+    lines += ["", "## Changes", ""]
+    if result.changes:
+        lines += ["| location | rule | before | after | note |", "|---|---|---|---|---|"]
+        for change in result.changes:
+            lines.append(
+                f"| {_cell(change.path)}:{change.line} | {change.rule} | {_code(change.before)} "
+                f"| {_code(change.after)} | {_cell(change.note)} |"
+            )
+    else:
+        lines.append("No changes.")
+    titles = {
+        "unsupported": "Unsupported APIs (left unchanged, need a human)",
+        "unknown": f"Unknown APIs (renamed; `torch.{backend.name}` is not known to provide them)",
+        "no-effect": f"No effect on `{backend.name}` (left unchanged, harmless)",
+    }
+    for category, findings in _finding_groups(result):
+        lines += ["", f"## {titles[category]}", ""]
+        if not findings:
+            lines.append("None.")
+            continue
+        lines += ["| location | API | reason |", "|---|---|---|"]
+        for finding in findings:
+            lines.append(
+                f"| {_cell(finding.path)}:{finding.line} | {_code(finding.api)} "
+                f"| {_cell(finding.reason)} |"
+            )
+    lines += ["", "## Files copied unchanged because they could not be migrated", ""]
+    if result.failures:
+        lines += ["| file | problem | message |", "|---|---|---|"]
+        for failure in result.failures:
+            lines.append(f"| {_cell(failure.path)} | {failure.kind} | {_cell(failure.message)} |")
+    else:
+        lines.append("None.")
+    lines += ["", "## Skipped paths", ""]
+    if result.skipped:
+        lines += ["| path | reason |", "|---|---|"]
+        for skipped in result.skipped:
+            lines.append(f"| {_cell(skipped.path)} | {_cell(skipped.reason)} |")
+    else:
+        lines.append("None.")
+    if result.analysis is not None:
+        lines += ["", "## Coverage analysis", "", _analysis_line(result, report_dir)]
+    return "\n".join(lines) + "\n"
+
+
+def _analysis_line(result: MigrationResult, report_dir: Path | None) -> str:
+    text = result.analysis or ""
+    if result.analysis_report is None:
+        return text
+    target = result.analysis_report
+    if report_dir is not None:
+        try:
+            target = Path(os.path.relpath(target.resolve(), report_dir.resolve()))
+        except ValueError:
+            pass
+    return f"{text}: [{target.name}]({target.as_posix()})"

@@ -1,0 +1,277 @@
+"""Migrate a file or a directory tree into a separate destination.
+
+The walk first builds a plan and checks it (never write into SRC, never follow
+a symlink out of SRC) and only then touches the disk, so a refusal leaves no
+half-written output behind.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import shutil
+import stat
+import tokenize
+from dataclasses import dataclass
+from io import BytesIO
+from pathlib import Path
+from typing import Literal
+
+import libcst as cst
+
+from torchport.migrate.model import (
+    Backend,
+    Failure,
+    MigrationResult,
+    Skipped,
+)
+from torchport.migrate.rewriter import rewrite_source
+
+PYTHON_SUFFIXES = (".py",)
+SKIPPED_DIRS = frozenset({"__pycache__"})
+
+
+class MigrationError(Exception):
+    """A refused or impossible request (bad paths, SRC would be overwritten): a usage error."""
+
+
+@dataclass
+class _Item:
+    kind: Literal["dir", "python", "copy", "symlink"]
+    src: Path
+    dst: Path | None
+    rel: str
+    link: str = ""
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or path.is_relative_to(root)
+
+
+def _resolve(path: Path) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def migrate_path(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str] | None,
+    *,
+    backend: str | Backend = "sim",
+    report_dir: str | os.PathLike[str] | None = None,
+    dry_run: bool = False,
+    analyse: bool = False,
+    entry: str | os.PathLike[str] | None = None,
+) -> MigrationResult:
+    """Migrate ``src`` (a ``.py`` file or a directory tree) into ``dst``.
+
+    With ``dry_run`` nothing is written to ``dst`` (it may be ``None``); the
+    result (and the report, when ``report_dir`` is given) still lists every
+    change.  Raises ``MigrationError`` for refusals such as ``dst`` inside ``src``.
+    """
+    backend = Backend.parse(backend)
+    src_path = Path(src)
+    if not os.path.lexists(src_path):
+        raise MigrationError(f"source {src_path} does not exist")
+    if dst is None and not dry_run:
+        raise MigrationError("an output path (-o DST) is required unless --dry-run is given")
+    src_real = _resolve(src_path)
+    dst_path = None if dst is None else Path(dst)
+    result = MigrationResult(src=src_path, dst=dst_path, backend=backend, dry_run=dry_run)
+
+    if src_real.is_dir():
+        plan = _plan_tree(src_real, dst_path, result)
+    elif src_real.is_file():
+        target = None
+        if dst_path is not None:
+            target = dst_path / src_path.name if dst_path.is_dir() else dst_path
+        plan = [
+            _Item("python" if _is_python(src_real) else "copy", src_real, target, src_path.name)
+        ]
+    else:
+        raise MigrationError(f"source {src_path} is neither a file nor a directory")
+    _check_plan(src_real, dst_path, plan)
+
+    for item in plan:
+        _execute(item, backend, result, dry_run)
+    if not dry_run:
+        _copy_dir_modes(plan)
+    if analyse:
+        result.analysis, result.analysis_report = _analyse(result, plan, entry, report_dir, dry_run)
+    if report_dir is not None:
+        from torchport.migrate.report import write_reports
+
+        result.report_files = write_reports(result, Path(report_dir))
+    return result
+
+
+def _is_python(path: Path) -> bool:
+    return path.suffix in PYTHON_SUFFIXES
+
+
+def _plan_tree(src_real: Path, dst: Path | None, result: MigrationResult) -> list[_Item]:
+    plan: list[_Item] = []
+    for dirpath, dirnames, filenames in os.walk(src_real, followlinks=False):
+        here = Path(dirpath)
+        rel_dir = here.relative_to(src_real)
+        if rel_dir != Path("."):
+            plan.append(
+                _Item("dir", here, None if dst is None else dst / rel_dir, rel_dir.as_posix())
+            )
+        keep_dirs = []
+        for name in sorted(dirnames):
+            full = here / name
+            if full.is_symlink():
+                plan.extend(_plan_symlink(full, src_real, dst, result))
+            elif name not in SKIPPED_DIRS:
+                keep_dirs.append(name)
+        dirnames[:] = keep_dirs
+        for name in sorted(filenames):
+            full = here / name
+            rel = (rel_dir / name).as_posix()
+            target = None if dst is None else dst / rel_dir / name
+            if full.is_symlink():
+                plan.extend(_plan_symlink(full, src_real, dst, result))
+            elif stat.S_ISREG(full.lstat().st_mode):
+                plan.append(_Item("python" if _is_python(full) else "copy", full, target, rel))
+            else:
+                result.skipped.append(Skipped(rel, "not a regular file"))
+    return plan
+
+
+def _plan_symlink(
+    link: Path, src_real: Path, dst: Path | None, result: MigrationResult
+) -> list[_Item]:
+    """Symlinks inside the tree are recreated (relative); ones leaving it are skipped."""
+    rel = link.relative_to(src_real).as_posix()
+    target = _resolve(link)
+    if not _inside(target, src_real):
+        result.skipped.append(Skipped(rel, f"symlink points outside the source tree ({target})"))
+        return []
+    text = os.path.relpath(target, _resolve(link.parent))
+    return [_Item("symlink", link, None if dst is None else dst / rel, rel, link=text)]
+
+
+def _check_plan(src_real: Path, dst: Path | None, plan: list[_Item]) -> None:
+    if dst is None:
+        return
+    dst_real = _resolve(dst)
+    if dst_real == src_real:
+        raise MigrationError(f"refusing to overwrite the source: {dst} is {src_real}")
+    if src_real.is_dir() and _inside(dst_real, src_real):
+        raise MigrationError(f"refusing to write inside the source tree: {dst} is in {src_real}")
+    for item in plan:
+        if item.dst is not None and _inside(_resolve(item.dst), src_real):
+            raise MigrationError(f"refusing to overwrite the source: {item.dst} is in {src_real}")
+
+
+def _execute(item: _Item, backend: Backend, result: MigrationResult, dry_run: bool) -> None:
+    if item.kind == "dir":
+        if not dry_run and item.dst is not None:
+            item.dst.mkdir(parents=True, exist_ok=True)
+        return
+    if item.kind == "symlink":
+        if not dry_run and item.dst is not None:
+            item.dst.parent.mkdir(parents=True, exist_ok=True)
+            if os.path.lexists(item.dst):
+                item.dst.unlink()
+            os.symlink(item.link, item.dst)
+        return
+    if not os.access(item.src, os.R_OK):
+        result.skipped.append(Skipped(item.rel, "not readable"))
+        return
+    new_bytes: bytes | None = None
+    if item.kind == "python":
+        result.files_scanned += 1
+        new_bytes = _migrate_python(item, backend, result)
+    else:
+        result.files_copied += 1
+    if dry_run or item.dst is None:
+        return
+    item.dst.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(item.dst) and item.dst.is_symlink():
+        item.dst.unlink()
+    if new_bytes is None:
+        shutil.copy2(item.src, item.dst)
+    else:
+        item.dst.write_bytes(new_bytes)
+        shutil.copymode(item.src, item.dst)
+
+
+def _migrate_python(item: _Item, backend: Backend, result: MigrationResult) -> bytes | None:
+    """Rewrite one file; ``None`` means "copy it unchanged"."""
+    data = item.src.read_bytes()
+    try:
+        encoding, _ = tokenize.detect_encoding(BytesIO(data).readline)
+        data.decode(encoding)
+    except (SyntaxError, UnicodeDecodeError, LookupError) as exc:
+        result.failures.append(Failure(item.rel, "decode", f"cannot decode: {exc}"))
+        return None
+    try:
+        outcome = rewrite_source(data, backend, path=item.rel)
+    except cst.ParserSyntaxError as exc:
+        detail = exc.message.splitlines()[0] if exc.message else "syntax error"
+        message = f"line {exc.editor_line}: {detail}"
+        result.failures.append(Failure(item.rel, "parse", message))
+        return None
+    except (SyntaxError, UnicodeError) as exc:
+        result.failures.append(Failure(item.rel, "decode", str(exc)))
+        return None
+    except Exception as exc:  # a rewriter bug must not abort a whole tree
+        result.failures.append(Failure(item.rel, "error", f"{type(exc).__name__}: {exc}"))
+        return None
+    result.add_findings(outcome.findings)
+    if not outcome.changes:
+        return None
+    result.changes.extend(outcome.changes)
+    result.files_changed.append(item.rel)
+    assert isinstance(outcome.code, bytes)
+    return outcome.code
+
+
+def _copy_dir_modes(plan: list[_Item]) -> None:
+    # Deepest first, and after the files: a read-only source dir stays writable until then.
+    for item in sorted(plan, key=lambda i: i.rel.count("/"), reverse=True):
+        if item.kind == "dir" and item.dst is not None:
+            shutil.copymode(item.src, item.dst)
+
+
+def _analyse(
+    result: MigrationResult,
+    plan: list[_Item],
+    entry: str | os.PathLike[str] | None,
+    report_dir: str | os.PathLike[str] | None,
+    dry_run: bool,
+) -> tuple[str, Path | None]:
+    """Glue to torchport.debug.coverage, which runs the migrated script and reports op coverage.
+
+    Returns a one-line outcome for the report and, when the coverage tool
+    returned a path to its own report, that path (so the report can link it).
+    """
+    try:
+        from torchport.debug.coverage import run_script_coverage  # type: ignore[import-not-found]
+    except ImportError:
+        return "not available: torchport.debug.coverage.run_script_coverage is missing", None
+    if dry_run:
+        return "skipped: nothing is written in a dry run", None
+    script: Path | None = None
+    if not _resolve(result.src).is_dir():
+        script = plan[0].dst  # a single migrated file is its own entry script
+    elif entry is not None and result.dst is not None:
+        script = result.dst / entry
+    if script is None:
+        return "skipped: name the entry script (relative to SRC) with --entry", None
+    kwargs: dict[str, object] = {}
+    try:
+        parameters = inspect.signature(run_script_coverage).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    if report_dir is not None and "report_dir" in parameters:
+        kwargs["report_dir"] = Path(report_dir)
+    try:
+        report = run_script_coverage(script, **kwargs)
+    except Exception as exc:  # advisory only: the migration itself succeeded
+        return f"failed on {script}: {type(exc).__name__}: {exc}", None
+    path = Path(report) if isinstance(report, (str, os.PathLike)) else None
+    if path is not None and path.exists():
+        return f"coverage of {script}", path
+    return f"coverage of {script}: {report}", None
