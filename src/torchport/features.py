@@ -5,4 +5,8 @@ to ``torch.<device>`` (streams, amp, ...). Append-only: one line per layer.
 """
 
 FEATURE_MODULES: list[str] = [
+    "torchport.distributed",
+    "torchport.streams",
+    "torchport.amp",
+    "torchport.transfer_env",
 ]

@@ -18,10 +18,13 @@ from __future__ import annotations
 import bisect
 import ctypes
 import os
+import queue
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -85,6 +88,67 @@ class SimEvent:
     blocking: bool = False
     recorded: bool = False
     timestamp: float = 0.0
+    worker: _Worker | None = None  # asynchronous mode: the stream it was recorded on
+    seq: int = 0  # ... and the ticket of its marker on that stream
+
+
+class SimAsyncError(RuntimeError):
+    """Work queued on a sim stream failed; raised at the next synchronising call."""
+
+
+class _Worker:
+    """One sim stream in asynchronous mode: a thread running its work in issue order.
+
+    ``submitted``/``completed`` count tickets; the first failure is kept (with the
+    op's name) until a synchronising call reports it; later work still runs, so the
+    device stays usable."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.q: queue.SimpleQueue[tuple[int, Callable[[], Any], str]] = queue.SimpleQueue()
+        self.cv = threading.Condition()
+        self.submitted = 0
+        self.completed = 0
+        self.error: tuple[str, BaseException] | None = None
+        self.thread = threading.Thread(target=self._loop, name=f"torchport-{label}", daemon=True)
+        self.thread.start()
+
+    def submit(self, fn: Callable[[], Any], name: str) -> int:
+        with self.cv:
+            self.submitted += 1
+            ticket = self.submitted
+        self.q.put((ticket, fn, name))
+        return ticket
+
+    def _loop(self) -> None:
+        while True:
+            ticket, fn, name = self.q.get()
+            try:
+                fn()
+            except BaseException as exc:  # reported at the next synchronising call
+                with self.cv:
+                    if self.error is None:
+                        self.error = (name, exc)
+            with self.cv:
+                self.completed = ticket
+                self.cv.notify_all()
+
+    def done(self, ticket: int | None = None) -> bool:
+        return self.completed >= (self.submitted if ticket is None else ticket)
+
+    def wait(self, ticket: int | None = None) -> None:
+        with self.cv:
+            target = self.submitted if ticket is None else ticket
+            self.cv.wait_for(lambda: self.completed >= target)
+
+    def raise_error(self) -> None:
+        with self.cv:
+            err, self.error = self.error, None
+        if err is not None:
+            name, exc = err
+            raise SimAsyncError(f"sim: {name or 'work'} failed asynchronously on {self.label}: "
+                                f"{type(exc).__name__}: {exc} (set TORCHPORT_LAUNCH_BLOCKING=1 "
+                                f"to get the error where the op is called)") from exc
 
 
 class SimRuntime(Runtime):
@@ -107,6 +171,10 @@ class SimRuntime(Runtime):
         self._devices = [_Device(capacity=memory) for _ in range(num_devices)]
         self._lock = threading.Lock()
         self._next_stream = 1
+        # Asynchronous streams (opt-in until every kernel launches through launch()).
+        self.asynchronous = _env_flag("TORCHPORT_SIM_ASYNC") and \
+            not _env_flag("TORCHPORT_LAUNCH_BLOCKING")
+        self._workers: dict[tuple[int, int], _Worker] = {}
 
     # ---- devices -------------------------------------------------------------
     def device_count(self) -> int:
@@ -126,6 +194,11 @@ class SimRuntime(Runtime):
 
     def synchronize(self, index: int) -> None:
         self._dev(index)
+        workers = [w for (i, _), w in list(self._workers.items()) if i == index]
+        for w in workers:
+            w.wait()
+        for w in workers:
+            w.raise_error()
 
     # ---- memory --------------------------------------------------------------
     def malloc(self, index: int, nbytes: int) -> int | None:
@@ -211,7 +284,27 @@ class SimRuntime(Runtime):
             self.launch(index, stream, lambda: ctypes.memset(
                 self._host_ptr(index, ptr, nbytes), value, nbytes), "memset")
 
-    # ---- streams -------------------------------------------------------------
+    # ---- streams ----------------------------------------------------------------
+    def _worker(self, index: int, stream: SimStream | None) -> _Worker:
+        key = (index, 0 if stream is None else stream.handle_id)
+        w = self._workers.get(key)
+        if w is None:
+            with self._lock:
+                w = self._workers.get(key)
+                if w is None:
+                    label = f"sim:{index} stream {key[1]}"
+                    w = self._workers[key] = _Worker(label)
+        return w
+
+    def launch(self, index: int, stream: SimStream | None, fn: Callable[[], Any],
+               name: str = "") -> None:
+        """Run ``fn`` in order on ``stream``: now, or on the stream's worker thread."""
+        if not self.asynchronous:
+            fn()
+            return
+        self._dev(index)
+        self._worker(index, stream).submit(fn, name)
+
     def create_stream(self, index: int, priority: int = 0) -> SimStream:
         self._dev(index)
         with self._lock:
@@ -222,13 +315,19 @@ class SimRuntime(Runtime):
     def destroy_stream(self, index: int, stream: SimStream) -> None:
         self.synchronize_stream(index, stream)
 
-    def synchronize_stream(self, index: int, stream) -> None:
+    def synchronize_stream(self, index: int, stream: SimStream | None) -> None:
         self._dev(index)
+        if self.asynchronous:
+            w = self._worker(index, stream)
+            w.wait()
+            w.raise_error()
 
-    def query_stream(self, index: int, stream) -> bool:
-        return True
+    def query_stream(self, index: int, stream: SimStream | None) -> bool:
+        if not self.asynchronous:
+            return True
+        return self._worker(index, stream).done()
 
-    # ---- events --------------------------------------------------------------
+    # ---- events ----------------------------------------------------------------
     def create_event(self, index: int, enable_timing: bool = False, blocking: bool = False) -> SimEvent:
         self._dev(index)
         return SimEvent(index=index, enable_timing=enable_timing, blocking=blocking)
@@ -236,17 +335,29 @@ class SimRuntime(Runtime):
     def destroy_event(self, index: int, event: SimEvent) -> None:
         pass
 
-    def record_event(self, index: int, event: SimEvent, stream) -> None:
-        self.launch(index, stream, lambda: _stamp(event), "record_event")
+    def record_event(self, index: int, event: SimEvent, stream: SimStream | None) -> None:
+        if not self.asynchronous:
+            _stamp(event)
+            return
+        w = self._worker(index, stream)
+        event.worker, event.seq = w, w.submit(lambda: _stamp(event), "record_event")
 
-    def stream_wait_event(self, index: int, stream, event: SimEvent) -> None:
+    def stream_wait_event(self, index: int, stream: SimStream | None, event: SimEvent) -> None:
         self._dev(index)
+        src, seq = event.worker, event.seq
+        if not self.asynchronous or src is None:
+            return
+        target = self._worker(index, stream)
+        if target is not src:
+            target.submit(lambda: src.wait(seq), "stream_wait_event")
 
     def synchronize_event(self, index: int, event: SimEvent) -> None:
-        pass
+        if event.worker is not None:
+            event.worker.wait(event.seq)
+            event.worker.raise_error()
 
     def query_event(self, index: int, event: SimEvent) -> bool:
-        return True
+        return event.worker is None or event.worker.done(event.seq)
 
     def event_elapsed_time(self, index: int, start: SimEvent, end: SimEvent) -> float:
         for e in (start, end):

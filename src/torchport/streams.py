@@ -1,0 +1,315 @@
+"""Streams and events on ``torch.<device>``, mirroring ``torch.cuda``.
+
+A :class:`Stream` is a ``torch.Stream`` (so ``Tensor.record_stream`` and code
+that type-checks streams accept it) whose runtime handle comes from
+:meth:`Runtime.create_stream`; stream id 0 is the device's default stream
+(runtime handle ``None``). The current stream is per thread and per device, as
+in CUDA; :meth:`Backend.current_stream_handle` asks this layer for it, so new
+allocations and ``non_blocking`` copies go to the current stream.
+
+Stream-aware freeing: ``tensor.record_stream(s)`` marks the tensor's allocator
+block as used by ``s``; when the tensor dies, the allocator records one event
+per such stream and keeps the block out of every pool until they completed,
+so no other stream is handed memory that pending work still reads.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchport import device_module
+
+if TYPE_CHECKING:
+    from torchport.backend import Backend
+
+_DEVICE_TYPE_PRIVATEUSE1 = 20  # c10::DeviceType::PrivateUse1
+
+
+class _StreamState:
+    """Per-backend stream bookkeeping: default streams, ids, per-thread current streams."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.lock = threading.Lock()
+        self.next_id = 1
+        self.by_id: dict[tuple[int, int], Any] = {}  # (logical index, stream id) -> Stream
+        self.tls = threading.local()
+        self.defaults: list[Any] = []
+
+    def current(self, index: int) -> Any:
+        cur: dict[int, Any] | None = getattr(self.tls, "current", None)
+        if cur is not None and index in cur:
+            return cur[index]
+        return self.defaults[index]
+
+    def set_current(self, stream: Any) -> None:
+        cur = getattr(self.tls, "current", None)
+        if cur is None:
+            cur = self.tls.current = {}
+        cur[stream.device_index] = stream
+
+
+def _make(mod: types.ModuleType, b: Backend) -> None:
+    """Add Stream, Event and the stream functions to the device module ``mod``."""
+    state = _StreamState(b)
+    rt = b.runtime
+    name = b.name
+
+    def _index(device: Any) -> int:
+        if device is None or (isinstance(device, str) and device == name):
+            return b.current_device()
+        if isinstance(device, torch.Stream):
+            return device.device_index
+        return b.index_of(device)
+
+    class Stream(torch.Stream):
+        """A queue of device work executing in issue order (``torch.cuda.Stream``).
+
+        Lower ``priority`` runs first, as in CUDA. Streams are never destroyed
+        (CUDA pools them too), so a stream object may be recreated freely."""
+
+        handle: Any
+
+        def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Stream:
+            idx = _index(device)
+            if "stream_id" in kwargs:  # internal: wrap an existing id
+                sid = int(kwargs["stream_id"])
+                handle = kwargs.get("_handle")
+            else:
+                handle = rt.create_stream(b.phys(idx), int(priority))
+                with state.lock:
+                    sid = state.next_id
+                    state.next_id += 1
+            self = super().__new__(cls, stream_id=sid, device_index=idx,
+                                   device_type=_DEVICE_TYPE_PRIVATEUSE1)
+            self.handle = handle
+            self._priority = int(priority)
+            state.by_id[(idx, sid)] = self
+            return self
+
+        def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+            pass
+
+        @property
+        def priority(self) -> int:
+            return self._priority
+
+        @property
+        def _phys(self) -> int:
+            return b.phys(self.device_index)
+
+        def query(self) -> bool:
+            """True when all work queued on this stream has finished."""
+            return bool(rt.query_stream(self._phys, self.handle))
+
+        def synchronize(self) -> None:
+            """Block the host until this stream's work finished (re-raises its errors)."""
+            rt.synchronize_stream(self._phys, self.handle)
+
+        def wait_event(self, event: Event) -> None:
+            """Make future work on this stream wait for ``event`` (no host block)."""
+            event.wait(self)
+
+        def wait_stream(self, stream: Stream) -> None:
+            """Make future work on this stream wait for work queued so far on ``stream``."""
+            self.wait_event(stream.record_event())
+
+        def record_event(self, event: Event | None = None) -> Event:
+            """Record ``event`` (a new one when ``None``) on this stream and return it."""
+            if event is None:
+                event = Event()
+            event.record(self)
+            return event
+
+        def __eq__(self, other: object) -> bool:
+            return (isinstance(other, torch.Stream) and other.device_type == self.device_type
+                    and other.device_index == self.device_index
+                    and other.stream_id == self.stream_id)
+
+        def __hash__(self) -> int:
+            return hash((self.device_type, self.device_index, self.stream_id))
+
+        def __repr__(self) -> str:
+            return f"<torch.{name}.Stream device={name}:{self.device_index} stream_id={self.stream_id}>"
+
+    class Event:
+        """A marker in a stream's work (``torch.cuda.Event``); bound to a device at first
+        :meth:`record`. Before that, ``query`` is True and ``wait``/``synchronize`` no-ops."""
+
+        def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                     interprocess: bool = False) -> None:
+            if interprocess:
+                raise NotImplementedError(f"{name} events cannot be shared between processes")
+            self.enable_timing = enable_timing
+            self.blocking = blocking
+            self.device_index: int | None = None
+            self.handle: Any = None
+
+        @property
+        def device(self) -> torch.device | None:
+            return None if self.device_index is None else torch.device(name, self.device_index)
+
+        def record(self, stream: Stream | None = None) -> None:
+            """Capture the work queued so far on ``stream`` (default: current stream)."""
+            if stream is None:
+                stream = current_stream()
+            if self.device_index is None:
+                self.device_index = stream.device_index
+                self.handle = rt.create_event(b.phys(stream.device_index), self.enable_timing,
+                                              self.blocking)
+            elif self.device_index != stream.device_index:
+                raise RuntimeError(
+                    f"Event device {name}:{self.device_index} does not match recording stream's "
+                    f"device {name}:{stream.device_index}")
+            rt.record_event(b.phys(self.device_index), self.handle, stream.handle)
+
+        def wait(self, stream: Stream | None = None) -> None:
+            """Make future work on ``stream`` (default: current) wait for this event."""
+            if stream is None:
+                stream = current_stream()
+            if self.handle is not None:
+                rt.stream_wait_event(b.phys(stream.device_index), stream.handle, self.handle)
+
+        def query(self) -> bool:
+            """True when the captured work completed (or the event was never recorded)."""
+            if self.handle is None:
+                return True
+            return bool(rt.query_event(b.phys(self.device_index), self.handle))
+
+        def synchronize(self) -> None:
+            """Block the host until the captured work completed."""
+            if self.handle is not None:
+                rt.synchronize_event(b.phys(self.device_index), self.handle)
+
+        def elapsed_time(self, end_event: Event) -> float:
+            """Milliseconds from this event to ``end_event`` (both timing, recorded, done)."""
+            if self.handle is None or end_event.handle is None:
+                raise RuntimeError("Both events must be recorded before calculating elapsed time")
+            if not (self.enable_timing and end_event.enable_timing):
+                raise RuntimeError("Both events must be created with enable_timing=True "
+                                   "to measure elapsed time")
+            self.synchronize()
+            end_event.synchronize()
+            return float(rt.event_elapsed_time(b.phys(self.device_index), self.handle,
+                                               end_event.handle))
+
+        def ipc_handle(self) -> Any:
+            raise NotImplementedError(f"{name} events cannot be shared between processes")
+
+        def __repr__(self) -> str:
+            return f"<torch.{name}.Event {'recorded' if self.handle is not None else 'uninitialized'}>"
+
+    for i in range(b.device_count()):
+        state.defaults.append(Stream(i, stream_id=0, _handle=None))
+
+    def current_stream(device: Any = None) -> Stream:
+        """The stream new work on ``device`` (default: current device) goes to."""
+        return state.current(_index(device))
+
+    def default_stream(device: Any = None) -> Stream:
+        """The default stream of ``device``."""
+        return state.defaults[_index(device)]
+
+    def set_stream(stream: Stream | None) -> None:
+        """Make ``stream`` the current stream of its device (``None``: no-op)."""
+        if stream is None:
+            return
+        state.set_current(_own(stream))
+
+    def _own(stream: Any) -> Stream:
+        if isinstance(stream, Stream):
+            return stream
+        if isinstance(stream, torch.Stream) and stream.device_type == _DEVICE_TYPE_PRIVATEUSE1:
+            found = state.by_id.get((stream.device_index, stream.stream_id))
+            if found is not None:
+                return found
+        raise TypeError(f"expected a torch.{name}.Stream, got {stream!r}")
+
+    class StreamContext:
+        """Context manager that makes ``stream`` current on its device (``None``: no-op)."""
+
+        def __init__(self, stream: Stream | None) -> None:
+            self.stream = stream
+            self.prev: Stream | None = None
+
+        def __enter__(self) -> Stream | None:
+            if self.stream is not None:
+                self.prev = current_stream(self.stream.device_index)
+                set_stream(self.stream)
+            return self.stream
+
+        def __exit__(self, *exc: Any) -> bool:
+            if self.stream is not None and self.prev is not None:
+                set_stream(self.prev)
+            return False
+
+    def stream(stream: Stream | None) -> StreamContext:
+        """``with torch.<device>.stream(s):`` -- run the block's work on ``s``."""
+        return StreamContext(stream)
+
+    mod.Stream = Stream
+    mod.Event = Event
+    mod.StreamContext = StreamContext
+    mod.current_stream = current_stream
+    mod.default_stream = default_stream
+    mod.set_stream = set_stream
+    mod.stream = stream
+    mod._stream_state = state
+
+    b.stream_hook = lambda index: state.current(index).handle
+    _install_stream_freeing(b)
+    _register_record_stream(b, _own)
+
+
+def _install_stream_freeing(b: Backend) -> None:
+    """Give each allocator the hooks that defer frees until recorded streams finish."""
+    rt = b.runtime
+
+    def record_free_events(uses: list[Any]) -> list[tuple[int, Any]]:
+        events = []
+        for s in uses:
+            phys = b.phys(s.device_index)
+            ev = rt.create_event(phys)
+            rt.record_event(phys, ev, s.handle)
+            events.append((phys, ev))
+        return events
+
+    def event_query(e: tuple[int, Any]) -> bool:
+        return bool(rt.query_event(e[0], e[1]))
+
+    def event_release(e: tuple[int, Any]) -> None:
+        rt.destroy_event(e[0], e[1])
+
+    for a in b.allocators:
+        a.record_free_events = record_free_events
+        a.event_query = event_query
+        a.event_release = event_release
+
+
+def _register_record_stream(b: Backend, own: Any) -> None:
+    """``Tensor.record_stream`` for device tensors: remember the stream on the block."""
+
+    def record_stream(self: torch.Tensor, s: torch.Stream) -> None:
+        stream = own(s)
+        st = self.untyped_storage()
+        if st.nbytes() == 0:
+            return
+        alloc = b.allocator(self.device.index)
+        with alloc.lock:
+            block = alloc.active.get(st.data_ptr())
+            if block is None:
+                return  # memory not from this allocator (nothing to protect)
+            if stream.device_index == self.device.index and stream.handle is block.stream:
+                return  # the allocation stream is ordered already
+            block.stream_uses.add(stream)
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("record_stream", record_stream, "PrivateUse1")
+    b._libs.append(lib)
+
+
+device_module.extend(_make)
