@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import atexit
+import gc
 import os
 import threading
 import time
@@ -492,9 +493,14 @@ _LIVENESS: weakref.WeakSet[_Liveness] = weakref.WeakSet()
 
 
 @atexit.register
-def _stop_heartbeats() -> None:
+def _shutdown() -> None:
+    """Stop heartbeats, then release Gloo groups from the main thread, before interpreter
+    teardown destroys them in arbitrary order."""
     for lv in list(_LIVENESS):
         lv.close()
+        lv.thread.join(timeout=2 * lv.PERIOD)
+    _KEEP_ALIVE.clear()
+    gc.collect()
 
 
 # ---- the c10d process group -----------------------------------------------------------
