@@ -99,7 +99,9 @@ class HostCall:
             if v.device.type != self.backend.name:
                 return v
             if write and self.plan.is_inplace_or_out and v.numel() == 0:
-                c = torch.empty(0, dtype=v.dtype)  # an empty out= grows on CPU, then on device
+                # An empty out= grows on CPU, then on device; an empty in-place
+                # argument keeps its shape (rand_like of a (0, 5, 0) tensor).
+                c = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
             else:
                 c = self.to_cpu(v)
             self.views.append((v, c))
