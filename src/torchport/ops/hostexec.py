@@ -104,6 +104,11 @@ class HostCall:
                 c = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
             else:
                 c = self.to_cpu(v)
+                # Raw-memory views drop the lazy conjugate/negative bits: put them back.
+                if v.is_conj():
+                    c = c.conj()
+                if v.is_neg():
+                    c = torch._neg_view(c)
             self.views.append((v, c))
             return c
         if isinstance(v, (list, tuple)) and v and any(isinstance(x, Tensor) for x in v):
