@@ -1,21 +1,252 @@
-"""The CPU fallback: every op without a device kernel runs on the CPU.
+"""The CPU fallback, and the control of which path an op takes.
 
-Registered as PrivateUse1's boxed fallback. It is the path DIPU and torch_npu
-take for unsupported ops, made schema-exact by :mod:`torchport.ops.hostexec`.
+Registered as PrivateUse1's boxed fallback: every op without a device kernel
+runs on the CPU (the path DIPU and torch_npu take for unsupported ops), made
+schema-exact by :mod:`torchport.ops.hostexec`. Before falling back, an op with
+a ``torch._decomp`` decomposition into device kernels is decomposed instead
+(:mod:`torchport.ops.paths`).
+
+Controls (environment variables, read when the backend registers; also
+settable at run time):
+
+* ``TORCHPORT_FORCE_FALLBACK_OPS`` -- comma-separated regular expressions,
+  matched in full against overload names (``add.out``, ``.*\\.Scalar``): those
+  ops run on the CPU even when a kernel exists (bisecting a wrong kernel, as
+  DIPU's ``DIPU_FORCE_FALLBACK_OPS_LIST``). :func:`set_force_fallback`.
+* ``TORCHPORT_FALLBACK=0`` -- no CPU fallback: an op without a kernel raises
+  :class:`NotImplementedError` naming it and its dtypes. :func:`set_fallback_enabled`.
+* ``TORCHPORT_FALLBACK_WARN=0`` -- silence the one :class:`FallbackWarning` per op
+  that first falls back. :func:`set_fallback_warn`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import re
+import time
+import warnings
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from torchport.ops import hostexec
+import torch
+
+from torchport.ops import hostexec, paths, stats
+from torchport.ops.plan import plan_for
 
 if TYPE_CHECKING:
     from torchport.backend import Backend
 
 
-def make_fallback(backend: Backend) -> Callable[..., Any]:
-    def fallback(keyset: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+class FallbackWarning(UserWarning):
+    """An op ran on the CPU because the device has no kernel for it."""
+
+
+class Route:
+    """Per-overload switch read by a native kernel's wrapper (precomputed, cheap)."""
+
+    __slots__ = ("forced", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.forced = False
+
+
+# ---- state ------------------------------------------------------------------
+SLOW = False  # True when any op is forced or op statistics record: kernels take the slow path
+_PATTERNS: list[re.Pattern[str]] = []
+_ROUTES: dict[str, Route] = {}  # overload name -> route of a native kernel
+_FORCED_CACHE: dict[str, bool] = {}
+_ENABLED = os.environ.get("TORCHPORT_FALLBACK", "1") != "0"
+_WARN = os.environ.get("TORCHPORT_FALLBACK_WARN", "1") != "0"
+_WARNED: set[str] = set()
+
+
+def _refresh_slow() -> None:
+    global SLOW
+    SLOW = bool(_PATTERNS) or stats.ENABLED
+
+
+stats.on_change(_refresh_slow)
+_refresh_slow()  # TORCHPORT_OP_STATS=1 may have started recording already
+
+
+def parse_patterns(text: str | None) -> list[str]:
+    """``"add.out, .*\\.Scalar"`` -> ``["add.out", ".*\\.Scalar"]``."""
+    if not text:
+        return []
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def set_force_fallback(patterns: Iterable[str] | str | None) -> list[str]:
+    """Force overloads whose name fully matches a pattern to the CPU; returns the old patterns.
+
+    ``None`` or ``[]`` clears. A string is split on commas like the env variable."""
+    global _PATTERNS
+    if isinstance(patterns, str):
+        patterns = parse_patterns(patterns)
+    old = [p.pattern for p in _PATTERNS]
+    compiled = []
+    for p in patterns or ():
+        try:
+            compiled.append(re.compile(p))
+        except re.error as e:
+            raise ValueError(f"TORCHPORT_FORCE_FALLBACK_OPS: bad regular expression {p!r}: {e}") \
+                from None
+    _PATTERNS = compiled
+    _FORCED_CACHE.clear()
+    for r in _ROUTES.values():
+        r.forced = is_forced(r.name)
+    paths.forget_decisions()
+    _refresh_slow()
+    return old
+
+
+def force_fallback_patterns() -> list[str]:
+    """The current forced-fallback patterns."""
+    return [p.pattern for p in _PATTERNS]
+
+
+def is_forced(name: str) -> bool:
+    """Is overload ``name`` (``"add.out"``) forced to the CPU?"""
+    if not _PATTERNS:
+        return False
+    v = _FORCED_CACHE.get(name)
+    if v is None:
+        v = _FORCED_CACHE[name] = any(p.fullmatch(name) for p in _PATTERNS)
+    return v
+
+
+def set_fallback_enabled(enabled: bool) -> bool:
+    """Allow (True) or forbid (False) the CPU fallback; returns the old setting."""
+    global _ENABLED
+    old, _ENABLED = _ENABLED, bool(enabled)
+    return old
+
+
+def set_fallback_warn(warn: bool) -> bool:
+    """Warn (once per op) when an op falls back; returns the old setting."""
+    global _WARN
+    old, _WARN = _WARN, bool(warn)
+    return old
+
+
+def route_for(name: str) -> Route:
+    """The route of a native kernel (made at registration)."""
+    r = _ROUTES.get(name)
+    if r is None:
+        r = _ROUTES[name] = Route(name)
+        r.forced = is_forced(name)
+    return r
+
+
+def load_env() -> None:
+    """Read ``TORCHPORT_FORCE_FALLBACK_OPS`` (at backend registration)."""
+    text = os.environ.get("TORCHPORT_FORCE_FALLBACK_OPS")
+    if text:
+        set_force_fallback(parse_patterns(text))
+
+
+# ---- paths ------------------------------------------------------------------
+def _dtype_text(args: tuple, kwargs: dict) -> str:
+    ds = stats._dtypes(args, kwargs)
+    return ", ".join(str(d).removeprefix("torch.") for d in ds) or "no tensors"
+
+
+def run_cpu(backend: Backend, op: Any, name: str, args: tuple, kwargs: dict,
+            forced: bool = False) -> Any:
+    """The CPU fallback proper (raises when it is turned off and the op is not forced)."""
+    if not forced:
+        if not _ENABLED:
+            raise NotImplementedError(
+                f"{name} ({_dtype_text(args, kwargs)}) has no {backend.name} kernel and the CPU "
+                f"fallback is off (TORCHPORT_FALLBACK=0); add a kernel or enable the fallback")
+        if _WARN and name not in _WARNED:
+            _WARNED.add(name)
+            warnings.warn(
+                f"{name} ({_dtype_text(args, kwargs)}) has no {backend.name} kernel; running it "
+                f"on the CPU (TORCHPORT_FALLBACK_WARN=0 silences this)", FallbackWarning,
+                stacklevel=2)
+    if not stats.ENABLED:
         return hostexec.run_on_host(backend, op, args, kwargs)
+    t0 = time.perf_counter()
+    try:
+        return hostexec.run_on_host(backend, op, args, kwargs)
+    finally:
+        stats.add(name, "fallback", args, kwargs, time.perf_counter() - t0)
+
+
+def next_path(backend: Backend, op: Any, name: str, args: tuple, kwargs: dict) -> Any:
+    """No usable kernel: a decomposition into device kernels, else the CPU."""
+    forced = is_forced(name)
+    if not forced:
+        d = paths.decomposition_for(op, backend.name, args, kwargs, is_forced)
+        if d is not None:
+            if not stats.ENABLED:
+                return _run_decomposition(op, d, args, kwargs)
+            t0 = time.perf_counter()
+            try:
+                return _run_decomposition(op, d, args, kwargs)
+            finally:
+                stats.add(name, "decomposed", args, kwargs, time.perf_counter() - t0)
+    return run_cpu(backend, op, name, args, kwargs, forced)
+
+
+def _run_decomposition(op: Any, d: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Run a decomposition; its result must land in the op's ``out=``/in-place arguments.
+
+    Some ``.out`` decompositions (those wrapped to compute in a wider dtype) fill a
+    converted copy of ``out`` and return a new tensor; copy it where the schema says."""
+    r = d(*args, **kwargs)
+    plan = plan_for(op)
+    if not plan.write_args:
+        return r
+    if plan.num_returns == 1:
+        return _land(r, plan.return_alias[0], plan.arg_names, args, kwargs)
+    return tuple(_land(x, a, plan.arg_names, args, kwargs)
+                 for x, a in zip(r, plan.return_alias, strict=True))
+
+
+def _land(r: Any, alias: str | None, names: tuple[str, ...], args: tuple, kwargs: dict) -> Any:
+    if alias is None or not isinstance(r, torch.Tensor):
+        return r
+    target = kwargs[alias] if alias in kwargs else args[names.index(alias)]
+    if r is target:
+        return target
+    if target.shape != r.shape:
+        target.resize_(r.shape)
+    target.copy_(r)
+    return target
+
+
+def run_native_slow(backend: Backend, op: Any, route: Route, fn: Callable[..., Any],
+                    args: tuple, kwargs: dict, Decline: type[Exception]) -> Any:
+    """A native kernel's call while ops are forced or recorded."""
+    if route.forced:
+        return run_cpu(backend, op, route.name, args, kwargs, forced=True)
+    t0 = time.perf_counter()
+    try:
+        result = fn(*args, **kwargs)
+    except Decline:
+        if stats.ENABLED:
+            stats.add_decline(route.name)
+        return next_path(backend, op, route.name, args, kwargs)
+    if stats.ENABLED:
+        stats.add(route.name, "native", args, kwargs, time.perf_counter() - t0)
+    return result
+
+
+def make_fallback(backend: Backend) -> Callable[..., Any]:
+    """The boxed fallback registered for every op without a kernel."""
+    load_env()
+
+    def fallback(keyset: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        plan = plan_for(op)
+        if plan.is_view:  # metadata only: PyTorch's own kernel, no CPU round trip
+            if stats.ENABLED:
+                t0 = time.perf_counter()
+                r = hostexec.run_view_op(op, args, kwargs)
+                stats.add(plan.overload_name, "view", args, kwargs, time.perf_counter() - t0)
+                return r
+            return hostexec.run_view_op(op, args, kwargs)
+        return next_path(backend, op, plan.overload_name, args, kwargs)
     return fallback

@@ -99,9 +99,16 @@ class HostCall:
             if v.device.type != self.backend.name:
                 return v
             if write and self.plan.is_inplace_or_out and v.numel() == 0:
-                c = torch.empty(0, dtype=v.dtype)  # an empty out= grows on CPU, then on device
+                # An empty out= grows on CPU, then on device; an empty in-place
+                # argument keeps its shape (rand_like of a (0, 5, 0) tensor).
+                c = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
             else:
                 c = self.to_cpu(v)
+                # Raw-memory views drop the lazy conjugate/negative bits: put them back.
+                if v.is_conj():
+                    c = c.conj()
+                if v.is_neg():
+                    c = torch._neg_view(c)
             self.views.append((v, c))
             return c
         if isinstance(v, (list, tuple)) and v and any(isinstance(x, Tensor) for x in v):

@@ -10,7 +10,10 @@ A vendor groups kernels in a :class:`KernelSet` and hands it to its
   device can do; the sim backend's kernels are made this way).
 
 A name without overload (``"add"``) covers the whole family. Every overload
-without a kernel reaches the CPU fallback (``torchport.ops.fallback``).
+without a kernel reaches the CPU fallback (``torchport.ops.fallback``), or a
+decomposition into ops that have kernels. A kernel may raise :class:`Decline`
+for an input it does not handle (``dtypes=`` declares that for it); the op then
+takes the next path.
 Declarations stay inspectable: :func:`native_overloads` lists them.
 """
 
@@ -83,6 +86,7 @@ def _has_backend_slot(op: torch._ops.OpOverload) -> bool:
 
 
 _NATIVE: dict[str, KernelDecl] = {}
+_CORE: set[str] = set()
 
 
 def native_overloads() -> dict[str, KernelDecl]:
@@ -90,12 +94,45 @@ def native_overloads() -> dict[str, KernelDecl]:
     return dict(_NATIVE)
 
 
-def _host_kernel(backend: Backend, op: torch._ops.OpOverload, decl: KernelDecl):
-    to_cpu = decl.to_cpu
+def core_overloads() -> frozenset[str]:
+    """Overloads torchport implements for every backend (allocation, copies, ``set_``)."""
+    return frozenset(_CORE)
+
+
+def _wrap(backend: Backend, op: torch._ops.OpOverload, name: str, fn: Callable[..., Any],
+          route: fallback.Route) -> Callable[..., Any]:
+    """A native kernel as registered: one flag check, then the kernel.
+
+    The flag (``fallback.SLOW``) is set while some op is forced to the CPU or op
+    statistics record; then :func:`fallback.run_native_slow` reads the
+    precomputed per-overload route. A :class:`Decline` takes the next path."""
+    fb = fallback
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        return hostexec.run_on_host(backend, op, args, kwargs, to_cpu, True)
+        if fb.SLOW:
+            return fb.run_native_slow(backend, op, route, fn, args, kwargs, Decline)
+        try:
+            return fn(*args, **kwargs)
+        except Decline:
+            return fb.next_path(backend, op, name, args, kwargs)
     return kernel
+
+
+def _host_kernel(backend: Backend, op: torch._ops.OpOverload, decl: KernelDecl):
+    to_cpu = decl.to_cpu
+    run = hostexec.run_on_host
+    dtypes = decl.dtypes
+    if dtypes is None:
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            return run(backend, op, args, kwargs, to_cpu, True)
+        return kernel
+
+    def kernel_checked(*args: Any, **kwargs: Any) -> Any:
+        for v in hostexec._iter_tensors(args, kwargs):
+            if v.dtype not in dtypes:
+                raise Decline(f"{op} does not handle {v.dtype}")
+        return run(backend, op, args, kwargs, to_cpu, True)
+    return kernel_checked
 
 
 def install(backend: Backend) -> None:
@@ -104,8 +141,11 @@ def install(backend: Backend) -> None:
     backend._libs.append(lib)
     taken: set[str] = set()
     for name, fn in core.core_kernels(backend).items():
-        lib.impl(name, fn, "PrivateUse1")
+        op = resolve_overloads(name)[0]
+        # Never forced: the fallback itself allocates and copies with them.
+        lib.impl(name, _wrap(backend, op, name, fn, fallback.Route(name)), "PrivateUse1")
         taken.add(name)
+        _CORE.add(name)
     for ks in backend.kernel_sets:
         for decl in ks.decls:
             for op in resolve_overloads(decl.name):
@@ -114,9 +154,23 @@ def install(backend: Backend) -> None:
                 if oname in taken or not _has_backend_slot(op):
                     continue
                 fn = decl.fn if decl.fn is not None else _host_kernel(backend, op, decl)
-                lib.impl(oname, fn, "PrivateUse1")
+                if decl.fn is not None and decl.dtypes is not None:
+                    fn = _dtype_checked(op, fn, decl.dtypes)
+                lib.impl(oname, _wrap(backend, op, oname, fn, fallback.route_for(oname)),
+                         "PrivateUse1")
                 taken.add(oname)
                 _NATIVE[oname] = decl
     fb = torch.library.Library("_", "IMPL")
     backend._libs.append(fb)
     fb.fallback(fallback.make_fallback(backend), "PrivateUse1", with_keyset=True)
+
+
+def _dtype_checked(op: torch._ops.OpOverload, fn: Callable[..., Any],
+                   dtypes: frozenset[torch.dtype]) -> Callable[..., Any]:
+    """A kernel declared for some dtypes declines the others."""
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        for v in hostexec._iter_tensors(args, kwargs):
+            if v.dtype not in dtypes:
+                raise Decline(f"{op} does not handle {v.dtype}")
+        return fn(*args, **kwargs)
+    return kernel

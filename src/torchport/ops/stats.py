@@ -1,0 +1,211 @@
+"""Op statistics: which overloads ran, on which path, with which dtypes, for how long.
+
+``with torchport.ops.record() as rec:`` collects, per ATen overload, the number of
+calls, the path each call took (``native`` kernel, ``decomposed`` into native
+ops, CPU ``fallback``, metadata-only ``view``), the dtypes seen and the host
+time spent. ``TORCHPORT_OP_STATS=1`` records the whole process and prints the
+table at exit. Knowing which ops fall back is the first step of porting a
+model; the host time says where the per-op overhead goes.
+
+When nothing records, the kernels check a single boolean (``ENABLED``) and pay
+nothing else. Host time of an op includes the ops it calls (a decomposition's
+inner ops are also counted on their own rows).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+PATHS = ("native", "decomposed", "fallback", "view")
+
+ENABLED = False  # read by the kernels: any recorder active?
+_ACTIVE: list[Recorder] = []
+_LOCK = threading.Lock()
+_LISTENERS: list[Callable[[], None]] = []  # told when ENABLED changes
+
+
+@dataclass
+class OpStat:
+    """What one overload did while recording."""
+
+    calls: int = 0
+    paths: dict[str, int] = field(default_factory=dict)
+    dtypes: set[str] = field(default_factory=set)
+    host_time_s: float = 0.0
+    declined: int = 0  # calls where a kernel raised Decline
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls, "paths": dict(self.paths), "dtypes": sorted(self.dtypes),
+                "host_time_s": self.host_time_s, "declined": self.declined}
+
+
+class Recorder:
+    """Accumulates :class:`OpStat` per overload name (``"add.Tensor"``)."""
+
+    def __init__(self) -> None:
+        self.ops: dict[str, OpStat] = {}
+
+    def __enter__(self) -> Recorder:
+        _start(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _stop(self)
+
+    def add(self, name: str, path: str, dtypes: Iterable[torch.dtype], seconds: float) -> None:
+        s = self.ops.get(name)
+        if s is None:
+            s = self.ops[name] = OpStat()
+        s.calls += 1
+        s.paths[path] = s.paths.get(path, 0) + 1
+        for d in dtypes:
+            s.dtypes.add(str(d).removeprefix("torch."))
+        s.host_time_s += seconds
+
+    def path_of(self, name: str) -> str | None:
+        """The path an overload took most often (``None`` if it never ran)."""
+        s = self.ops.get(name)
+        if s is None or not s.paths:
+            return None
+        return max(s.paths.items(), key=lambda kv: kv[1])[0]
+
+    def totals(self) -> dict[str, int]:
+        """Calls per path, over all overloads."""
+        out = dict.fromkeys(PATHS, 0)
+        for s in self.ops.values():
+            for p, n in s.paths.items():
+                out[p] = out.get(p, 0) + n
+        return out
+
+    def rows(self) -> list[tuple[str, OpStat]]:
+        """Overloads sorted by host time, then calls (most expensive first)."""
+        return sorted(self.ops.items(), key=lambda kv: (-kv[1].host_time_s, -kv[1].calls, kv[0]))
+
+    def table(self) -> str:
+        """A plain-text table of :meth:`rows` (rich's layout when available)."""
+        header = ("overload", "calls", "paths", "dtypes", "host ms")
+        body = [(name, str(s.calls),
+                 " ".join(f"{p}:{n}" for p, n in sorted(s.paths.items())),
+                 ",".join(sorted(s.dtypes)), f"{s.host_time_s * 1e3:.3f}")
+                for name, s in self.rows()]
+        try:
+            from rich import box
+            from rich.console import Console
+            from rich.table import Table
+        except ImportError:  # pragma: no cover - rich is a dependency
+            widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+            lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in [header, *body]]
+            return "\n".join(lines)
+        t = Table(title="torchport op statistics", box=box.SIMPLE)
+        for i, h in enumerate(header):
+            t.add_column(h, justify="right" if i in (1, 4) else "left")
+        for r in body:
+            t.add_row(*r)
+        console = Console(width=140, record=True, force_terminal=False, color_system=None,
+                          file=_NullFile())
+        console.print(t)
+        return console.export_text().rstrip()
+
+    def to_json(self) -> str:
+        """The statistics as JSON: ``{"ops": {name: {...}}, "totals": {...}}``."""
+        return json.dumps({"ops": {n: s.to_dict() for n, s in self.rows()},
+                           "totals": self.totals()}, indent=1)
+
+
+class _NullFile:
+    def write(self, s: str) -> int:
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def record() -> Recorder:
+    """A recorder to use as a context manager: ``with record() as rec: ...``."""
+    return Recorder()
+
+
+def add(name: str, path: str, args: tuple, kwargs: dict, seconds: float) -> None:
+    """Record one call in every active recorder (only called when ``ENABLED``)."""
+    dtypes = _dtypes(args, kwargs)
+    with _LOCK:
+        for r in _ACTIVE:
+            r.add(name, path, dtypes, seconds)
+
+
+def add_decline(name: str) -> None:
+    """Count a kernel's :class:`~torchport.ops.Decline` for ``name``."""
+    with _LOCK:
+        for r in _ACTIVE:
+            s = r.ops.get(name)
+            if s is None:
+                s = r.ops[name] = OpStat()
+            s.declined += 1
+
+
+def _dtypes(args: tuple, kwargs: dict) -> list[torch.dtype]:
+    seen: list[torch.dtype] = []
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            if v.dtype not in seen:
+                seen.append(v.dtype)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                if isinstance(x, torch.Tensor) and x.dtype not in seen:
+                    seen.append(x.dtype)
+    return seen
+
+
+def _start(r: Recorder) -> None:
+    global ENABLED
+    with _LOCK:
+        _ACTIVE.append(r)
+        ENABLED = True
+    _notify()
+
+
+def _stop(r: Recorder) -> None:
+    global ENABLED
+    with _LOCK:
+        if r in _ACTIVE:
+            _ACTIVE.remove(r)
+        ENABLED = bool(_ACTIVE)
+    _notify()
+
+
+def _notify() -> None:
+    for fn in _LISTENERS:
+        fn()
+
+
+def on_change(fn: Callable[[], None]) -> None:
+    """Call ``fn`` whenever recording starts or stops (the kernels cache the flag)."""
+    _LISTENERS.append(fn)
+
+
+def _process_recorder() -> None:
+    """``TORCHPORT_OP_STATS=1``: record the whole process, print the table at exit."""
+    if os.environ.get("TORCHPORT_OP_STATS", "0") in ("", "0"):
+        return
+    rec = Recorder()
+    _start(rec)
+
+    def report() -> None:
+        _stop(rec)
+        if rec.ops:
+            print(rec.table(), file=sys.stderr)
+
+    atexit.register(report)
+
+
+_process_recorder()

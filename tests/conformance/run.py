@@ -1,0 +1,654 @@
+"""Conformance of the sim device against the CPU, over PyTorch's OpInfo database.
+
+For every OpInfo of ``op_db`` and every sample input (per dtype) the op runs on
+the CPU and on ``sim``; results are compared with ``torch.testing.assert_close``
+(PyTorch's per-dtype tolerances), mutated inputs too, and gradients for
+OpInfos that support autograd (float32/float64). Ops whose CPU result changes
+with the seed (random ops) or is uninitialised memory (``empty*``) are
+compared by shape, dtype and device.
+The path each overload took (native kernel, decomposition, CPU fallback) comes
+from :mod:`torchport.ops.stats`.
+
+    python -m tests.conformance.run                 # the representative subset
+    python -m tests.conformance.run --full          # every OpInfo (long)
+    python -m tests.conformance.run --ops 'add|mul' --dtypes float32,int64 --max-samples 4
+    python -m tests.conformance.run --strict        # TORCHPORT_SIM_STRICT=1 (device-only memory)
+
+Writes ``reports/conformance.json`` and ``reports/conformance.md``. The work runs
+in worker processes (``--jobs``): a crash or hang of one op costs that op, not
+the run. Exit status: 0 when nothing failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import types
+import unittest
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+DEFAULT_DTYPES = ("float32", "float64", "int64", "bool", "bfloat16", "float16", "complex64")
+GRAD_DTYPES = ("float32", "float64")
+
+# A representative subset (OpInfo names, regex): elementwise, reductions, linear
+# algebra, convolution, indexing, shape ops, losses, random and factory ops, and ops
+# that reach the decomposition and fallback paths.
+SUBSET = (
+    r"add|mul|div|sub|abs|exp|log1p|sigmoid|tanh|clamp|where|pow|remainder|logaddexp|"
+    r"hypot|atan2|lerp|nan_to_num|sum|mean|amax|argmax|std|var|prod|cumsum|logsumexp|"
+    r"sort|topk|matmul|mm|bmm|addmm|linalg\.vector_norm|nn\.functional\.conv2d|"
+    r"nn\.functional\.linear|softmax|log_softmax|nn\.functional\.layer_norm|"
+    r"nn\.functional\.gelu|nn\.functional\.relu|nn\.functional\.hardshrink|"
+    r"nn\.functional\.embedding|nn\.functional\.cross_entropy|nn\.functional\.mse_loss|"
+    r"nn\.functional\.max_pool2d|nn\.functional\.pad|index_select|index_put|gather|"
+    r"scatter_add|masked_fill|masked_select|nonzero|cat|stack|flip|roll|tril|"
+    r"repeat|expand|permute|transpose|view|reshape|narrow|squeeze|unfold|diagonal|"
+    r"special\.entr|special\.bessel_j0|kthvalue|logcumsumexp|fft\.fft|"
+    r"zeros_like|full|arange|linspace|eye|rand_like|randn|bernoulli|"
+    r"nn\.functional\.dropout|empty_like"
+)
+SUBSET_DTYPES = ("float32", "float64", "int64", "bool", "bfloat16")
+SUBSET_MAX_SAMPLES = 3
+
+
+# ---- loading op_db -----------------------------------------------------------
+def _stub_expecttest() -> None:
+    """op_db's module imports ``expecttest`` (a PyTorch test dependency) only for a base class."""
+    try:
+        import expecttest  # noqa: F401
+    except ImportError:
+        m = types.ModuleType("expecttest")
+        m.TestCase = unittest.TestCase  # type: ignore[attr-defined]
+        sys.modules["expecttest"] = m
+
+
+def load_op_db() -> list[Any]:
+    """PyTorch's OpInfo list (imported after the device is registered)."""
+    _stub_expecttest()
+    import torch.backends
+    frozen = torch.backends.flags_frozen()
+    from torch.testing._internal.common_methods_invocations import op_db
+    if not frozen:  # PyTorch's test utilities freeze cudnn flags; leave the process as it was
+        torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+    return list(op_db)
+
+
+def opinfo_id(op: Any) -> str:
+    return op.name + ("." + op.variant_test_name if op.variant_test_name else "")
+
+
+def select(op_db: Sequence[Any], pattern: str | None) -> list[Any]:
+    """OpInfos whose id (``name`` or ``name.variant``) or name fully matches ``pattern``."""
+    if not pattern:
+        return list(op_db)
+    rx = re.compile(pattern)
+    return [op for op in op_db if rx.fullmatch(opinfo_id(op)) or rx.fullmatch(op.name)]
+
+
+# ---- one OpInfo -----------------------------------------------------------------
+class _Timeout(Exception):
+    pass
+
+
+def _uninitialized(op: Any) -> bool:
+    """Ops whose result is uninitialised memory (``empty*``): only metadata is comparable."""
+    return op.name.split(".")[-1].startswith(("empty", "new_empty"))
+
+
+def _alarm(signum: int, frame: Any) -> None:
+    raise _Timeout()
+
+
+def _short(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().replace("\n", " ")
+    return text[:400]
+
+
+class Runner:
+    """Runs OpInfos on the device and the CPU (in the current process)."""
+
+    def __init__(self, device: str = "sim", max_samples: int | None = None,
+                 grad: bool = True, op_timeout: float = 300.0) -> None:
+        import torch
+        from torch.utils import _pytree
+
+        import torchport.ops as tops
+
+        self.torch = torch
+        self.pytree = _pytree
+        self.tops = tops
+        self.device = device
+        self.max_samples = max_samples
+        self.grad = grad
+        self.op_timeout = op_timeout
+
+    # -- conversions
+    def _to_dev(self, v: Any, keep_grad: bool = False) -> Any:
+        torch = self.torch
+
+        def conv(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                d = x.detach().to(self.device)
+                if keep_grad and x.requires_grad:
+                    d.requires_grad_(True)
+                return d
+            if isinstance(x, torch.device) and x.type == "cpu":
+                return torch.device(self.device)
+            if x == "cpu" and isinstance(x, str):
+                return self.device
+            return x
+        return self.pytree.tree_map(conv, v)
+
+    def _clone_cpu(self, v: Any, keep_grad: bool = False) -> Any:
+        torch = self.torch
+
+        def conv(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                c = x.detach().clone()
+                if keep_grad and x.requires_grad:
+                    c.requires_grad_(True)
+                return c
+            return x
+        return self.pytree.tree_map(conv, v)
+
+    def _to_cpu(self, v: Any) -> Any:
+        torch = self.torch
+        return self.pytree.tree_map(
+            lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, v)
+
+    def _tensors(self, v: Any) -> list[Any]:
+        return [x for x in self.pytree.tree_flatten(v)[0] if isinstance(x, self.torch.Tensor)]
+
+    def _call(self, op: Any, bundle: tuple) -> Any:
+        inp, args, kwargs = bundle
+        return op(inp, *args, **kwargs)
+
+    def _same_with_seed(self, op: Any, bundle: tuple, ref: Any) -> bool:
+        torch = self.torch
+        torch.manual_seed(1234)
+        again = self._call(op, self._clone_cpu(bundle))
+        try:
+            torch.testing.assert_close(again, ref, equal_nan=True, rtol=0, atol=0)
+            return True
+        except Exception:
+            return False
+
+    def _check_meta(self, dev_out: Any, ref: Any) -> None:
+        """Random ops: same structure, shapes, dtypes; results on the device."""
+        torch = self.torch
+        d_leaves, d_spec = self.pytree.tree_flatten(dev_out)
+        r_leaves, r_spec = self.pytree.tree_flatten(ref)
+        if len(d_leaves) != len(r_leaves):
+            raise AssertionError(f"structure differs: {d_spec} vs {r_spec}")
+        for d, r in zip(d_leaves, r_leaves, strict=True):
+            if isinstance(r, torch.Tensor):
+                if not isinstance(d, torch.Tensor):
+                    raise AssertionError(f"expected a tensor, got {type(d).__name__}")
+                if d.shape != r.shape or d.dtype != r.dtype:
+                    raise AssertionError(f"shape/dtype {tuple(d.shape)}/{d.dtype} vs "
+                                         f"{tuple(r.shape)}/{r.dtype}")
+
+    def _check_devices(self, dev_out: Any, cpu_out: Any) -> None:
+        torch = self.torch
+        d_leaves = self.pytree.tree_flatten(dev_out)[0]
+        c_leaves = self.pytree.tree_flatten(cpu_out)[0]
+        if len(d_leaves) != len(c_leaves):
+            return
+        for d, c in zip(d_leaves, c_leaves, strict=True):
+            if isinstance(d, torch.Tensor) and isinstance(c, torch.Tensor):
+                want = self.device if c.device.type == "cpu" else c.device.type
+                if d.device.type != want:
+                    raise AssertionError(f"result on {d.device}, expected {want}")
+
+    def run_sample(self, op: Any, sample: Any) -> tuple[str, str | None]:
+        """(status, message) of one sample: pass / fail / skip."""
+        torch = self.torch
+        bundle = (sample.input, tuple(sample.args), dict(sample.kwargs))
+        torch.manual_seed(1234)
+        cpu_in = self._clone_cpu(bundle)
+        try:
+            ref = self._call(op, cpu_in)
+        except Exception as e:
+            return "skip", f"the CPU raises ({_short(e)})"
+        random = _uninitialized(op) or not self._same_with_seed(op, bundle, ref)
+        dev_in = self._to_dev(bundle)
+        try:
+            out = self._call(op, dev_in)
+        except Exception as e:
+            return "fail", f"{self.device} raises {_short(e)}"
+        try:
+            self._check_devices(out, ref)
+            if random:
+                self._check_meta(out, ref)
+            else:
+                torch.testing.assert_close(self._to_cpu(out), ref, equal_nan=True)
+                # inputs the op mutated must match too
+                torch.testing.assert_close(self._tensors(self._to_cpu(dev_in)),
+                                           self._tensors(cpu_in), equal_nan=True)
+        except Exception as e:
+            return "fail", _short(e)
+        return "pass", None
+
+    def run_grad_sample(self, op: Any, sample: Any) -> tuple[str, str | None]:
+        """Gradients of a sample's differentiable outputs on the device vs the CPU."""
+        torch = self.torch
+        bundle = (sample.input, tuple(sample.args), dict(sample.kwargs))
+        cpu_in = self._clone_cpu(bundle, keep_grad=True)
+        leaves = [x for x in self.pytree.tree_flatten(cpu_in)[0]
+                  if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not leaves:
+            return "skip", "no input requires grad"
+        try:
+            torch.manual_seed(1234)
+            ref = sample.output_process_fn_grad(self._call(op, cpu_in))
+            if not self._same_with_seed(op, self._clone_cpu(bundle), self._call(op, cpu_in)):
+                return "skip", "random op"
+            outs = [x for x in self.pytree.tree_flatten(ref)[0]
+                    if isinstance(x, torch.Tensor) and x.requires_grad]
+            if not outs:
+                return "skip", "no differentiable output"
+            g = torch.Generator().manual_seed(7)
+            gos = [torch.randn(o.shape, dtype=o.dtype, generator=g) for o in outs]
+            ref_grads = torch.autograd.grad(outs, leaves, gos, allow_unused=True)
+        except Exception as e:
+            return "skip", f"the CPU backward raises ({_short(e)})"
+        dev_in = self._to_dev(bundle, keep_grad=True)
+        d_leaves = [x for x in self.pytree.tree_flatten(dev_in)[0]
+                    if isinstance(x, torch.Tensor) and x.requires_grad]
+        try:
+            out = sample.output_process_fn_grad(self._call(op, dev_in))
+            d_outs = [x for x in self.pytree.tree_flatten(out)[0]
+                      if isinstance(x, torch.Tensor) and x.requires_grad]
+            d_grads = torch.autograd.grad(d_outs, d_leaves, [x.to(self.device) for x in gos],
+                                          allow_unused=True)
+        except Exception as e:
+            return "fail", f"{self.device} backward raises {_short(e)}"
+        try:
+            torch.testing.assert_close(
+                [None if x is None else x.cpu() for x in d_grads], list(ref_grads),
+                equal_nan=True)
+        except Exception as e:
+            return "fail", "grad: " + _short(e)
+        return "pass", None
+
+    def _samples(self, op: Any, dtype: Any, requires_grad: bool) -> Iterable[Any]:
+        self.torch.manual_seed(0)
+        it = op.sample_inputs("cpu", dtype, requires_grad=requires_grad)
+        for i, s in enumerate(it):
+            if self.max_samples is not None and i >= self.max_samples:
+                break
+            yield s
+
+    def _run_kind(self, op: Any, dtype: Any, grad: bool) -> dict[str, Any]:
+        res: dict[str, Any] = {"samples": 0, "passed": 0, "failed": 0, "skipped": 0,
+                               "errors": [], "skip_reasons": []}
+        try:
+            samples = list(self._samples(op, dtype, grad))
+        except Exception as e:
+            return {**res, "status": "skip", "reason": f"no samples ({_short(e)})"}
+        for s in samples:
+            st, msg = (self.run_grad_sample if grad else self.run_sample)(op, s)
+            res["samples"] += 1
+            key = {"pass": "passed", "fail": "failed", "skip": "skipped"}[st]
+            res[key] += 1
+            if st == "fail" and len(res["errors"]) < 3:
+                res["errors"].append(msg)
+            if st == "skip" and msg not in res["skip_reasons"] and len(res["skip_reasons"]) < 3:
+                res["skip_reasons"].append(msg)
+        if res["failed"]:
+            res["status"] = "fail"
+        elif res["passed"]:
+            res["status"] = "pass"
+        else:
+            res["status"] = "skip"
+            res["reason"] = ("no samples" if not res["samples"]
+                             else "; ".join(res["skip_reasons"]) or "all samples skipped")
+        return res
+
+    def run_opinfo(self, op: Any, dtypes: Sequence[str]) -> dict[str, Any]:
+        """Results of one OpInfo for the asked dtypes (and gradients)."""
+        torch = self.torch
+        t0 = time.perf_counter()
+        supported = op.supported_dtypes("cpu")
+        out: dict[str, Any] = {"id": opinfo_id(op), "name": op.name, "dtypes": {}, "grad": {}}
+        use_alarm = self.op_timeout > 0 and hasattr(signal, "SIGALRM")
+        if use_alarm:
+            old = signal.signal(signal.SIGALRM, _alarm)
+            signal.alarm(int(math.ceil(self.op_timeout)))
+        old_warn = self.tops.set_fallback_warn(False)
+        try:
+            with self.tops.record() as rec:
+                for name in dtypes:
+                    dt = getattr(torch, name)
+                    if dt not in supported:
+                        out["dtypes"][name] = {"status": "skip",
+                                               "reason": "dtype not supported by the op on CPU"}
+                        continue
+                    out["dtypes"][name] = self._run_kind(op, dt, False)
+                    if self.grad and name in GRAD_DTYPES:
+                        if not op.supports_autograd:
+                            out["grad"][name] = {"status": "skip",
+                                                 "reason": "op does not support autograd"}
+                        elif dt not in op.supported_backward_dtypes("cpu"):
+                            out["grad"][name] = {"status": "skip",
+                                                 "reason": "backward dtype not supported on CPU"}
+                        else:
+                            out["grad"][name] = self._run_kind(op, dt, True)
+        except _Timeout:
+            out["error"] = f"timeout after {self.op_timeout:.0f}s"
+        except Exception as e:  # a harness problem, reported, never hidden
+            out["error"] = "harness: " + _short(e) + " " + traceback.format_exc(limit=2)[-300:]
+        finally:
+            if use_alarm:
+                signal.alarm(0)
+                signal.signal(signal.SIGALRM, old)
+            self.tops.set_fallback_warn(old_warn)
+        out["paths"] = {n: rec.path_of(n) for n in sorted(rec.ops) if rec.path_of(n)}
+        out["status"] = _overall(out)
+        out["seconds"] = round(time.perf_counter() - t0, 3)
+        return out
+
+
+def _overall(r: dict[str, Any]) -> str:
+    if r.get("error"):
+        return "fail"
+    sts = [v["status"] for v in (*r["dtypes"].values(), *r["grad"].values())]
+    if "fail" in sts:
+        return "fail"
+    return "pass" if "pass" in sts else "skip"
+
+
+def run_in_process(pattern: str | None, dtypes: Sequence[str] = DEFAULT_DTYPES,
+                   max_samples: int | None = None, grad: bool = True,
+                   op_timeout: float = 300.0) -> list[dict[str, Any]]:
+    """Run the selected OpInfos here (the device must be registered already)."""
+    import torchport.sim  # noqa: F401
+
+    runner = Runner(max_samples=max_samples, grad=grad, op_timeout=op_timeout)
+    return [runner.run_opinfo(op, dtypes) for op in select(load_op_db(), pattern)]
+
+
+# ---- workers ---------------------------------------------------------------------
+def _worker(args: argparse.Namespace) -> int:
+    import torchport.sim  # noqa: F401  (before op_db: device bases are computed at import)
+
+    ops = select(load_op_db(), args.ops)
+    ids = set(json.loads(Path(args.worker_ids).read_text()))
+    runner = Runner(max_samples=args.max_samples, grad=not args.no_grad,
+                    op_timeout=args.op_timeout)
+    with open(args.worker_out, "a") as f:
+        for i, op in enumerate(ops):
+            key = f"{i}:{opinfo_id(op)}"
+            if key not in ids:
+                continue
+            f.write(json.dumps({"start": key}) + "\n")
+            f.flush()
+            r = runner.run_opinfo(op, args.dtypes)
+            r["key"] = key
+            f.write(json.dumps({"result": r}) + "\n")
+            f.flush()
+    return 0
+
+
+def _keys(pattern: str | None) -> list[str]:
+    # Listing needs op_db but not the device: a light subprocess-free import here.
+    ops = select(load_op_db(), pattern)
+    return [f"{i}:{opinfo_id(op)}" for i, op in enumerate(ops)]
+
+
+def _run_workers(args: argparse.Namespace, keys: list[str],
+                 progress: Any = None) -> list[dict[str, Any]]:
+    env = {**os.environ, "TORCHPORT_FALLBACK_WARN": "0"}
+    env.pop("TORCHPORT_OP_STATS", None)
+    if args.strict:
+        env["TORCHPORT_SIM_STRICT"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    jobs = max(1, min(args.jobs, len(keys)))
+    chunks = [keys[i::jobs] for i in range(jobs)]
+    tmp = Path(tempfile.mkdtemp(prefix="torchport-conf-"))
+    results: dict[str, dict[str, Any]] = {}
+    pending = [list(c) for c in chunks if c]
+    procs: list[tuple[subprocess.Popen, Path, list[str]]] = []
+    n = 0
+
+    def launch(todo: list[str]) -> None:
+        nonlocal n
+        n += 1
+        ids, out = tmp / f"ids{n}.json", tmp / f"out{n}.jsonl"
+        ids.write_text(json.dumps(todo))
+        cmd = [sys.executable, "-m", "tests.conformance.run", "--worker",
+               "--worker-ids", str(ids), "--worker-out", str(out),
+               "--dtypes", ",".join(args.dtypes), "--op-timeout", str(args.op_timeout)]
+        if args.ops:
+            cmd += ["--ops", args.ops]
+        if args.max_samples is not None:
+            cmd += ["--max-samples", str(args.max_samples)]
+        if args.no_grad:
+            cmd.append("--no-grad")
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=open(tmp / f"err{n}.txt", "w"))
+        procs.append((p, out, todo))
+
+    for c in pending:
+        launch(c)
+    total = len(keys)
+    shown = -1
+    last_write = time.monotonic()
+    while procs:
+        time.sleep(0.5)
+        for entry in list(procs):
+            p, out, todo = entry
+            if p.poll() is None:
+                continue
+            procs.remove(entry)
+            started = None
+            if out.exists():
+                for line in out.read_text().splitlines():
+                    rec = json.loads(line)
+                    if "start" in rec:
+                        started = rec["start"]
+                    else:
+                        results[rec["result"]["key"]] = rec["result"]
+                        started = None
+            if started is not None and started not in results:  # the worker died on this op
+                oid = started.split(":", 1)[1]
+                results[started] = {"id": oid, "name": oid, "dtypes": {}, "grad": {},
+                                    "paths": {}, "status": "fail", "key": started,
+                                    "error": f"worker died (exit status {p.returncode})"}
+            rest = [k for k in todo if k not in results]
+            if rest and started is None and p.returncode != 0 and not out.exists():
+                raise SystemExit(f"conformance worker failed to start (exit {p.returncode}); "
+                                 f"see {tmp}")
+            if rest:
+                launch(rest)
+        if progress is not None and time.monotonic() - last_write > 60:
+            last_write = time.monotonic()
+            progress([results[k] for k in keys if k in results])
+        if not args.quiet and len(results) != shown:
+            shown = len(results)
+            print(f"\r{shown}/{total} OpInfos", end="", file=sys.stderr, flush=True)
+    if not args.quiet:
+        print(file=sys.stderr)
+    return [results[k] for k in keys if k in results]
+
+
+# ---- report ------------------------------------------------------------------------
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Totals per OpInfo, per (OpInfo, dtype) and per gradient dtype, and the paths."""
+    tot: dict[str, Any] = {"opinfos": {"pass": 0, "fail": 0, "skip": 0},
+                           "dtypes": {}, "grad": {}, "samples": {"passed": 0, "failed": 0,
+                                                                 "skipped": 0},
+                           "paths": {"native": 0, "decomposed": 0, "fallback": 0, "view": 0}}
+    for r in results:
+        tot["opinfos"][r["status"]] += 1
+        for kind in ("dtypes", "grad"):
+            for dt, v in r[kind].items():
+                d = tot[kind].setdefault(dt, {"pass": 0, "fail": 0, "skip": 0})
+                d[v["status"]] += 1
+                for k in ("passed", "failed", "skipped"):
+                    tot["samples"][k] += v.get(k, 0)
+    overloads: dict[str, str] = {}
+    for r in results:
+        overloads.update(r.get("paths", {}))
+    for p in overloads.values():
+        tot["paths"][p] = tot["paths"].get(p, 0) + 1
+    tot["overload_paths"] = dict(sorted(overloads.items()))
+    return tot
+
+
+def write_reports(results: list[dict[str, Any]], out_dir: Path, meta: dict[str, Any]) -> dict:
+    """``conformance.json`` (everything) and ``conformance.md`` (tables) in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    totals = summarize(results)
+    (out_dir / "conformance.json").write_text(json.dumps(
+        {"meta": meta, "totals": totals, "results": results}, indent=1))
+    lines = ["# torchport conformance: sim vs CPU over PyTorch's OpInfo database", "",
+             f"Command: `{meta['command']}`  ", f"PyTorch {meta['torch']}, "
+             f"strict memory: {meta['strict']}, dtypes: {', '.join(meta['dtypes'])}, "
+             f"max samples: {meta['max_samples']}, wall time: {meta['seconds']:.0f}s"
+             + ("" if meta.get("complete", True) else
+                f" -- PARTIAL: {len(results)} of {meta['opinfos_selected']} OpInfos so far"), "",
+             "## Totals", "",
+             "| | pass | fail | skip |", "|---|---:|---:|---:|"]
+    o = totals["opinfos"]
+    lines.append(f"| OpInfos | {o['pass']} | {o['fail']} | {o['skip']} |")
+    for kind, label in (("dtypes", "forward"), ("grad", "gradient")):
+        for dt, d in sorted(totals[kind].items()):
+            lines.append(f"| {label} {dt} | {d['pass']} | {d['fail']} | {d['skip']} |")
+    s = totals["samples"]
+    lines += ["", f"Samples: {s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped.",
+              "", "Overloads by path (most frequent path of each overload seen on the device): "
+              + ", ".join(f"{k} {v}" for k, v in totals["paths"].items()), ""]
+    fails = [r for r in results if r["status"] == "fail"]
+    lines += ["## Failures", ""]
+    if not fails:
+        lines.append("None.")
+    else:
+        lines += ["| OpInfo | dtype | error |", "|---|---|---|"]
+        for r in fails:
+            if r.get("error"):
+                lines.append(f"| {r['id']} | | {_md(r['error'])} |")
+            for kind in ("dtypes", "grad"):
+                for dt, v in r[kind].items():
+                    if v["status"] == "fail":
+                        label = dt if kind == "dtypes" else f"{dt} (grad)"
+                        lines.append(f"| {r['id']} | {label} | {_md('; '.join(v['errors']))} |")
+    lines += ["", "## Per OpInfo", "",
+              "| OpInfo | status | " + " | ".join(meta["dtypes"]) + " | grad | paths |",
+              "|---|---|" + "---|" * len(meta["dtypes"]) + "---|---|"]
+    for r in results:
+        cells = [_cell(r["dtypes"].get(dt)) for dt in meta["dtypes"]]
+        grad = " ".join(f"{dt}:{_cell(v)}" for dt, v in r["grad"].items()) or "-"
+        counts: dict[str, int] = {}
+        for p in r.get("paths", {}).values():
+            counts[p] = counts.get(p, 0) + 1
+        paths = " ".join(f"{k}:{v}" for k, v in sorted(counts.items())) or "-"
+        lines.append(f"| {r['id']} | {r['status']} | " + " | ".join(cells)
+                     + f" | {grad} | {paths} |")
+    skips: dict[str, int] = {}
+    for r in results:
+        for kind in ("dtypes", "grad"):
+            for v in r[kind].values():
+                if v["status"] == "skip":
+                    reason = re.sub(r"\(.*", "", v.get("reason", "?"))[:120].strip()
+                    skips[reason] = skips.get(reason, 0) + 1
+    lines += ["", "## Skip reasons", "", "| reason | count |", "|---|---:|"]
+    for reason, n in sorted(skips.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {_md(reason)} | {n} |")
+    (out_dir / "conformance.md").write_text("\n".join(lines) + "\n")
+    return totals
+
+
+def _cell(v: dict[str, Any] | None) -> str:
+    if v is None:
+        return "-"
+    if v["status"] == "skip":
+        return "skip"
+    return f"{v['status']} {v.get('passed', 0)}/{v.get('samples', 0)}"
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")[:300]
+
+
+# ---- command line --------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tests.conformance.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--full", action="store_true", help="every OpInfo of op_db")
+    p.add_argument("--ops", help="regular expression over OpInfo names (full match)")
+    p.add_argument("--dtypes", help="comma-separated dtypes (default: "
+                   + ",".join(DEFAULT_DTYPES) + ")")
+    p.add_argument("--max-samples", type=int, default=None, help="samples per OpInfo and dtype")
+    p.add_argument("--strict", action="store_true", help="TORCHPORT_SIM_STRICT=1 (device-only "
+                   "memory)")
+    p.add_argument("--no-grad", action="store_true", help="skip the gradient checks")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    p.add_argument("--op-timeout", type=float, default=600.0, help="seconds per OpInfo")
+    p.add_argument("--out", default=str(ROOT / "reports"), help="report directory")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-ids", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if isinstance(a.dtypes, str):
+        a.dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
+    if a.full:
+        a.ops = a.ops or None
+        a.dtypes = a.dtypes or list(DEFAULT_DTYPES)
+    elif not a.ops and not a.worker:
+        a.ops = SUBSET
+        a.dtypes = a.dtypes or list(SUBSET_DTYPES)
+        if a.max_samples is None:
+            a.max_samples = SUBSET_MAX_SAMPLES
+    a.dtypes = a.dtypes or list(DEFAULT_DTYPES)
+    import torch
+    for d in a.dtypes:
+        if not isinstance(getattr(torch, d, None), torch.dtype):
+            p.error(f"unknown dtype {d!r}")
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    import torch
+
+    t0 = time.perf_counter()
+    keys = _keys(args.ops)
+    if not keys:
+        print(f"no OpInfo matches {args.ops!r}", file=sys.stderr)
+        return 2
+    def meta(done: bool) -> dict[str, Any]:
+        return {"command": "python -m tests.conformance.run " + " ".join(
+            sys.argv[1:] if argv is None else argv), "torch": torch.__version__,
+            "strict": args.strict, "dtypes": args.dtypes, "max_samples": args.max_samples,
+            "ops": args.ops if args.ops != SUBSET else "subset", "jobs": args.jobs,
+            "seconds": time.perf_counter() - t0, "complete": done,
+            "opinfos_selected": len(keys)}
+
+    results = _run_workers(  # partial reports every minute, in case the run is cut short
+        args, keys, lambda part: write_reports(part, Path(args.out), meta(False)))
+    totals = write_reports(results, Path(args.out), meta(True))
+    o = totals["opinfos"]
+    print(f"OpInfos: {o['pass']} pass, {o['fail']} fail, {o['skip']} skip; "
+          f"reports in {args.out}/conformance.{{json,md}}")
+    return 1 if o["fail"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""A representative subset of the OpInfo conformance run (sim vs CPU), in the default suite.
+
+The full run is ``make conformance`` (``python -m tests.conformance.run --full``).
+"""
+
+import pytest
+
+from tests.conformance.run import SUBSET, SUBSET_DTYPES, SUBSET_MAX_SAMPLES, run_in_process
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_in_process(SUBSET, SUBSET_DTYPES, max_samples=SUBSET_MAX_SAMPLES, op_timeout=120)
+
+
+def test_subset_has_no_failures(results):
+    assert len(results) >= 60
+    failures = {r["id"]: r.get("error") or {dt: v.get("errors") for kind in ("dtypes", "grad")
+                                           for dt, v in r[kind].items()
+                                           if v["status"] == "fail"}
+                for r in results if r["status"] == "fail"}
+    assert not failures, failures
+
+
+def test_subset_exercises_every_path(results):
+    seen = {p for r in results for p in r["paths"].values()}
+    assert {"native", "decomposed", "fallback", "view"} <= seen
+    assert sum(r["status"] == "pass" for r in results) >= 50
