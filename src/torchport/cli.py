@@ -11,7 +11,7 @@ app = typer.Typer(help="torchport: run PyTorch on a new accelerator, and port mo
 
 # Modules exposing ``register(app)``; a missing optional layer is skipped.
 _SUBCOMMANDS = ["torchport.info", "torchport.migrate.cli", "torchport.run",
-                "torchport.debug.cli"]
+                "torchport.debug.cli_coverage", "torchport.debug.cli_compare"]
 
 
 def _load() -> None:

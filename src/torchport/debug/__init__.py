@@ -1,0 +1,30 @@
+"""Porting tools: autocompare against CPU, op dumps and their comparison, coverage.
+
+Names are imported lazily so that ``import torchport`` pays nothing for tools that
+are off (the op layer checks one flag per call).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "autocompare": "torchport.debug.autocompare",
+    "AutocompareReport": "torchport.debug.autocompare",
+    "Mismatch": "torchport.debug.autocompare",
+    "AutocompareMismatchError": "torchport.debug.autocompare",
+    "dump": "torchport.debug.dump",
+    "compare_dumps": "torchport.debug.compare",
+    "compare_modules": "torchport.debug.modules",
+    "coverage": "torchport.debug.coverage",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'torchport.debug' has no attribute {name!r}")
+    return getattr(importlib.import_module(mod), name)
