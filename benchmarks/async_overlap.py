@@ -8,8 +8,9 @@ Each mode runs in a fresh process (the runtime reads its settings at start):
 * ``blocking``: ``TORCHPORT_SIM_ASYNC=1 TORCHPORT_LAUNCH_BLOCKING=1`` -- every
   launch completes before returning, as when debugging.
 
-The matmuls are launched through ``SimRuntime.launch`` on device memory, which is
-what every sim kernel does once the kernel registry launches through the runtime.
+The loop is plain PyTorch on ``sim`` tensors (``torch.tanh(c @ b)``): the kernel
+layer allocates each result from the meta kernel's layout and queues the
+computation on the current stream through ``Runtime.launch``.
 
 Usage: ``python benchmarks/async_overlap.py [--n 1024] [--iters 20]``
 """
@@ -27,29 +28,25 @@ import time
 def _child(n: int, iters: int) -> dict[str, float]:
     import torch
 
-    from torchport.backends.sim.runtime import SimRuntime
+    import torchport.sim
 
-    rt = SimRuntime(num_devices=1, memory=(3 * n * n * 4) * 2 + (1 << 20))
-    nbytes = n * n * 4
-    ptrs = [rt.malloc(0, nbytes) for _ in range(3)]
-    a, b, c = (rt.device_tensor(0, p, nbytes).view(torch.float32).view(n, n) for p in ptrs)
-    a.normal_()
-    b.normal_()
-    stream = rt.create_stream(0)
+    a = torch.randn(n, n, device="sim")
+    b = torch.randn(n, n, device="sim")
+    (a @ b).sum().item()  # warm up: meta kernels, worker thread
+    torch.sim.synchronize()
     t0 = time.perf_counter()
     host_busy = 0.0
+    c = a
     for _ in range(iters):
-        rt.launch(0, stream, lambda: torch.mm(a, b, out=c), "mm")
+        c = torch.tanh(c @ b)  # two ATen kernels, queued on the current stream
         h = time.perf_counter()  # host work that can overlap (e.g. waiting on a data loader)
         time.sleep(0.01)
         host_busy += time.perf_counter() - h
     issued = time.perf_counter() - t0
-    rt.synchronize_stream(0, stream)
+    torch.sim.synchronize()
     total = time.perf_counter() - t0
-    for p in ptrs:
-        rt.free(0, p)
     return {"issue_s": issued, "total_s": total, "host_work_s": host_busy,
-            "asynchronous": float(rt.asynchronous)}
+            "asynchronous": float(torchport.sim.runtime.asynchronous)}
 
 
 def main() -> None:

@@ -649,7 +649,7 @@ def test_cli_internal_failure_exits_1(
 def test_analyse_says_when_the_coverage_tool_is_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(sys.modules, "torchport.debug.coverage", None)  # import -> ImportError
+    monkeypatch.setitem(sys.modules, "torchport.debug.opcoverage", None)  # import -> ImportError
     src = make_tree(tmp_path) / "train.py"
     result = migrate_path(src, tmp_path / "o.py", analyse=True, report_dir=tmp_path / "r")
     assert result.analysis is not None and "not available" in result.analysis
@@ -666,9 +666,9 @@ def test_analyse_links_the_coverage_report(tmp_path: Path, monkeypatch: pytest.M
         out.write_text("ok")
         return out
 
-    fake = types.ModuleType("torchport.debug.coverage")
+    fake = types.ModuleType("torchport.debug.opcoverage")
     fake.run_script_coverage = run_script_coverage  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "torchport.debug.coverage", fake)
+    monkeypatch.setitem(sys.modules, "torchport.debug.opcoverage", fake)
     src = make_tree(tmp_path)
     migrate_path(src, tmp_path / "o", analyse=True, entry="train.py", report_dir=tmp_path / "r")
     assert calls == [tmp_path / "o" / "train.py"]
@@ -686,3 +686,86 @@ def test_migration_package_does_not_import_torch() -> None:
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             assert not any(n == "torch" or n.startswith("torch.") for n in names), path
+
+
+# --------------------------------------------------------------------------- --analyse (runs)
+
+ANALYSED = """\
+import sys
+import torch
+
+
+def main():
+    steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 1
+    model = torch.nn.Linear(4, 2).cuda()
+    for _ in range(steps):
+        y = model(torch.randn(3, 4).cuda()).relu().sum()
+    print("steps", steps, float(y))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def analysed_tree(root: Path) -> Path:
+    src = root / "proj"
+    (src / "lib").mkdir(parents=True)
+    (src / "train.py").write_text(ANALYSED)
+    (src / "broken.py").write_text(
+        "import torch\n\nif __name__ == '__main__':\n    raise ValueError('bad data')\n"
+    )
+    (src / "lib" / "util.py").write_text("import torch\nDEV = 'cuda'\n")  # not an entry script
+    return src
+
+
+def test_cli_analyse_reports_fallback_ops_and_failures(
+    tmp_path: Path, cli: typer.Typer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHPORT_FORCE_FALLBACK_OPS", "addmm")  # read by the subprocesses
+    src, report = analysed_tree(tmp_path), tmp_path / "rep"
+    outcome = CliRunner().invoke(
+        cli, ["migrate", str(src), "-o", str(tmp_path / "out"), "--report", str(report), "--analyse"]
+    )
+    assert outcome.exit_code == 0, outcome.output  # a failing script is not fatal
+    assert "2 script(s) analysed, 1 ran, 1 failed; fall back to CPU: addmm" in outcome.output
+    md = (report / "migration_report.md").read_text()
+    assert "## Op coverage of the migrated scripts" in md
+    assert "| train.py | `--steps 1` |" not in md  # no args were given
+    assert "[coverage_train.html](coverage_train.html)" in md
+    section = md.split("### Ops that would fall back to CPU", 1)[1]
+    assert "| train.py | `addmm` | 1 | float32 |" in section
+    assert "| broken.py | 1 | ValueError: bad data |" in section
+    page = (report / "coverage_train.html").read_text()
+    assert "<svg" in page and "addmm" in page
+    rows = list(csv.reader((report / "migration_report.csv").open()))
+    assert ["fallback-op", "train.py", "", "", "addmm", "", "", "calls 1; dtypes float32"] in rows
+    assert any(r[0] == "coverage-failure" and r[1] == "broken.py" for r in rows)
+    assert not any("util.py" in r[1] for r in rows if r[0].startswith("coverage"))
+
+
+def test_cli_analyse_script_with_arguments(tmp_path: Path, cli: typer.Typer) -> None:
+    src, report = analysed_tree(tmp_path), tmp_path / "rep"
+    outcome = CliRunner().invoke(
+        cli,
+        ["migrate", str(src), "-o", str(tmp_path / "out"), "--report", str(report),
+         "--analyse-script", "train.py", "--", "--steps", "3"],
+    )
+    assert outcome.exit_code == 0, outcome.output
+    md = (report / "migration_report.md").read_text()
+    assert "| train.py | `--steps 3` | ok |" in md
+    assert "broken.py" not in md.split("## Op coverage", 1)[1]
+    data = (report / "coverage_train.json").read_text()
+    assert '"args": [\n  "--steps",\n  "3"\n ]' in data
+    assert "fall back to CPU: none" in outcome.output
+
+
+def test_cli_analyse_single_file_and_usage_errors(tmp_path: Path, cli: typer.Typer) -> None:
+    src = analysed_tree(tmp_path) / "train.py"
+    outcome = CliRunner().invoke(cli, ["migrate", str(src), "-o", str(tmp_path / "t.py"),
+                                       "--analyse"])
+    assert outcome.exit_code == 0, outcome.output
+    assert "1 script(s) analysed, 1 ran" in outcome.output
+    extra = CliRunner().invoke(cli, ["migrate", str(src), "-o", str(tmp_path / "u.py"),
+                                     "--", "--steps", "2"])
+    assert extra.exit_code == 2  # script arguments without --analyse-script

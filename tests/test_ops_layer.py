@@ -149,8 +149,7 @@ def test_decline_takes_decomposition_then_fallback():
 def test_declared_dtypes_decline_others():
     b = _sim()
     decl = ops.KernelDecl("neg", None, b.to_host, frozenset({torch.float32}))
-    k = registry._wrap(b, A.neg.default, "neg", registry._host_kernel(b, A.neg.default, decl),
-                       fallback.Route("neg"))
+    k = registry._host_kernel(b, A.neg.default, "neg", decl, fallback.Route("neg"))
     x32 = torch.randn(3, device="sim")
     x64 = x32.double()
     with ops.record() as rec:

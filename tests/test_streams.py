@@ -128,6 +128,7 @@ def test_record_stream_defers_reuse_until_stream_done(monkeypatch: pytest.Monkey
     y = torch.empty(4096, device="sim")
     assert y.data_ptr() != ptr  # still pending: not reused
     busy["on"] = False
+    side.synchronize()  # the side stream's work is done (asynchronous sim: really done)
     del y
     z = torch.empty(4096, device="sim")
     assert not any(b.ptr == ptr for b, _ in alloc.pending_free)

@@ -26,6 +26,8 @@ K_SMALL_BUFFER = 2 << 20
 K_LARGE_BUFFER = 20 << 20
 K_MIN_LARGE_ALLOC = 10 << 20
 K_ROUND_LARGE = 2 << 20
+_MAX_PARKED = 256
+_ALLOC_STATS = ("allocation", "active", "allocated_bytes", "active_bytes", "requested_bytes")
 
 _STAT_NAMES = ("allocation", "segment", "active", "inactive_split")
 _BYTE_STAT_NAMES = ("allocated_bytes", "reserved_bytes", "active_bytes",
@@ -63,6 +65,7 @@ class Block:
     prev: Block | None = None
     next: Block | None = None
     is_segment_head: bool = False
+    parked: bool = False  # free, held for an exact-size reuse, not merged yet
     stream_uses: set = field(default_factory=set)
 
     def key(self) -> tuple[int, int]:
@@ -139,6 +142,13 @@ class DeviceAllocator:
         self.segments: dict[int, Block] = {}
         self.fraction: float | None = None
         self.pending_free: list[tuple[Block, list[Any]]] = []
+        # Recently freed small blocks by (stream, size): a model allocates the same
+        # sizes every step, so most requests are served here in O(1) without the
+        # split/merge work; any other need (best-fit miss, empty_cache, statistics,
+        # snapshots) first returns them to the pool, so the allocator's behaviour
+        # towards the runtime is CUDA's.
+        self.parked: dict[tuple[int, int], list[Block]] = {}
+        self.num_parked = 0
         # Stream-aware freeing (set by torchport.streams): record one event per stream a
         # block was used on, poll them, release them once the block is reusable.
         self.event_query: Callable[[Any], bool] | None = None
@@ -149,6 +159,12 @@ class DeviceAllocator:
     # ---- statistics ------------------------------------------------------------
     def reset_stats(self) -> None:
         self.stats = {(n, p): _Stat() for n in _STAT_NAMES + _BYTE_STAT_NAMES for p in _POOLS}
+        self._pairs = {(n, small): (self.stats[(n, "all")],
+                                    self.stats[(n, "small_pool" if small else "large_pool")])
+                       for n in _STAT_NAMES + _BYTE_STAT_NAMES for small in (True, False)}
+        # The statistics every malloc/free moves, all pools at once (the hot path).
+        self._on_alloc = {small: [s for n in _ALLOC_STATS for s in self._pairs[(n, small)]]
+                          for small in (True, False)}
         self.num_alloc_retries = 0
         self.num_ooms = 0
         self.num_sync_all_streams = 0
@@ -156,8 +172,9 @@ class DeviceAllocator:
         self.num_device_free = 0
 
     def _stat(self, name: str, small: bool, n: int) -> None:
-        self.stats[(name, "all")].add(n)
-        self.stats[(name, "small_pool" if small else "large_pool")].add(n)
+        a, b = self._pairs[(name, small)]
+        a.add(n)
+        b.add(n)
 
     def reset_peak(self) -> None:
         for s in self.stats.values():
@@ -171,6 +188,7 @@ class DeviceAllocator:
 
     def memory_stats(self) -> dict[str, int]:
         with self.lock:
+            self._unpark_all()
             self._recount_inactive_split()  # computed on demand: O(free blocks)
         out: dict[str, int] = {}
         for (name, pool), s in sorted(self.stats.items()):
@@ -199,8 +217,20 @@ class DeviceAllocator:
         small = size <= K_SMALL_SIZE
         pool = self.small if small else self.large
         with self.lock:
-            self._process_pending_frees()
+            if self.pending_free:
+                self._process_pending_frees()
+            block = None
+            if small and self.num_parked:
+                ready = self.parked.get((id(stream), size))
+                if ready:
+                    block = ready.pop()
+                    block.parked = False
+                    self.num_parked -= 1
+                    return self._hand_out(block, nbytes)
             block = pool.best_fit(stream, size)
+            if block is None and self.num_parked:
+                self._unpark_all()
+                block = pool.best_fit(stream, size)
             if block is not None and not small and block.size >= size + K_LARGE_BUFFER \
                     and block.size > 2 * size:
                 block = None  # do not carve a small request out of a huge cached block
@@ -209,15 +239,21 @@ class DeviceAllocator:
             else:
                 pool.remove(block)
             self._maybe_split(block, size, pool)
-            block.allocated = True
-            block.requested = nbytes
-            self.active[block.ptr] = block
-            self._stat("allocation", small, 1)
-            self._stat("allocated_bytes", small, block.size)
-            self._stat("active", small, 1)
-            self._stat("active_bytes", small, block.size)
-            self._stat("requested_bytes", small, nbytes)
-            return block
+            return self._hand_out(block, nbytes)
+
+    def _hand_out(self, block: Block, nbytes: int) -> Block:
+        small = block.small
+        block.allocated = True
+        block.requested = nbytes
+        self.active[block.ptr] = block
+        size = block.size
+        for st, n in zip(self._on_alloc[small], (1, 1, 1, 1, size, size, size, size,
+                                                 nbytes, nbytes), strict=True):
+            st.current += n
+            st.allocated += n
+            if st.current > st.peak:
+                st.peak = st.current
+        return block
 
     def _maybe_split(self, block: Block, size: int, pool: _Pool) -> None:
         remaining = block.size - size
@@ -279,15 +315,43 @@ class DeviceAllocator:
         with self.lock:
             block = self.active.pop(ptr)
             small = block.small
-            self._stat("allocation", small, -1)
-            self._stat("allocated_bytes", small, -block.size)
-            self._stat("requested_bytes", small, -block.requested)
+            size = block.size
             if block.stream_uses and self.event_query is not None:
+                self._stat("allocation", small, -1)
+                self._stat("allocated_bytes", small, -size)
+                self._stat("requested_bytes", small, -block.requested)
                 events = self._record_stream_uses(block)
                 if events:
                     self.pending_free.append((block, events))
                     return
+                self._release_block(block)
+                return
+            if small and self.num_parked < _MAX_PARKED:
+                for st, n in zip(self._on_alloc[small], (1, 1, 1, 1, size, size, size, size,
+                                                         block.requested, block.requested),
+                                 strict=True):
+                    st.current -= n
+                    st.freed += n
+                block.allocated = False
+                block.parked = True
+                self.parked.setdefault((id(block.stream), block.size), []).append(block)
+                self.num_parked += 1
+                return
+            self._stat("allocation", small, -1)
+            self._stat("allocated_bytes", small, -size)
+            self._stat("requested_bytes", small, -block.requested)
             self._release_block(block)
+
+    def _unpark_all(self) -> None:
+        """Return every parked block to its pool (merging with free neighbours)."""
+        if not self.num_parked:
+            return
+        blocks = [b for lst in self.parked.values() for b in lst]
+        self.parked.clear()
+        self.num_parked = 0
+        for b in blocks:  # one at a time: a parked neighbour merges when its turn comes
+            b.parked = False
+            self._return_to_pool(b)
 
     def _record_stream_uses(self, block: Block) -> list[Any]:
         """Hook for stream-aware freeing; set by the stream layer."""
@@ -314,9 +378,13 @@ class DeviceAllocator:
         self._stat("active", small, -1)
         self._stat("active_bytes", small, -block.size)
         block.allocated = False
-        pool = self.small if small else self.large
+        self._return_to_pool(block)
+
+    def _return_to_pool(self, block: Block) -> None:
+        pool = self.small if block.small else self.large
         for nb in (block.prev, block.next):
-            if nb is not None and not nb.allocated and nb.ptr not in self.active:
+            if nb is not None and not nb.allocated and not nb.parked \
+                    and nb.ptr not in self.active:
                 if not self._is_pending(nb):
                     self._merge(block, nb, pool)
         pool.insert(block)
@@ -351,8 +419,11 @@ class DeviceAllocator:
 
     def empty_cache(self) -> None:
         """Return every fully free segment to the runtime."""
+        if self.runtime.asynchronous:
+            self.runtime.synchronize(self.phys)  # queued kernels may still use cached blocks
         with self.lock:
             self._process_pending_frees()
+            self._unpark_all()
             for pool in (self.small, self.large):
                 for b in pool:
                     if b.prev is None and b.next is None and b.size == b.segment_size:
@@ -369,6 +440,7 @@ class DeviceAllocator:
         """Segments and their blocks, in the shape of ``torch.cuda.memory_snapshot()``."""
         out = []
         with self.lock:
+            self._unpark_all()
             for ptr, head in sorted(self.segments.items()):
                 blocks = []
                 b: Block | None = self._segment_first(head, ptr)

@@ -7,6 +7,7 @@ backend: registering the same one again is a no-op; a different one is an error.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Iterable
@@ -55,6 +56,7 @@ class Backend:
         self.visible = parse_visible_devices(os.environ.get("TORCHPORT_VISIBLE_DEVICES"),
                                              runtime.device_count())
         self.allocators = [DeviceAllocator(runtime, p, i, name) for i, p in enumerate(self.visible)]
+        self._devices: list[torch.device] | None = None
         self.generators = [torch.Generator() for _ in self.visible]
         for g in self.generators:
             g.manual_seed(DEFAULT_SEED)
@@ -102,6 +104,13 @@ class Backend:
             raise ValueError(f"expected a {self.name} device, got {d}")
         return self.check_index(d.index)
 
+    @property
+    def devices(self) -> list[torch.device]:
+        """``torch.device`` of each logical index (made once PrivateUse1 bears our name)."""
+        if self._devices is None:
+            self._devices = [torch.device(self.name, i) for i in range(len(self.visible))]
+        return self._devices
+
     def allocator(self, index: int | None) -> DeviceAllocator:
         return self.allocators[self.check_index(index)]
 
@@ -120,13 +129,17 @@ class Backend:
         index = self.index_of(device)
         size, stride = list(size), list(stride)
         nbytes = tensors.storage_nbytes(size, stride, dtype.itemsize)
+        return self._new_tensor(index, size, stride, dtype, nbytes)
+
+    def _new_tensor(self, index: int, size, stride, dtype: torch.dtype,
+                    nbytes: int) -> torch.Tensor:
+        device = self.devices[index]
         if nbytes == 0:
-            return tensors.wrap_memory(self, index, 0, 0, dtype, size, stride, None)
+            return tensors.wrap_memory(device, 0, 0, dtype, size, stride, None)
         alloc = self.allocators[index]
         block = alloc.malloc(nbytes, self.current_stream_handle(index))
-        ptr = block.ptr
-        return tensors.wrap_memory(self, index, ptr, nbytes, dtype, size, stride,
-                                   lambda: alloc.free(ptr))
+        return tensors.wrap_memory(device, block.ptr, nbytes, dtype, size, stride,
+                                   functools.partial(alloc.free, block.ptr))
 
     def empty(self, size, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
         return self.empty_strided(size, tensors.contiguous_strides(size), dtype, device)
@@ -149,21 +162,37 @@ class Backend:
 
     def to_device(self, cpu: torch.Tensor, index: int) -> torch.Tensor:
         """Move a CPU tensor to logical device ``index`` keeping its strides when dense."""
-        if tensors.is_non_overlapping_and_dense(cpu):
-            out = self.empty_strided(cpu.shape, cpu.stride(), cpu.dtype, index)
-        else:
-            out = self.empty(cpu.shape, cpu.dtype, index)
+        if cpu.is_contiguous() or tensors.is_non_overlapping_and_dense(cpu):
+            dtype = cpu.dtype
+            if dtype in self.runtime.unsupported_dtypes:
+                self.check_dtype(dtype)
+            n = cpu.numel() * dtype.itemsize  # dense: the span is exactly the elements
+            out = self._new_tensor(index, cpu.shape, cpu.stride(), dtype, n)
+            if n:  # same layout, one span: a single copy of its bytes
+                self.runtime.copy_h2d(self.visible[index], out.data_ptr(), cpu.data_ptr(), n)
+            return out
+        out = self.empty(cpu.shape, cpu.dtype, index)
         tensors.write_from_host(self, out, cpu)
         return out
 
+    def host_sync(self, index: int) -> None:
+        """Before the host reads or writes device memory itself (host views, blocking
+        copies, the CPU fallback): with an asynchronous runtime, let the work queued on
+        the current stream finish and report its errors -- CUDA's order for a blocking
+        copy or an op issued on that stream."""
+        if self.runtime.asynchronous:
+            self.runtime.synchronize_stream(self.visible[index], self.current_stream_handle(index))
+
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """CPU tensor with ``t``'s values: an alias when host-addressable, else a copy."""
+        self.host_sync(t.device.index)
         if self.runtime.host_addressable:
             return tensors.host_view(self, t)
         return tensors.read_to_host(self, t)
 
     def write_tensor(self, dev: torch.Tensor, cpu: torch.Tensor, non_blocking: bool = False) -> None:
         """Store CPU values ``cpu`` (broadcastable, any dtype) into device tensor ``dev``."""
+        self.host_sync(dev.device.index)
         if self.runtime.host_addressable:
             tensors.host_view(self, dev).copy_(cpu)
             return

@@ -233,7 +233,7 @@ def _summary(b: Backend, index: int, st: dict[str, int]) -> str:
            f"|  {b.name.upper()} OOMs: {st['num_ooms']:<12}| "
            f"{b.name}Malloc retries: {st['num_alloc_retries']:<27}|",
            line,
-           f"|        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  |",
+           "|        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  |",
            "|" + "-" * 75 + "|"]
     for title, key, is_bytes in rows:
         for pool in ("all", "large_pool", "small_pool"):

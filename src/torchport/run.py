@@ -40,22 +40,39 @@ def load_backend(name: str) -> Any:
     return active_backend()
 
 
-def run_script(script: str, args: list[str], backend: str = "sim", module: bool = False) -> None:
-    """Set up ``backend`` + transfer, then run ``script`` (or module) as ``__main__``."""
+def run_script(script: str, args: list[str], backend: str = "sim", module: bool = False,
+               transfer: bool = True) -> None:
+    """Set up ``backend`` (+ transfer), then run ``script`` (or module) as ``__main__``."""
     load_backend(backend)
-    from torchport import transfer
+    if transfer:
+        from torchport import transfer as _transfer
 
-    transfer.enable()
-    if module:
-        sys.argv = [script, *args]
-        sys.path.insert(0, os.getcwd())
-        runpy.run_module(script, run_name="__main__", alter_sys=True)
-        return
-    if not os.path.exists(script):
+        _transfer.enable()
+    exec_main(script, args, module=module)
+
+
+def exec_main(script: str, args: list[str], module: bool = False,
+              restore: bool = False) -> None:
+    """Run ``script`` as ``python script.py args...`` would (``-m`` style with ``module``).
+
+    Shared by ``torchport run`` and ``torchport coverage``; ``restore`` puts
+    ``sys.argv``/``sys.path`` back afterwards for callers that stay in-process.
+    """
+    if not module and not os.path.exists(script):
         raise typer.BadParameter(f"no such script: {script}")
+    saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        if module:
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        if restore:
+            sys.argv = saved_argv
+            sys.path[:] = saved_path
 
 
 def register(app: typer.Typer) -> None:

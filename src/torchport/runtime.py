@@ -177,6 +177,11 @@ class Runtime(abc.ABC):
             raise RuntimeError(f"{type(self).__name__}: device memory is not host-addressable")
         return ptr
 
+    #: True when :meth:`launch` queues work and returns before it ran. torchport then
+    #: launches kernels whose output layout the meta kernels give, and synchronises the
+    #: device before the host touches its memory (host views, the CPU fallback).
+    asynchronous: bool = False
+
     def launch(self, index: int, stream: StreamHandle | None, fn: Any, name: str = "") -> None:
         """Run ``fn()`` (a kernel's device-side work) in order on ``stream``.
 

@@ -1,9 +1,8 @@
 """Device allocations -> real ``torch.Tensor`` objects, and bytes to and from them.
 
-A device tensor is a plain ``torch.Tensor`` on ``<device>:<index>`` made from a
-DLPack capsule (device type kDLExtDev) whose data pointer is a block of the
-caching allocator; the capsule's deleter returns the block when the storage
-dies. Everything else (views, autograd, serialization) is PyTorch's own.
+A device tensor is a plain ``torch.Tensor`` on ``<device>:<index>`` whose storage
+is a block of the caching allocator; the block returns to the allocator when the
+storage dies. Everything else (views, autograd, serialization) is PyTorch's own.
 
 Moving bytes uses only the runtime's copy functions, unless the runtime declares
 its memory host-addressable, in which case a zero-copy host view is built.
@@ -29,12 +28,9 @@ _construct_storage = torch._C._construct_storage_from_data_pointer
 
 
 # ---- DLPack plumbing -------------------------------------------------------------
-# The capsule comes from torch.to_dlpack of a tiny CPU "owner" tensor, with its
-# DLTensor fields rewritten to describe device memory. PyTorch's own C++ deleter
-# then releases the owner when the device storage dies; the owner is a tensor
-# subclass, so PyTorch keeps its Python object alive until then, and its weakref
-# callback (which CPython runs with any in-flight exception saved, unlike a ctypes
-# callback) returns the block to the allocator.
+# PyTorch's DLPack import is the one way Python can make a tensor on any
+# ``<device>:<index>`` (DESIGN-NOTES); the capsule comes from torch.to_dlpack of an
+# empty CPU tensor with its DLTensor fields rewritten to describe device memory.
 class _DLDevice(ctypes.Structure):
     _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
 
@@ -63,27 +59,10 @@ _DL_CODES: dict[torch.dtype, tuple[int, int]] = {
 }
 
 
-class _StorageOwner(torch.Tensor):
-    """Kept alive by the device storage's DLPack context; dies with it."""
-
-
-_OWNERS: dict[int, weakref.ref] = {}
-
-
-def _owner_died(ref: weakref.ref) -> None:
-    entry = _OWNERS.pop(id(ref), None)
-    if entry is not None:
-        entry[1]()
-
-
-def _from_dlpack(ptr: int, device_index: int, dtype: torch.dtype, size, stride,
-                 on_free) -> torch.Tensor:
+def _from_dlpack(ptr: int, device_index: int, dtype: torch.dtype, size, stride) -> torch.Tensor:
+    """A device tensor over ``ptr`` made by PyTorch's DLPack import (owns nothing)."""
     code, bits = _DL_CODES[dtype]
-    owner = torch.empty(0).as_subclass(_StorageOwner)
-    if on_free is not None:
-        ref = weakref.ref(owner, _owner_died)
-        _OWNERS[id(ref)] = (ref, on_free)
-    capsule = torch._C._to_dlpack(owner)
+    capsule = torch._C._to_dlpack(torch.empty(0))
     dl = _DLTensor.from_address(_capsule_ptr(capsule, b"dltensor"))
     ndim = len(size)
     shape = (ctypes.c_int64 * max(ndim, 1))(*size)
@@ -96,6 +75,38 @@ def _from_dlpack(ptr: int, device_index: int, dtype: torch.dtype, size, stride,
     dl.strides = strides
     dl.byte_offset = 0
     return torch._C._from_dlpack(capsule)
+
+
+# ---- device tensors over allocator blocks ------------------------------------------
+# DLPack makes one empty "template" tensor per (device, dtype). Every allocation then
+# builds a storage over its block (``_construct_storage_from_data_pointer``, no copy,
+# no deleter), gives a fresh TensorImpl (an alias of the template) that storage, and
+# watches the storage's Python object: PyTorch keeps it alive exactly as long as
+# some tensor or view uses the storage, so its weakref callback (which CPython runs
+# with any in-flight exception saved) is where the block goes back to the allocator.
+# Half the cost of a DLPack import per tensor, on the hot path of every op.
+_alias_boxed = torch.ops.aten.alias.default._handle.redispatch_boxed
+_set_storage_boxed = _set_storage._handle.redispatch_boxed
+_TEMPLATES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_ON_FREE: dict[int, tuple[weakref.ref, object]] = {}
+
+
+def _storage_died(ref: weakref.ref) -> None:
+    entry = _ON_FREE.pop(id(ref), None)
+    if entry is not None:
+        entry[1]()
+
+
+def _template(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    t = _TEMPLATES.get((device, dtype))
+    if t is None:
+        if dtype in _DL_CODES:
+            t = _from_dlpack(0, device.index, dtype, [0], [1])
+        else:  # dtypes DLPack cannot describe: reinterpret an empty byte tensor
+            t = _view_dtype.redispatch(_CPU_KS, _from_dlpack(0, device.index, torch.uint8,
+                                                             [0], [1]), dtype)
+        _TEMPLATES[(device, dtype)] = t
+    return t
 
 
 def storage_nbytes(size, stride, itemsize: int, offset: int = 0) -> int:
@@ -114,17 +125,15 @@ def contiguous_strides(size) -> list[int]:
     return strides[::-1]
 
 
-def wrap_memory(backend: Backend, index: int, ptr: int, nbytes: int, dtype: torch.dtype,
+def wrap_memory(device: torch.device, ptr: int, nbytes: int, dtype: torch.dtype,
                 size, stride, on_free) -> torch.Tensor:
-    """A device tensor over ``nbytes`` at ``ptr``; ``on_free`` runs when its storage dies."""
-    if dtype in _DL_CODES and storage_nbytes(size, stride, dtype.itemsize) == nbytes:
-        return _from_dlpack(ptr, index, dtype, size, stride, on_free)
-    raw = _from_dlpack(ptr, index, torch.uint8, [nbytes], [1], on_free)
-    base = _view_dtype.redispatch(_CPU_KS, raw[:0], dtype) if dtype.itemsize != 1 else raw
-    if dtype.itemsize == 1 and dtype != torch.uint8:
-        base = _view_dtype.redispatch(_CPU_KS, raw, dtype)
-    return _set_storage.redispatch(_CPU_KS, base, raw.untyped_storage(), 0, list(size),
-                                   list(stride))
+    """A device tensor over ``nbytes`` at ``ptr``; ``on_free()`` runs when its storage dies."""
+    storage = _construct_storage(ptr, device, nbytes)
+    if on_free is not None:
+        ref = weakref.ref(storage, _storage_died)
+        _ON_FREE[id(ref)] = (ref, on_free)
+    shell = _alias_boxed(_CPU_KS, _template(device, dtype))
+    return _set_storage_boxed(_CPU_KS, shell, storage, 0, size, stride)
 
 
 # ---- host views and staging ------------------------------------------------------

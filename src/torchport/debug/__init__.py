@@ -10,14 +10,14 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "autocompare": "torchport.debug.autocompare",
-    "AutocompareReport": "torchport.debug.autocompare",
-    "Mismatch": "torchport.debug.autocompare",
-    "AutocompareMismatchError": "torchport.debug.autocompare",
-    "dump": "torchport.debug.dump",
+    "autocompare": "torchport.debug.crosscheck",
+    "AutocompareReport": "torchport.debug.crosscheck",
+    "Mismatch": "torchport.debug.crosscheck",
+    "AutocompareMismatchError": "torchport.debug.crosscheck",
+    "dump": "torchport.debug.opdump",
     "compare_dumps": "torchport.debug.compare",
     "compare_modules": "torchport.debug.modules",
-    "coverage": "torchport.debug.coverage",
+    "coverage": "torchport.debug.opcoverage",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -2,13 +2,19 @@
 
 The lead's main typer app calls :func:`register`; nothing here runs at import.
 Exit codes: 0 success (even when unsupported APIs were found: they are in the
-report), 2 usage errors and refusals, 1 internal failures.
+report, and even when an analysed script failed: that is in the report too),
+2 usage errors and refusals, 1 internal failures.
+
+``--analyse`` runs ``torchport coverage`` on each migrated entry script (a file
+with ``if __name__ == "__main__"``) in a subprocess, or on the scripts named
+with ``--analyse-script FILE`` and the arguments after ``--``; the ops that
+would fall back to the CPU go into the report.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -17,6 +23,9 @@ from rich.table import Table
 from torchport.migrate.model import BackendSpecError, MigrationResult
 from torchport.migrate.tree import MigrationError, migrate_path
 
+if TYPE_CHECKING:
+    from torchport.debug.opcoverage import ScriptAnalysis
+
 _ROWS_SHOWN = 25
 
 
@@ -24,11 +33,15 @@ def register(app: typer.Typer) -> None:
     """Add the ``migrate`` command to ``app``."""
     app.command(
         "migrate",
-        help="Rewrite CUDA PyTorch code (a file or a tree) for a torchport backend.",
+        help="Rewrite CUDA PyTorch code (a file or a tree) for a torchport backend. "
+        "With --analyse, run the op-coverage analysis of the migrated scripts "
+        "(arguments for them follow --).",
+        context_settings={"allow_extra_args": True},
     )(migrate_command)
 
 
 def migrate_command(
+    ctx: typer.Context,
     src: Annotated[
         Path, typer.Argument(metavar="SRC", help="File or directory to migrate (never modified).")
     ],
@@ -65,20 +78,46 @@ def migrate_command(
             metavar="FILE", help="Entry script, relative to SRC, for --analyse on a directory."
         ),
     ] = None,
+    analyse_script: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--analyse-script",
+            "--analyze-script",
+            metavar="FILE",
+            help="Analyse this script (relative to SRC; repeatable) with the arguments "
+            "after --; implies --analyse.",
+        ),
+    ] = None,
+    analyse_timeout: Annotated[
+        float, typer.Option(metavar="SECONDS", help="Time limit per analysed script.")
+    ] = 600.0,
 ) -> None:
     """Migrate SRC into -o DST and print a summary."""
     console = Console()
     errors = Console(stderr=True)
+    script_args = list(ctx.args)
+    chosen = [*(analyse_script or []), *([entry] if entry is not None else [])]
+    wanted = analyse or bool(chosen)
+    if script_args and not chosen:
+        errors.print(
+            f"[bold red]error:[/] unexpected arguments {' '.join(script_args)!r} "
+            "(script arguments need --analyse-script FILE before --)"
+        )
+        raise typer.Exit(2)
     try:
         result = migrate_path(
             src,
             output,
             backend=backend,
-            report_dir=report,
+            report_dir=None if wanted else report,
             dry_run=dry_run,
-            analyse=analyse,
-            entry=entry,
         )
+        if wanted:
+            analyses = _analyse(result, chosen, script_args, report, analyse_timeout, console)
+            if report is not None:
+                from torchport.migrate.report import write_reports
+
+                result.report_files = write_reports(result, report, analyses)
     except (MigrationError, BackendSpecError) as exc:
         errors.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(2) from None
@@ -86,6 +125,79 @@ def migrate_command(
         errors.print(f"[bold red]internal error:[/] {type(exc).__name__}: {exc}")
         raise typer.Exit(1) from None
     _print_result(console, result)
+
+
+def _dst_script(result: MigrationResult, name: Path) -> Path:
+    """Where script ``name`` (given relative to SRC, or as a path in SRC/DST) was migrated to."""
+    assert result.dst is not None
+    if not result.src.is_dir():  # a single file: DST is the file or a directory holding it
+        return result.dst / result.src.name if result.dst.is_dir() else result.dst
+    for base in (result.src, result.dst):
+        try:
+            return result.dst / name.resolve().relative_to(base.resolve())
+        except ValueError:
+            continue
+    return result.dst / name
+
+
+def _analyse(
+    result: MigrationResult,
+    chosen: list[Path],
+    script_args: list[str],
+    report: Path | None,
+    timeout: float,
+    console: Console,
+) -> list[ScriptAnalysis]:
+    """Coverage of the migrated scripts, each in its own subprocess (failures are reported)."""
+    from torchport.debug.opcoverage import find_entry_scripts, run_script_coverage
+
+    if result.dry_run or result.dst is None:
+        result.analysis = "skipped: nothing is written in a dry run"
+        return []
+    if chosen:
+        scripts = [(_dst_script(result, c), script_args) for c in chosen]
+    else:
+        scripts = [(p, []) for p in find_entry_scripts(result.dst)]
+    root = result.dst if result.dst.is_dir() else result.dst.parent
+    spec = result.backend.module if result.backend.module else result.backend.name
+    analyses = []
+    for script, args in scripts:
+        rel = script.relative_to(root).as_posix() if script.is_relative_to(root) else script.name
+        console.print(f"analysing [bold]{rel}[/] {' '.join(args)}".rstrip())
+        if not script.is_file():
+            from torchport.debug.opcoverage import ScriptAnalysis
+
+            analyses.append(ScriptAnalysis(script, args, 2, error=f"no such script: {script}"))
+            continue
+        name = rel.removesuffix(".py").replace("/", "_")
+        # transfer off: the migrated code must run on the device on its own
+        analyses.append(run_script_coverage(script, args, report_dir=report, cwd=root,
+                                            timeout=timeout, backend=spec, name=name,
+                                            transfer=False))
+    ok = sum(a.ok for a in analyses)
+    fb = sorted({op.name for a in analyses for op in a.fallback_ops})
+    result.analysis = (f"{len(analyses)} script(s) analysed, {ok} ran, "
+                       f"{len(analyses) - ok} failed; fall back to CPU: "
+                       + (", ".join(fb) if fb else "none"))
+    if not analyses:
+        result.analysis = "no entry script found (name one with --analyse-script FILE)"
+    _print_analyses(console, analyses, root)
+    return analyses
+
+
+def _print_analyses(console: Console, analyses: list[ScriptAnalysis], root: Path) -> None:
+    if not analyses:
+        return
+    table = Table(title="Op coverage of the migrated scripts")
+    for column in ("script", "outcome", "overloads", "fall back to CPU"):
+        table.add_column(column, overflow="fold")
+    for a in analyses:
+        rel = a.script.relative_to(root).as_posix() if a.script.is_relative_to(root) \
+            else a.script.name
+        outcome = "ok" if a.ok else f"[red]exit {a.exit_code}[/]"
+        table.add_row(rel, outcome, "" if a.result is None else str(len(a.result.ops)),
+                      ", ".join(op.name for op in a.fallback_ops) or "-")
+    console.print(table)
 
 
 def _print_result(console: Console, result: MigrationResult) -> None:

@@ -9,8 +9,12 @@ from __future__ import annotations
 import csv
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torchport.migrate.model import Finding, MigrationResult
+
+if TYPE_CHECKING:
+    from torchport.debug.opcoverage import ScriptAnalysis
 
 MARKDOWN_NAME = "migration_report.md"
 CSV_NAME = "migration_report.csv"
@@ -18,21 +22,27 @@ CSV_COLUMNS = ("category", "file", "line", "column", "rule_or_api", "before", "a
 _SNIPPET_LIMIT = 240
 
 
-def write_reports(result: MigrationResult, report_dir: Path) -> list[Path]:
-    """Write ``migration_report.md`` and ``migration_report.csv`` into ``report_dir``."""
+def write_reports(result: MigrationResult, report_dir: Path,
+                  analyses: list[ScriptAnalysis] | None = None) -> list[Path]:
+    """Write ``migration_report.md`` and ``migration_report.csv`` into ``report_dir``.
+
+    ``analyses`` (``migrate --analyse``) adds the op coverage of the migrated
+    scripts: the ops that would fall back to the CPU, and the scripts that failed.
+    """
     report_dir.mkdir(parents=True, exist_ok=True)
     markdown = report_dir / MARKDOWN_NAME
     table = report_dir / CSV_NAME
-    markdown.write_text(render_markdown(result, report_dir), encoding="utf-8")
+    markdown.write_text(render_markdown(result, report_dir, analyses), encoding="utf-8")
     with table.open("w", encoding="utf-8", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(CSV_COLUMNS)
-        writer.writerows(csv_rows(result))
+        writer.writerows(csv_rows(result, analyses))
     return [markdown, table]
 
 
-def csv_rows(result: MigrationResult) -> list[tuple[str, str, str, str, str, str, str, str]]:
-    """One row per change, finding, failure and skipped path."""
+def csv_rows(result: MigrationResult, analyses: list[ScriptAnalysis] | None = None
+             ) -> list[tuple[str, str, str, str, str, str, str, str]]:
+    """One row per change, finding, failure, skipped path and analysed script / fallback op."""
     rows: list[tuple[str, str, str, str, str, str, str, str]] = []
     for change in result.changes:
         rows.append(
@@ -65,7 +75,81 @@ def csv_rows(result: MigrationResult) -> list[tuple[str, str, str, str, str, str
         rows.append((f"{failure.kind}-failure", failure.path, "", "", "", "", "", failure.message))
     for skipped in result.skipped:
         rows.append(("skipped", skipped.path, "", "", "", "", "", skipped.reason))
+    for a in analyses or []:
+        script = _script_name(a, result)
+        if a.result is None or a.exit_code:
+            rows.append(("coverage-failure", script, "", "", "", " ".join(a.args), "",
+                         f"exit {a.exit_code}: {_last_line(a.error)}"))
+        if a.result is not None:
+            rows.append(("coverage", script, "", "", "", " ".join(a.args), "",
+                         a.result.summary()))
+            for op in a.fallback_ops:
+                rows.append(("fallback-op", script, "", "", op.name, "", "",
+                             f"calls {op.calls}; dtypes {','.join(op.dtypes)}"))
     return rows
+
+
+def _script_name(a: ScriptAnalysis, result: MigrationResult) -> str:
+    base = result.dst if result.dst is not None and result.dst.is_dir() else None
+    if base is not None:
+        try:
+            return a.script.resolve().relative_to(base.resolve()).as_posix()
+        except ValueError:
+            pass
+    return a.script.name
+
+
+def _last_line(text: str | None) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[-1] if lines else "no result"
+
+
+def _link(target: Path | None, report_dir: Path | None) -> str:
+    if target is None:
+        return ""
+    if report_dir is not None:
+        try:
+            target = Path(os.path.relpath(target.resolve(), report_dir.resolve()))
+        except ValueError:
+            pass
+    return f"[{target.name}]({target.as_posix()})"
+
+
+def render_analyses(result: MigrationResult, analyses: list[ScriptAnalysis],
+                    report_dir: Path | None = None) -> list[str]:
+    """The Markdown section on op coverage of the migrated scripts."""
+    lines = ["", "## Op coverage of the migrated scripts", ""]
+    if not analyses:
+        lines.append(result.analysis or "No script was analysed.")
+        return lines
+    lines += ["Each script ran on the device with op recording (`torchport coverage`); "
+              "ops without a device kernel ran on the CPU.", "",
+              "| script | args | outcome | overloads | fall back to CPU | report |",
+              "|---|---|---|---:|---:|---|"]
+    for a in analyses:
+        outcome = "ok" if a.ok else f"failed (exit {a.exit_code})"
+        n = "" if a.result is None else str(len(a.result.ops))
+        nfb = "" if a.result is None else str(len(a.fallback_ops))
+        lines.append(f"| {_cell(_script_name(a, result))} | {_code(' '.join(a.args))} "
+                     f"| {outcome} | {n} | {nfb} | {_link(a.html_path, report_dir)} |")
+    lines += ["", "### Ops that would fall back to CPU", ""]
+    fb = [(a, op) for a in analyses for op in a.fallback_ops]
+    if fb:
+        lines += ["| script | overload | calls | dtypes |", "|---|---|---:|---|"]
+        for a, op in fb:
+            lines.append(f"| {_cell(_script_name(a, result))} | `{op.name}` | {op.calls} "
+                         f"| {_cell(', '.join(op.dtypes))} |")
+    else:
+        lines.append("None: every op the analysed scripts used has a device kernel, a "
+                     "decomposition or is a view.")
+    failed = [a for a in analyses if not a.ok]
+    if failed:
+        lines += ["", "### Scripts that failed (not fatal: the migration itself succeeded)", "",
+                  "| script | exit code | error |", "|---|---:|---|"]
+        for a in failed:
+            lines.append(f"| {_cell(_script_name(a, result))} | {a.exit_code} "
+                         f"| {_cell(_last_line(a.error))} |")
+    return lines
 
 
 def _finding_groups(result: MigrationResult) -> list[tuple[str, list[Finding]]]:
@@ -92,7 +176,8 @@ def _code(text: str) -> str:
     return f"{fence}{pad}{text}{pad}{fence}"
 
 
-def render_markdown(result: MigrationResult, report_dir: Path | None = None) -> str:
+def render_markdown(result: MigrationResult, report_dir: Path | None = None,
+                    analyses: list[ScriptAnalysis] | None = None) -> str:
     """The human-readable report; ``report_dir`` makes links relative to it."""
     backend = result.backend
     lines = [
@@ -150,7 +235,9 @@ def render_markdown(result: MigrationResult, report_dir: Path | None = None) -> 
             lines.append(f"| {_cell(skipped.path)} | {_cell(skipped.reason)} |")
     else:
         lines.append("None.")
-    if result.analysis is not None:
+    if analyses is not None:
+        lines += render_analyses(result, analyses, report_dir)
+    elif result.analysis is not None:
         lines += ["", "## Coverage analysis", "", _analysis_line(result, report_dir)]
     return "\n".join(lines) + "\n"
 

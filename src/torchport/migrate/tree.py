@@ -242,15 +242,15 @@ def _analyse(
     report_dir: str | os.PathLike[str] | None,
     dry_run: bool,
 ) -> tuple[str, Path | None]:
-    """Glue to torchport.debug.coverage, which runs the migrated script and reports op coverage.
+    """Glue to torchport.debug.opcoverage, which runs the migrated script and reports op coverage.
 
     Returns a one-line outcome for the report and, when the coverage tool
     returned a path to its own report, that path (so the report can link it).
     """
     try:
-        from torchport.debug.coverage import run_script_coverage  # type: ignore[import-not-found]
+        from torchport.debug.opcoverage import run_script_coverage  # type: ignore[import-not-found]
     except ImportError:
-        return "not available: torchport.debug.coverage.run_script_coverage is missing", None
+        return "not available: torchport.debug.opcoverage.run_script_coverage is missing", None
     if dry_run:
         return "skipped: nothing is written in a dry run", None
     script: Path | None = None

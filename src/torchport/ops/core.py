@@ -48,6 +48,9 @@ def copy_between(backend: Backend, dst: torch.Tensor, src: torch.Tensor,
         if src.device.type == name and src.device != dst.device and _plain_bytes(src, dst):
             rt = backend.runtime
             n = dst.numel() * dst.element_size()
+            if not non_blocking:
+                backend.host_sync(src.device.index)
+                backend.host_sync(dst.device.index)
             rt.copy_d2d(backend.phys(dst.device.index), dst.data_ptr(),
                         backend.phys(src.device.index), src.data_ptr(), n,
                         backend.current_stream_handle(dst.device.index) if non_blocking else None)

@@ -17,6 +17,10 @@ settable at run time):
   :class:`NotImplementedError` naming it and its dtypes. :func:`set_fallback_enabled`.
 * ``TORCHPORT_FALLBACK_WARN=0`` -- silence the one :class:`FallbackWarning` per op
   that first falls back. :func:`set_fallback_warn`.
+
+Porting tools (autocompare, op dumps) see every device op call through
+:mod:`torchport.ops.hooks`: while one is registered the slow paths below call
+:func:`hooks.dispatch` around each op.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport.ops import hostexec, paths, stats
+from torchport.ops import hooks, hostexec, paths, stats
 from torchport.ops.plan import plan_for
 
 if TYPE_CHECKING:
@@ -52,7 +56,7 @@ class Route:
 
 
 # ---- state ------------------------------------------------------------------
-SLOW = False  # True when any op is forced or op statistics record: kernels take the slow path
+SLOW = False  # True when any op is forced, op statistics record or a tool intercepts ops
 _PATTERNS: list[re.Pattern[str]] = []
 _ROUTES: dict[str, Route] = {}  # overload name -> route of a native kernel
 _FORCED_CACHE: dict[str, bool] = {}
@@ -63,10 +67,11 @@ _WARNED: set[str] = set()
 
 def _refresh_slow() -> None:
     global SLOW
-    SLOW = bool(_PATTERNS) or stats.ENABLED
+    SLOW = bool(_PATTERNS) or stats.ENABLED or hooks.ACTIVE
 
 
 stats.on_change(_refresh_slow)
+hooks.on_change(_refresh_slow)
 _refresh_slow()  # TORCHPORT_OP_STATS=1 may have started recording already
 
 
@@ -75,6 +80,35 @@ def parse_patterns(text: str | None) -> list[str]:
     if not text:
         return []
     return [p.strip() for p in text.split(",") if p.strip()]
+
+
+class OpMatcher:
+    """Overload names matched in full by a list of regular expressions (cached).
+
+    The forced-fallback syntax, reused by the porting tools (``TORCHPORT_AUTOCOMPARE``,
+    ``TORCHPORT_DUMP_FILTER``). ``None`` or an empty list matches every op."""
+
+    def __init__(self, patterns: Iterable[str] | str | None, what: str = "pattern") -> None:
+        if isinstance(patterns, str):
+            patterns = parse_patterns(patterns)
+        self.patterns: list[re.Pattern[str]] = []
+        for p in patterns or ():
+            try:
+                self.patterns.append(re.compile(p))
+            except re.error as e:
+                raise ValueError(f"{what}: bad regular expression {p!r}: {e}") from None
+        self._cache: dict[str, bool] = {}
+
+    def __call__(self, name: str) -> bool:
+        if not self.patterns:
+            return True
+        v = self._cache.get(name)
+        if v is None:
+            v = self._cache[name] = any(p.fullmatch(name) for p in self.patterns)
+        return v
+
+    def __repr__(self) -> str:
+        return f"OpMatcher({[p.pattern for p in self.patterns]!r})"
 
 
 def set_force_fallback(patterns: Iterable[str] | str | None) -> list[str]:
@@ -175,20 +209,37 @@ def run_cpu(backend: Backend, op: Any, name: str, args: tuple, kwargs: dict,
         stats.add(name, "fallback", args, kwargs, time.perf_counter() - t0)
 
 
-def next_path(backend: Backend, op: Any, name: str, args: tuple, kwargs: dict) -> Any:
-    """No usable kernel: a decomposition into device kernels, else the CPU."""
+def _choose_path(backend: Backend, op: Any, name: str, args: tuple,
+                 kwargs: dict) -> tuple[str, Callable[..., Any] | None, bool]:
+    """(path, decomposition, forced) for an op without a usable kernel."""
     forced = is_forced(name)
     if not forced:
         d = paths.decomposition_for(op, backend.name, args, kwargs, is_forced)
         if d is not None:
-            if not stats.ENABLED:
-                return _run_decomposition(op, d, args, kwargs)
-            t0 = time.perf_counter()
-            try:
-                return _run_decomposition(op, d, args, kwargs)
-            finally:
-                stats.add(name, "decomposed", args, kwargs, time.perf_counter() - t0)
+            return "decomposed", d, False
+    return "fallback", None, forced
+
+
+def _run_path(backend: Backend, op: Any, name: str, args: tuple, kwargs: dict,
+              d: Callable[..., Any] | None, forced: bool) -> Any:
+    if d is not None:
+        if not stats.ENABLED:
+            return _run_decomposition(op, d, args, kwargs)
+        t0 = time.perf_counter()
+        try:
+            return _run_decomposition(op, d, args, kwargs)
+        finally:
+            stats.add(name, "decomposed", args, kwargs, time.perf_counter() - t0)
     return run_cpu(backend, op, name, args, kwargs, forced)
+
+
+def next_path(backend: Backend, op: Any, name: str, args: tuple, kwargs: dict,
+              call: hooks.OpCall | None = None) -> Any:
+    """No usable kernel: a decomposition into device kernels, else the CPU."""
+    path, d, forced = _choose_path(backend, op, name, args, kwargs)
+    if call is not None:
+        call.path = f"{path} (declined)"
+    return _run_path(backend, op, name, args, kwargs, d, forced)
 
 
 def _run_decomposition(op: Any, d: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -220,7 +271,16 @@ def _land(r: Any, alias: str | None, names: tuple[str, ...], args: tuple, kwargs
 
 def run_native_slow(backend: Backend, op: Any, route: Route, fn: Callable[..., Any],
                     args: tuple, kwargs: dict, Decline: type[Exception]) -> Any:
-    """A native kernel's call while ops are forced or recorded."""
+    """A native kernel's call while ops are forced, recorded or intercepted."""
+    if hooks.ACTIVE and not hooks.busy():
+        return hooks.dispatch(
+            op, route.name, "fallback" if route.forced else "native", args, kwargs,
+            lambda call: _native(backend, op, route, fn, args, kwargs, Decline, call))
+    return _native(backend, op, route, fn, args, kwargs, Decline, None)
+
+
+def _native(backend: Backend, op: Any, route: Route, fn: Callable[..., Any], args: tuple,
+            kwargs: dict, Decline: type[Exception], call: hooks.OpCall | None) -> Any:
     if route.forced:
         return run_cpu(backend, op, route.name, args, kwargs, forced=True)
     t0 = time.perf_counter()
@@ -229,24 +289,44 @@ def run_native_slow(backend: Backend, op: Any, route: Route, fn: Callable[..., A
     except Decline:
         if stats.ENABLED:
             stats.add_decline(route.name)
-        return next_path(backend, op, route.name, args, kwargs)
+        return next_path(backend, op, route.name, args, kwargs, call)
     if stats.ENABLED:
         stats.add(route.name, "native", args, kwargs, time.perf_counter() - t0)
     return result
 
 
+def _run_view(plan: Any, op: Any, args: tuple, kwargs: dict) -> Any:
+    if stats.ENABLED:
+        t0 = time.perf_counter()
+        r = hostexec.run_view_op(op, args, kwargs)
+        stats.add(plan.overload_name, "view", args, kwargs, time.perf_counter() - t0)
+        return r
+    return hostexec.run_view_op(op, args, kwargs)
+
+
+def _intercepted(backend: Backend, op: Any, plan: Any, args: tuple, kwargs: dict) -> Any:
+    """The fallback's call while a tool intercepts ops: the path is chosen first."""
+    name = plan.overload_name
+    if plan.is_view:
+        return hooks.dispatch(op, name, "view", args, kwargs,
+                              lambda call: _run_view(plan, op, args, kwargs))
+    path, d, forced = _choose_path(backend, op, name, args, kwargs)
+    return hooks.dispatch(op, name, path, args, kwargs,
+                          lambda call: _run_path(backend, op, name, args, kwargs, d, forced))
+
+
 def make_fallback(backend: Backend) -> Callable[..., Any]:
     """The boxed fallback registered for every op without a kernel."""
     load_env()
+    hooks.load_env()
 
     def fallback(keyset: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         plan = plan_for(op)
+        if hooks.ACTIVE and not hooks.busy():
+            return _intercepted(backend, op, plan, args, kwargs)
         if plan.is_view:  # metadata only: PyTorch's own kernel, no CPU round trip
             if stats.ENABLED:
-                t0 = time.perf_counter()
-                r = hostexec.run_view_op(op, args, kwargs)
-                stats.add(plan.overload_name, "view", args, kwargs, time.perf_counter() - t0)
-                return r
+                return _run_view(plan, op, args, kwargs)
             return hostexec.run_view_op(op, args, kwargs)
         return next_path(backend, op, plan.overload_name, args, kwargs)
     return fallback

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport.ops import core, fallback, hostexec
+from torchport.ops import core, fallback, fastpath, hostexec
 
 if TYPE_CHECKING:
     from torchport.backend import Backend
@@ -118,21 +118,20 @@ def _wrap(backend: Backend, op: torch._ops.OpOverload, name: str, fn: Callable[.
     return kernel
 
 
-def _host_kernel(backend: Backend, op: torch._ops.OpOverload, decl: KernelDecl):
-    to_cpu = decl.to_cpu
-    run = hostexec.run_on_host
-    dtypes = decl.dtypes
-    if dtypes is None:
-        def kernel(*args: Any, **kwargs: Any) -> Any:
-            return run(backend, op, args, kwargs, to_cpu, True)
-        return kernel
+def _host_kernel(backend: Backend, op: torch._ops.OpOverload, name: str, decl: KernelDecl,
+                 route: fallback.Route) -> Callable[..., Any]:
+    """A host-op kernel as registered; without a dtype restriction it checks the
+    slow-path flag itself (one Python frame less on every call)."""
+    if decl.dtypes is not None:
+        kernel = fastpath.host_kernel(backend, op, decl.to_cpu)
+        return _wrap(backend, op, name, _dtype_checked(op, kernel, decl.dtypes), route)
+    holder: list[Callable[..., Any]] = []
 
-    def kernel_checked(*args: Any, **kwargs: Any) -> Any:
-        for v in hostexec._iter_tensors(args, kwargs):
-            if v.dtype not in dtypes:
-                raise Decline(f"{op} does not handle {v.dtype}")
-        return run(backend, op, args, kwargs, to_cpu, True)
-    return kernel_checked
+    def slow(args: tuple, kwargs: dict) -> Any:
+        return fallback.run_native_slow(backend, op, route, holder[0], args, kwargs, Decline)
+    kernel = fastpath.host_kernel(backend, op, decl.to_cpu, slow)
+    holder.append(fastpath.host_kernel(backend, op, decl.to_cpu))
+    return kernel
 
 
 def install(backend: Backend) -> None:
@@ -153,11 +152,15 @@ def install(backend: Backend) -> None:
                     "." + op._schema.overload_name if op._schema.overload_name else "")
                 if oname in taken or not _has_backend_slot(op):
                     continue
-                fn = decl.fn if decl.fn is not None else _host_kernel(backend, op, decl)
-                if decl.fn is not None and decl.dtypes is not None:
-                    fn = _dtype_checked(op, fn, decl.dtypes)
-                lib.impl(oname, _wrap(backend, op, oname, fn, fallback.route_for(oname)),
-                         "PrivateUse1")
+                route = fallback.route_for(oname)
+                if decl.fn is None:
+                    fn = _host_kernel(backend, op, oname, decl, route)
+                else:
+                    fn = decl.fn
+                    if decl.dtypes is not None:
+                        fn = _dtype_checked(op, fn, decl.dtypes)
+                    fn = _wrap(backend, op, oname, fn, route)
+                lib.impl(oname, fn, "PrivateUse1")
                 taken.add(oname)
                 _NATIVE[oname] = decl
     fb = torch.library.Library("_", "IMPL")

@@ -13,6 +13,7 @@ import torch
 from torchport.backend import Backend
 from torchport.backends.sim.kernels import make_kernels
 from torchport.backends.sim.runtime import SimRuntime, parse_size
+from torchport.backends.sim.syncbn_kernels import make_syncbn_kernels
 
 __all__ = ["SimRuntime", "make_backend", "parse_size"]
 
@@ -20,17 +21,15 @@ __all__ = ["SimRuntime", "make_backend", "parse_size"]
 def make_backend(runtime: SimRuntime | None = None) -> Backend:
     """The sim backend (not yet registered) over ``runtime`` (default: from the environment)."""
     rt = runtime if runtime is not None else SimRuntime()
-    holder: dict[str, Backend] = {}
 
     def device_view(t: torch.Tensor) -> torch.Tensor:
         # The simulated chip reading its own memory: zero-copy in both memory modes.
         st = t.untyped_storage()
-        n = st.nbytes()
-        if n == 0:
+        if st.nbytes() == 0:
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-        typed = rt.device_tensor(holder["b"].phys(t.device.index), st.data_ptr(), n).view(t.dtype)
-        return typed.as_strided(t.shape, t.stride(), typed.storage_offset() + t.storage_offset())
+        typed, off = rt.typed_memory(visible[t.device.index], st.data_ptr(), t.dtype)
+        return typed.as_strided(t.shape, t.stride(), off + t.storage_offset())
 
-    b = Backend("sim", rt, [make_kernels(device_view)])
-    holder["b"] = b
+    b = Backend("sim", rt, [make_kernels(device_view), make_syncbn_kernels()])
+    visible = b.visible
     return b

@@ -60,6 +60,7 @@ class _Segment:
     base: int  # device address
     nbytes: int
     buffer: torch.Tensor  # uint8 host storage backing the segment
+    typed: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # views of buffer
 
 
 @dataclass
@@ -170,6 +171,7 @@ class SimRuntime(Runtime):
             self.unsupported_dtypes = frozenset(unsupported_dtypes)
         self._devices = [_Device(capacity=memory) for _ in range(num_devices)]
         self._lock = threading.Lock()
+        self._seg_cache: dict[tuple[int, int], _Segment] = {}  # (index, block address)
         self._next_stream = 1
         # Asynchronous streams (opt-in until every kernel launches through launch()).
         self.asynchronous = _env_flag("TORCHPORT_SIM_ASYNC") and \
@@ -229,6 +231,7 @@ class SimRuntime(Runtime):
             seg = d.segments.pop(ptr, None)
             if seg is None:
                 raise RuntimeError(f"sim: free of unknown address {ptr:#x} on device {index}")
+            self._seg_cache.clear()
             d.bases.remove(ptr)
             d.used -= seg.nbytes
 
@@ -247,6 +250,9 @@ class SimRuntime(Runtime):
         raise RuntimeError(f"sim: illegal memory access at {ptr:#x} (+{nbytes} bytes) on sim:{index}")
 
     def _host_ptr(self, index: int, ptr: int, nbytes: int) -> int:
+        seg = self._seg_cache.get((index, ptr))
+        if seg is not None and nbytes <= seg.base + seg.nbytes - ptr:
+            return seg.buffer.data_ptr() + (ptr - seg.base)
         seg, off = self._locate(index, ptr, nbytes)
         return seg.buffer.data_ptr() + off
 
@@ -254,6 +260,27 @@ class SimRuntime(Runtime):
         if self.strict:
             raise RuntimeError("sim (strict): device memory is not host-addressable")
         return ptr
+
+    def typed_memory(self, index: int, ptr: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        """``(host tensor of dtype over ptr's segment, storage offset of ptr in elements)``.
+
+        The kernels' view of device memory, cached per (segment, dtype) and per block
+        address: every op maps its arguments through here."""
+        key = (index, ptr)
+        seg = self._seg_cache.get(key)
+        if seg is None:
+            seg = self._locate(index, ptr, 0)[0]
+            if len(self._seg_cache) > 8192:
+                self._seg_cache.clear()
+            self._seg_cache[key] = seg
+        typed = seg.typed.get(dtype)
+        if typed is None:
+            n = seg.nbytes - seg.nbytes % dtype.itemsize
+            typed = seg.typed[dtype] = seg.buffer[:n].view(dtype)
+        off = ptr - seg.base
+        if off % dtype.itemsize:
+            raise RuntimeError(f"sim: misaligned {dtype} access at {ptr:#x} on sim:{index}")
+        return typed, off // dtype.itemsize + typed.storage_offset()
 
     def device_tensor(self, index: int, ptr: int, nbytes: int) -> torch.Tensor:
         """The uint8 host tensor holding ``nbytes`` of device memory at ``ptr``.
@@ -263,25 +290,37 @@ class SimRuntime(Runtime):
         return seg.buffer[off:off + nbytes]
 
     # ---- copies --------------------------------------------------------------
+    def _blocking_or_launch(self, index: int, stream: SimStream | None,
+                            fn: Callable[[], Any], name: str) -> None:
+        """``stream=None``: now, complete on return (the runtime contract; ordering
+        against queued kernels is the caller's, see ``Backend.host_sync``); otherwise
+        ordered on ``stream``."""
+        if stream is None:
+            fn()
+        else:
+            self.launch(index, stream, fn, name)
+
     def copy_h2d(self, index, dst, src_host, nbytes, stream=None) -> None:
-        if nbytes:
-            self.launch(index, stream, lambda: ctypes.memmove(
+        if nbytes and stream is None and not self.asynchronous:  # the common case, inline
+            ctypes.memmove(self._host_ptr(index, dst, nbytes), src_host, nbytes)
+        elif nbytes:
+            self._blocking_or_launch(index, stream, lambda: ctypes.memmove(
                 self._host_ptr(index, dst, nbytes), src_host, nbytes), "copy_h2d")
 
     def copy_d2h(self, index, dst_host, src, nbytes, stream=None) -> None:
         if nbytes:
-            self.launch(index, stream, lambda: ctypes.memmove(
+            self._blocking_or_launch(index, stream, lambda: ctypes.memmove(
                 dst_host, self._host_ptr(index, src, nbytes), nbytes), "copy_d2h")
 
     def copy_d2d(self, dst_index, dst, src_index, src, nbytes, stream=None) -> None:
         if nbytes:
-            self.launch(dst_index, stream, lambda: ctypes.memmove(
+            self._blocking_or_launch(dst_index, stream, lambda: ctypes.memmove(
                 self._host_ptr(dst_index, dst, nbytes),
                 self._host_ptr(src_index, src, nbytes), nbytes), "copy_d2d")
 
     def memset(self, index, ptr, value, nbytes, stream=None) -> None:
         if nbytes:
-            self.launch(index, stream, lambda: ctypes.memset(
+            self._blocking_or_launch(index, stream, lambda: ctypes.memset(
                 self._host_ptr(index, ptr, nbytes), value, nbytes), "memset")
 
     # ---- streams ----------------------------------------------------------------

@@ -1,0 +1,131 @@
+"""Training-step time of small models on sim vs native CPU, in the same run.
+
+Each model trains with its own optimizer on random data; one "run" is ``--steps``
+training steps (forward, backward, optimizer step, loss read back with
+``.item()`` as a training loop does); the figure is the median of ``--repeat``
+runs, per step. Large-batch cases are dominated by kernel time (the sim computes
+with the same ATen CPU kernels), small-batch ones by the per-op host cost.
+
+    .venv/bin/python benchmarks/models.py [--repeat 5] [--steps 10] [--only mlp-large]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import torchport.sim  # noqa: F401
+
+
+@dataclass
+class Case:
+    name: str
+    batch: str  # "large" or "small"
+    make_model: Callable[[], nn.Module]
+    make_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizer: str = "sgd"
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                         nn.Linear(512, 10))
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 8 * 8, 10))
+
+
+class _Transformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(1000, 128)
+        self.enc = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(128, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(x))).flatten(0, 1)
+
+
+def _images(n: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    return lambda: (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,)))
+
+
+def _vectors(n: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    return lambda: (torch.randn(n, 256), torch.randint(0, 10, (n,)))
+
+
+def _tokens(n: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    return lambda: (torch.randint(0, 1000, (n, 32)), torch.randint(0, 1000, (n * 32,)))
+
+
+CE = nn.functional.cross_entropy
+CASES = [
+    Case("mlp-large", "large", _mlp, _vectors(1024), CE),
+    Case("cnn-large", "large", _cnn, _images(128), CE),
+    Case("transformer-large", "large", _Transformer, _tokens(64), CE, "adamw"),
+    Case("mlp-small", "small", _mlp, _vectors(8), CE),
+    Case("cnn-small", "small", _cnn, _images(4), CE),
+    Case("transformer-small", "small", _Transformer, _tokens(2), CE, "adamw"),
+]
+
+
+def time_case(case: Case, device: str, steps: int, repeat: int) -> float:
+    """Median seconds per training step."""
+    torch.manual_seed(0)
+    model = case.make_model().to(device)
+    x, y = (t.to(device) for t in case.make_batch())
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if case.optimizer == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = case.loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    for _ in range(3):
+        step()
+    runs = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        runs.append((time.perf_counter() - t0) / steps)
+    return statistics.median(runs)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--only", default=None, help="run the cases whose name contains this")
+    args = p.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
+          f"{args.repeat} runs x {args.steps} steps; sim memory "
+          f"{'strict' if torchport.sim.runtime.strict else 'host-addressable'}")
+    print(f"{'model':<20}{'batch':>7}{'sim ms':>10}{'cpu ms':>10}{'ratio':>8}{'target':>8}")
+    for case in CASES:
+        if args.only and args.only not in case.name:
+            continue
+        ts = time_case(case, "sim", args.steps, args.repeat)
+        tc = time_case(case, "cpu", args.steps, args.repeat)
+        target = 1.10 if case.batch == "large" else 2.0
+        print(f"{case.name:<20}{case.batch:>7}{ts * 1e3:>10.2f}{tc * 1e3:>10.2f}"
+              f"{ts / tc:>8.2f}{target:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

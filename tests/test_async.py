@@ -1,0 +1,145 @@
+"""Asynchronous sim (``TORCHPORT_SIM_ASYNC=1``): ATen kernels are queued on the stream.
+
+The runtime reads its settings at start, so each case runs in a fresh process.
+Ordering is made deterministic with a gate: a launch that blocks the stream's
+worker until the test opens it, so "the host ran ahead" is observed, not timed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PRELUDE = """
+import threading, torch, torchport.sim
+rt = torchport.sim.runtime
+assert rt.asynchronous
+gate = threading.Event()
+def close_gate(stream=None):
+    gate.clear()
+    rt.launch(0, stream, gate.wait, "gate")
+"""
+
+
+def run(code: str, **env: str) -> str:
+    full = PRELUDE + textwrap.dedent(code)
+    e = {**os.environ, "TORCHPORT_SIM_ASYNC": "1", **env}
+    p = subprocess.run([sys.executable, "-c", full], env=e, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+def test_kernels_are_queued_and_results_match_cpu():
+    out = run("""
+        a, b = torch.randn(64, 64), torch.randn(64, 64)
+        da, db = a.to("sim"), b.to("sim")
+        close_gate()
+        c = torch.tanh(da @ db) + da.sum(0)       # three kernels, queued behind the gate
+        assert not torch.sim.current_stream().query()
+        w = rt._workers[(0, 0)]
+        assert w.submitted - w.completed >= 4, (w.submitted, w.completed)
+        gate.set()
+        torch.testing.assert_close(c.cpu(), torch.tanh(a @ b) + a.sum(0), rtol=0, atol=0)
+        assert torch.sim.current_stream().query()
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+def test_host_reads_wait_for_queued_work():
+    out = run("""
+        x = torch.zeros(1000, device="sim")
+        close_gate()
+        y = x + 1                                   # queued
+        threading.Timer(0.2, gate.set).start()
+        assert y.sum().item() == 1000.0             # .item() synchronises first
+        z = torch.ones(4, device="sim")
+        close_gate()
+        w = z * 3
+        threading.Timer(0.2, gate.set).start()
+        assert w.tolist() == [3.0] * 4              # .cpu() copies after the queued kernel
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+def test_kernel_error_is_reported_at_next_sync_and_device_stays_usable():
+    out = run("""
+        x = torch.randn(5, device="sim")
+        bad = torch.tensor([0, 7], device="sim")    # index 7 is out of range
+        y = x.index_select(0, bad)                  # returns at once; fails on the worker
+        try:
+            torch.sim.synchronize()
+        except RuntimeError as e:
+            msg = str(e)
+        else:
+            raise AssertionError("no error reported")
+        assert "index_select" in msg, msg
+        assert (x * 2).cpu().equal(x.cpu() * 2)    # the device still works
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+def test_streams_run_independently_and_wait_event_orders_them():
+    out = run("""
+        s = torch.sim.Stream()
+        a = torch.ones(256, device="sim")
+        close_gate()                                 # default stream blocked
+        with torch.sim.stream(s):
+            b = torch.full((256,), 2.0, device="sim") * 2   # side stream is not blocked
+        s.synchronize()
+        assert not torch.sim.default_stream().query()
+        ev = torch.sim.Event()
+        c = a + 1                                    # on the blocked default stream
+        ev.record()
+        s.wait_event(ev)
+        with torch.sim.stream(s):
+            d = c * b                                # must wait for c
+        gate.set()
+        s.synchronize()
+        assert d.cpu().eq(8.0).all()
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+def test_launch_blocking_makes_every_op_synchronous():
+    code = ("import torchport.sim; rt = torchport.sim.runtime; "
+            "import torch; x = torch.randn(8, device='sim'); y = x * 2; "
+            "print(rt.asynchronous, not rt._workers)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "TORCHPORT_SIM_ASYNC": "1",
+                            "TORCHPORT_LAUNCH_BLOCKING": "1"}, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["False", "True"]
+
+
+@pytest.mark.parametrize("steps", [20])
+def test_training_matches_sync_run(steps):
+    code = f"""
+        import torch, torchport.sim
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to("sim")
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        x, y = torch.randn(64, 16).to("sim"), torch.randint(0, 4, (64,)).to("sim")
+        for _ in range({steps}):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+        print(repr(loss.item()), repr(m[0].weight.sum().item()))
+    """
+    outs = []
+    for asyn in ("1", "0"):
+        p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                           text=True, env={**os.environ, "TORCHPORT_SIM_ASYNC": asyn},
+                           timeout=300)
+        assert p.returncode == 0, p.stderr
+        outs.append(p.stdout)
+    assert outs[0] == outs[1]

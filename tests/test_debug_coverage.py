@@ -1,0 +1,218 @@
+"""Op coverage (``torchport.debug.opcoverage``, ``torchport coverage``): run and static modes."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchport.sim  # noqa: F401
+from torchport import ops
+from torchport.debug import coverage
+from torchport.debug.opcoverage import PATH_ORDER, CoverageResult, OpCoverage, run_coverage
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data" / "coverage"
+TRAIN = DATA / "train_small.py"
+STATIC = DATA / "model_static.py"
+
+
+def _train_step() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4)).to("sim")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 8).to("sim"), torch.randn(16, 4).to("sim")
+    for _ in range(2):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    loss.item()
+
+
+@pytest.fixture
+def forced_addmm():
+    old = ops.force_fallback_patterns()
+    ops.set_force_fallback(["addmm"])
+    warn = ops.set_fallback_warn(False)
+    yield
+    ops.set_force_fallback(old)
+    ops.set_fallback_warn(warn)
+
+
+def _by_name(rec: ops.Recorder) -> dict[str, tuple[int, dict[str, int]]]:
+    return {n: (s.calls, dict(s.paths)) for n, s in rec.ops.items() if s.calls}
+
+
+def test_context_manager_matches_op_record():
+    with ops.record() as rec:
+        _train_step()
+    with coverage() as cov:
+        _train_step()
+    assert isinstance(cov, CoverageResult) and cov.mode == "run" and cov.backend == "sim"
+    assert {o.name: (o.calls, o.paths) for o in cov.ops} == _by_name(rec)
+    for o in cov.ops:
+        assert o.path == rec.path_of(o.name) or o.paths.get("fallback")
+    assert cov.path_of("addmm") == "native" and cov.op("addmm").dtypes == ["float32"]
+    assert cov.calls_per_path()["native"] > 0
+    assert sum(cov.calls_per_path().values()) == sum(o.calls for o in cov.ops)
+
+
+def test_forced_fallback_on_top(forced_addmm):
+    with coverage() as cov:
+        _train_step()
+    assert cov.path_of("addmm") == "fallback"
+    assert [o.name for o in cov.fallback_ops] == ["addmm"]
+    rows = cov.rows()
+    assert rows[0].name == "addmm"
+    order = [PATH_ORDER.index(o.path) for o in rows]
+    assert order == sorted(order)  # grouped: fallback, decomposed, native, view
+    assert cov.forced_fallback == ["addmm"]
+    text = cov.text()
+    assert text.index("addmm") < text.index("mm ")
+    assert re.search(rf"fallback\s+1\s+{cov.op('addmm').calls}\s", text), text
+
+
+def test_run_coverage_script_matches_record_and_json(tmp_path):
+    from torchport.run import exec_main
+
+    args = ["--steps", "2"]
+    with ops.record() as rec:
+        exec_main(str(TRAIN), args, restore=True)
+    res = run_coverage(str(TRAIN), args)
+    assert res.exit_code == 0 and res.error is None and res.script == str(TRAIN)
+    assert {o.name: (o.calls, o.paths) for o in res.ops} == _by_name(rec)
+    back = CoverageResult.from_dict(json.loads(res.to_json()))
+    assert [o.to_dict() for o in back.rows()] == [o.to_dict() for o in res.rows()]
+    failed = run_coverage(str(TRAIN), ["--steps", "1", "--exit", "5"])
+    assert failed.exit_code == 5 and failed.ops  # ops are still reported
+
+
+def test_cli_html_json_and_exit_codes(tmp_path, forced_addmm):
+    from typer.testing import CliRunner
+
+    from torchport import cli
+
+    if not cli.app.registered_commands:
+        cli._load()
+    app = cli.app
+    html, js = tmp_path / "cov.html", tmp_path / "cov.json"
+    runner = CliRunner()
+    res = runner.invoke(app, ["coverage", "--html", str(html), "--json", str(js),
+                              str(TRAIN), "--steps", "1"])
+    assert res.exit_code == 0, res.output
+    assert "fallback" in res.output and "addmm" in res.output
+    page = html.read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<svg" in page and "bar-fallback" in page
+    assert "Host time per path" in page and '<table class="ops">' in page
+    first_op = page.index('<tr class="op ')
+    assert page[first_op:].startswith('<tr class="op op-fallback"') and "addmm" in page
+    assert "<script" not in page and "http://" not in page.replace(
+        'xmlns="http://www.w3.org/2000/svg"', "")  # self-contained
+    data = json.loads(js.read_text())
+    assert data["ops"][0]["name"] == "addmm" and data["ops"][0]["path"] == "fallback"
+    assert data["totals"]["calls"]["fallback"] == data["ops"][0]["calls"]
+
+    res = runner.invoke(app, ["coverage", "--fail-on-fallback", "-q", str(TRAIN), "--steps", "1"])
+    assert res.exit_code == 3, res.output
+    res = runner.invoke(app, ["coverage", "-q", str(TRAIN), "--steps", "1", "--exit", "4"])
+    assert res.exit_code == 4
+    res = runner.invoke(app, ["coverage", str(tmp_path / "missing.py")])
+    assert res.exit_code == 2
+    res = runner.invoke(app, ["coverage", "--no-such-option", str(TRAIN)])
+    assert res.exit_code == 2
+
+
+def test_static_no_device_memory():
+    torch.sim.synchronize()
+    before = torch.sim.memory_reserved(), torch.sim.memory_allocated()
+    res = run_coverage(str(STATIC), static=True)
+    assert (torch.sim.memory_reserved(), torch.sim.memory_allocated()) == before
+    assert res.mode == "static" and res.exit_code == 0
+    names = {o.name: o.path for o in res.ops}
+    assert names["convolution"] == "native" and names["convolution_backward"] == "native"
+    assert names["addmm"] == "native" and names["relu"] == "native"
+    assert names["t"] == "view" and names["randn"] == "native"
+    assert res.stopped_at and "model_static.py:12" in res.stopped_at
+    assert "_local_scalar_dense" in res.stopped_at
+    assert all(o.host_time_s == 0 for o in res.ops)
+
+
+def test_static_classifies_like_a_run(forced_addmm):
+    """The paths a static trace predicts are the ones a real run takes (common overloads)."""
+    with coverage(static=True) as st:
+        _train_step()  # stops at loss.item(): the exception is swallowed, stopped_at says so
+    assert st.stopped_at and "_local_scalar_dense" in st.stopped_at
+    with coverage() as run:
+        _train_step()
+    common = {o.name for o in st.ops} & {o.name for o in run.ops}
+    assert {"addmm", "mm", "relu"} <= common
+    for name in common:
+        assert st.path_of(name) == run.path_of(name), name
+    assert st.path_of("addmm") == "fallback"
+
+
+def test_static_block_fake_tensors_cpu_real():
+    with coverage(static=True) as cov:
+        cpu = torch.arange(4.0) * 2  # CPU work runs for real
+        x = torch.ones(3, device="sim") + cpu[:3].to("sim")
+        assert x.device.type == "sim" and cpu.tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert cov.stopped_at is None
+    assert {"ones", "add.Tensor", "_to_copy"} <= {o.name for o in cov.ops}
+    assert "arange" not in {o.name for o in cov.ops}  # not device work
+
+
+def test_static_subprocess_cli(tmp_path):
+    """A fresh process: nothing was ever allocated on the device."""
+    js = tmp_path / "s.json"
+    code = ("import sys, torch, torchport.sim\n"
+            "from torchport.debug.cli_coverage import main\n"
+            "sys.argv = ['torchport coverage', '--static', '--json', sys.argv[1], sys.argv[2]]\n"
+            "try:\n    main()\n"
+            "except SystemExit as e:\n"
+            "    print('RESERVED', torch.sim.memory_reserved(), 'EXIT', e.code)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(js), str(STATIC)],
+                         capture_output=True, text=True, timeout=120)
+    assert "RESERVED 0 EXIT 0" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "static" in out.stdout and "convolution" in out.stdout
+    assert "after item" not in out.stdout
+    assert json.loads(js.read_text())["mode"] == "static"
+
+
+def test_summary_and_rows_order():
+    r = CoverageResult(ops=[OpCoverage("a", 3, {"native": 3}, ["float32"], 0.5),
+                            OpCoverage("b", 2, {"native": 1, "fallback": 1}, [], 0.1),
+                            OpCoverage("c", 1, {"view": 1}, [], 0.0),
+                            OpCoverage("d", 1, {"decomposed": 1}, [], 0.2)])
+    assert [o.name for o in r.rows()] == ["b", "d", "a", "c"]
+    assert r.time_per_path()["fallback"] == pytest.approx(0.05)
+    assert r.summary().startswith("4 overloads, 7 calls, 1 fall back to CPU (b)")
+
+
+def test_cuda_script_transfer_auto(tmp_path):
+    """A script naming CUDA runs on the device (transfer on by default), then transfer is off."""
+    from torchport import transfer
+
+    script = tmp_path / "cuda_script.py"
+    script.write_text("import torch\nx = torch.ones(4, device='cuda') * 3\n"
+                      "assert x.device.type == 'sim'\nprint(x.sum().item())\n")
+    res = run_coverage(str(script))
+    assert res.exit_code == 0, res.error
+    assert {"mul.Tensor", "sum"} <= {o.name for o in res.ops}
+    assert not transfer.is_enabled()
+    off = run_coverage(str(script), transfer=False)
+    assert off.exit_code == 1 and off.error  # no CUDA on this machine without transfer
+
+
+def test_static_html_report(tmp_path):
+    res = run_coverage(str(STATIC), static=True)
+    page = res.write_html(tmp_path / "s.html").read_text()
+    assert "Calls per path" in page and "<svg" in page and "static trace" in page
+    assert "Static trace at" in page and "_local_scalar_dense" in page
+    assert "host ms" not in page  # no timings for a trace that ran nothing
