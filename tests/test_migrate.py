@@ -246,7 +246,7 @@ def test_cuda_method_with_variable_index_says_what_it_assumed() -> None:
         ),
         (
             'DataLoader(ds, pin_memory=True, pin_memory_device="cuda")',
-            'DataLoader(ds, pin_memory=True, pin_memory_device="sim")',
+            'DataLoader(ds, pin_memory=False, pin_memory_device="sim")',
         ),
         ('DEVICE = "cuda"', 'DEVICE = "sim"'),
         ('cfg = {"device": "cuda:0"}', 'cfg = {"device": "sim:0"}'),
@@ -769,3 +769,17 @@ def test_cli_analyse_single_file_and_usage_errors(tmp_path: Path, cli: typer.Typ
     extra = CliRunner().invoke(cli, ["migrate", str(src), "-o", str(tmp_path / "u.py"),
                                      "--", "--steps", "2"])
     assert extra.exit_code == 2  # script arguments without --analyse-script
+
+
+def test_pin_memory_is_turned_off_and_reported() -> None:
+    src = ("import torch\n"
+           "dl = torch.utils.data.DataLoader(ds, batch_size=4,\n"
+           "                                 pin_memory=torch.cuda.is_available())\n")
+    res = rewrite_source(src, path="train.py")
+    assert "pin_memory=False" in res.code and "is_available" not in res.code.split("pin_memory")[1]
+    (change,) = [c for c in res.changes if c.rule == "pin-memory"]
+    assert change.line == 3 and change.before == "torch.cuda.is_available()"
+    assert "pinned" in change.note
+    assert "pin_memory=False" in rewrite_source("import torch\nf(pin_memory=False)\n").code
+    assert not [c for c in rewrite_source("import torch\nf(pin_memory=False)\n").changes
+                if c.rule == "pin-memory"]

@@ -77,11 +77,6 @@ def _cpu_original(name: str, args: list[str], capsys: pytest.CaptureFixture[str]
     return _values(capsys.readouterr().out)
 
 
-@pytest.mark.xfail(
-    reason="the migrated script keeps DataLoader(pin_memory=torch.sim.is_available() ...): "
-    "pinned memory has no PrivateUse1 hook in PyTorch 2.13, so the DataLoader raises; the "
-    "rewriter should turn pin_memory off (or report it) for the device",
-    raises=AssertionError, strict=False)
 def test_migrated_train_argparse(migrated: Path, capsys, monkeypatch) -> None:
     args = ["--epochs", "2", "--batch-size", "64"]
     dev = _run([sys.executable, str(migrated / "train_argparse.py"), *args], migrated)

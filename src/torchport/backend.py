@@ -213,6 +213,15 @@ class Backend:
             storage = grown
         _set_storage.redispatch(_CPU_KS, t, storage, t.storage_offset(), size, stride)
 
+    def add_kernels(self, ks: Any) -> list[str]:
+        """Add a :class:`~torchport.ops.KernelSet` (also after registration); returns the
+        overloads it made native (ones that already have a kernel keep it)."""
+        self.kernel_sets.append(ks)
+        if not self.registered:
+            return []
+        from torchport.ops import registry
+        return registry.install_kernel_set(self, ks)
+
     # ---- registration -------------------------------------------------------
     def register(self) -> Backend:
         """Make the device usable from PyTorch; idempotent."""

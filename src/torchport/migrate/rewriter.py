@@ -559,7 +559,22 @@ class _Rewriter(cst.CSTTransformer):
                 self._finding(original_node, "unsupported", qname, reason)
         if qname in CPP_EXTENSION_LOADERS:
             self._cpp_extension(original_node, qname)
+        updated_node = self._pin_memory_off(original_node, updated_node)
         return self._call_args(original_node, updated_node, qname)
+
+    def _pin_memory_off(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        """``pin_memory=<expr>`` -> ``pin_memory=False``: page-locked memory for the device
+        needs a host-allocator hook PyTorch 2.13 gives no Python backend, and with the
+        CUDA test migrated to the device the expression would turn it on."""
+        args = list(updated.args)
+        for i, arg in enumerate(args):
+            if arg.keyword is not None and arg.keyword.value == "pin_memory" and not (
+                    isinstance(arg.value, cst.Name) and arg.value.value == "False"):
+                args[i] = arg.with_changes(value=cst.Name("False"))
+                self._change(original.args[i], "pin-memory", _code(original.args[i].value),
+                             "False", "pinned host memory is not available for the device "
+                             "in PyTorch 2.13; copies stay correct, without overlap")
+        return updated.with_changes(args=args) if args != list(updated.args) else updated
 
     def _cuda_method(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         """``x.cuda(...)`` -> ``x.to("<name>...", ...)``, keeping the other arguments."""

@@ -82,6 +82,13 @@ def parse_patterns(text: str | None) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
+def matches_any(patterns: Iterable[re.Pattern[str]], name: str) -> bool:
+    """Does a pattern match overload ``name`` in full? A default overload (``addmm``)
+    also answers to its ``.default`` spelling (``addmm.default``, as ``str(op)`` says)."""
+    full = name if "." in name else name + ".default"
+    return any(p.fullmatch(name) or p.fullmatch(full) for p in patterns)
+
+
 class OpMatcher:
     """Overload names matched in full by a list of regular expressions (cached).
 
@@ -104,7 +111,7 @@ class OpMatcher:
             return True
         v = self._cache.get(name)
         if v is None:
-            v = self._cache[name] = any(p.fullmatch(name) for p in self.patterns)
+            v = self._cache[name] = matches_any(self.patterns, name)
         return v
 
     def __repr__(self) -> str:
@@ -146,7 +153,7 @@ def is_forced(name: str) -> bool:
         return False
     v = _FORCED_CACHE.get(name)
     if v is None:
-        v = _FORCED_CACHE[name] = any(p.fullmatch(name) for p in _PATTERNS)
+        v = _FORCED_CACHE[name] = matches_any(_PATTERNS, name)
     return v
 
 

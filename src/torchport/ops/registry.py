@@ -3,6 +3,10 @@
 A vendor groups kernels in a :class:`KernelSet` and hands it to its
 :class:`~torchport.backend.Backend`. Two kinds of declaration:
 
+* ``@ks.out_kernel("add.out")`` -- the usual way: one ``out=`` kernel; torchport
+  derives the functional (``add.Tensor``) and in-place (``add_.Tensor``) overloads,
+  taking output shape, dtype and strides from PyTorch's meta kernels, and calls it
+  with ready output tensors (:mod:`torchport.ops.derive`);
 * ``@ks.kernel("mm")`` / ``@ks.kernel("add.Tensor")`` -- a plain ATen-signature
   kernel: it receives device tensors and returns device tensors, full control;
 * ``ks.host_ops(["add", "mul.out"], to_cpu=...)`` -- run PyTorch's CPU kernel on
@@ -25,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport.ops import core, fallback, fastpath, hostexec
+from torchport.ops import core, derive, fallback, fastpath, hostexec, paths
 
 if TYPE_CHECKING:
     from torchport.backend import Backend
@@ -41,6 +45,11 @@ class KernelDecl:
     fn: Callable[..., Any] | None  # ATen-signature kernel, or None for host ops
     to_cpu: Callable[[torch.Tensor], torch.Tensor] | None = None
     dtypes: frozenset[torch.dtype] | None = None
+    kind: str = "aten"  # "aten": as registered; "out": functional/in-place derived; "host"
+    derived_from: str | None = None  # for overloads derived from an out= kernel
+
+    def derived(self, out_name: str) -> KernelDecl:
+        return KernelDecl(self.name, self.fn, self.to_cpu, self.dtypes, self.kind, out_name)
 
 
 @dataclass
@@ -57,12 +66,22 @@ class KernelSet:
             return fn
         return deco
 
+    def out_kernel(self, name: str, dtypes: Iterable[torch.dtype] | None = None):
+        """Decorator: ``fn`` implements the ``out=`` overload(s) ``name`` (``"add.out"``, or
+        ``"add"`` for every out= overload of add); torchport derives the functional and
+        in-place overloads (:mod:`torchport.ops.derive`). ``fn`` gets ready outputs."""
+        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+            self.decls.append(KernelDecl(name, fn, None, frozenset(dtypes) if dtypes else None,
+                                         "out"))
+            return fn
+        return deco
+
     def host_ops(self, names: Iterable[str], to_cpu: Callable[[torch.Tensor], torch.Tensor],
                  dtypes: Iterable[torch.dtype] | None = None) -> None:
         """Declare ops run by the CPU kernel on zero-copy views made by ``to_cpu``."""
         ds = frozenset(dtypes) if dtypes else None
         for n in names:
-            self.decls.append(KernelDecl(n, None, to_cpu, ds))
+            self.decls.append(KernelDecl(n, None, to_cpu, ds, "host"))
 
 
 def resolve_overloads(name: str) -> list[torch._ops.OpOverload]:
@@ -146,26 +165,70 @@ def install(backend: Backend) -> None:
         taken.add(name)
         _CORE.add(name)
     for ks in backend.kernel_sets:
-        for decl in ks.decls:
-            for op in resolve_overloads(decl.name):
-                oname = op._schema.name.split("::")[1] + (
-                    "." + op._schema.overload_name if op._schema.overload_name else "")
-                if oname in taken or not _has_backend_slot(op):
-                    continue
-                route = fallback.route_for(oname)
-                if decl.fn is None:
-                    fn = _host_kernel(backend, op, oname, decl, route)
-                else:
-                    fn = decl.fn
-                    if decl.dtypes is not None:
-                        fn = _dtype_checked(op, fn, decl.dtypes)
-                    fn = _wrap(backend, op, oname, fn, route)
-                lib.impl(oname, fn, "PrivateUse1")
-                taken.add(oname)
-                _NATIVE[oname] = decl
+        install_kernel_set(backend, ks, lib, taken)
     fb = torch.library.Library("_", "IMPL")
     backend._libs.append(fb)
     fb.fallback(fallback.make_fallback(backend), "PrivateUse1", with_keyset=True)
+
+
+def overload_name(op: torch._ops.OpOverload) -> str:
+    """``"add.out"`` for ``aten::add.out``; ``"mm"`` for ``aten::mm`` (the default overload)."""
+    s = op._schema
+    return s.name.split("::")[1] + ("." + s.overload_name if s.overload_name else "")
+
+
+def _expand(decl: KernelDecl) -> list[tuple[torch._ops.OpOverload, Callable[..., Any] | None,
+                                            KernelDecl]]:
+    """(overload, kernel maker, declaration) for every overload a declaration covers."""
+    ops = resolve_overloads(decl.name)
+    if decl.kind != "out":
+        return [(op, None, decl) for op in ops]
+    out: list[tuple[torch._ops.OpOverload, Callable[..., Any] | None, KernelDecl]] = []
+    for o in ops:
+        if not derive.is_out_overload(o):
+            continue
+        out.append((o, lambda b, op, fn: derive.out_kernel(b, op, fn), decl))
+        oname = overload_name(o)
+        for f in derive.functional_overloads(o):
+            out.append((f, lambda b, op, fn, o=o: derive.functional_kernel(b, op, o, fn),
+                        decl.derived(oname)))
+        for i in derive.inplace_overloads(o):
+            out.append((i, lambda b, op, fn, o=o: derive.inplace_kernel(b, op, o, fn),
+                        decl.derived(oname)))
+    if not out:
+        raise ValueError(f"out_kernel({decl.name!r}): no out= overload of that name")
+    return out
+
+
+def install_kernel_set(backend: Backend, ks: KernelSet, lib: torch.library.Library | None = None,
+                       taken: set[str] | None = None) -> list[str]:
+    """Register a kernel set's declarations (at registration, or later for one added
+    after it); returns the overloads registered. The first declaration of an overload wins."""
+    if lib is None:
+        lib = torch.library.Library("aten", "IMPL")
+        backend._libs.append(lib)
+    if taken is None:
+        taken = set(_NATIVE) | _CORE
+    done = []
+    for decl in ks.decls:
+        for op, make, d in _expand(decl):
+            oname = overload_name(op)
+            if oname in taken or not _has_backend_slot(op):
+                continue
+            route = fallback.route_for(oname)
+            if d.kind == "host":
+                fn = _host_kernel(backend, op, oname, d, route)
+            else:
+                fn = d.fn if make is None else make(backend, op, d.fn)
+                if d.dtypes is not None:
+                    fn = _dtype_checked(op, fn, d.dtypes)
+                fn = _wrap(backend, op, oname, fn, route)
+            lib.impl(oname, fn, "PrivateUse1")
+            taken.add(oname)
+            _NATIVE[oname] = d
+            done.append(oname)
+    paths.forget_decisions()
+    return done
 
 
 def _dtype_checked(op: torch._ops.OpOverload, fn: Callable[..., Any],

@@ -1,0 +1,138 @@
+"""One ``out=`` kernel, three overloads: functional and in-place derived from it.
+
+A vendor writes ``add.out``; PyTorch also calls ``add.Tensor`` (functional) and
+``add_.Tensor`` (in-place). Their outputs' shape, dtype and strides are what
+PyTorch's meta kernels say (type promotion and broadcasting are PyTorch's own),
+so torchport runs the meta kernel, allocates or checks the outputs, and calls the
+vendor kernel with ready output tensors:
+
+* ``out=`` overload: ``out`` resized to the meta result when it does not match;
+* functional overload: new device tensors, laid out as the meta result;
+* in-place overload: ``out=self``, after checking the result has ``self``'s shape.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from torchport.backend import Backend
+
+Tensor = torch.Tensor
+OpOverload = torch._ops.OpOverload
+
+
+def _inputs(schema: Any) -> list[tuple[str, str]]:
+    return [(a.name, str(a.type)) for a in schema.arguments
+            if not (a.alias_info is not None and a.alias_info.is_write)]
+
+
+def out_names(op: OpOverload) -> list[str]:
+    """Names of the written keyword-only arguments (``["out"]``, ``["values", "indices"]``)."""
+    return [a.name for a in op._schema.arguments
+            if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+
+
+def is_out_overload(op: OpOverload) -> bool:
+    return bool(out_names(op))
+
+
+def functional_overloads(out_op: OpOverload) -> list[OpOverload]:
+    """Overloads of the same name computing what ``out_op`` writes, as new tensors."""
+    want, n = _inputs(out_op._schema), len(out_names(out_op))
+    packet = out_op.overloadpacket
+    found = []
+    for name in packet.overloads():
+        f = getattr(packet, name)
+        s = f._schema
+        if f is not out_op and not any(a.alias_info is not None for a in s.arguments) \
+                and len(s.returns) == n and _inputs(s) == want:
+            found.append(f)
+    return found
+
+
+def inplace_overloads(out_op: OpOverload) -> list[OpOverload]:
+    """``<name>_`` overloads whose arguments are ``out_op``'s inputs, ``self`` written."""
+    packet = getattr(torch.ops.aten, out_op.overloadpacket.__name__ + "_", None)
+    if packet is None or len(out_names(out_op)) != 1:
+        return []
+    want = _inputs(out_op._schema)
+    found = []
+    for name in packet.overloads():
+        op = getattr(packet, name)
+        args = op._schema.arguments
+        if args and args[0].alias_info is not None and args[0].alias_info.is_write \
+                and [(a.name, str(a.type)) for a in args] == want:
+            found.append(op)
+    return found
+
+
+def _meta(v: Any) -> Any:
+    if isinstance(v, Tensor):
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+    if isinstance(v, (list, tuple)):
+        return type(v)(_meta(x) for x in v)
+    return v
+
+
+def _meta_result(op: OpOverload, args: tuple, kwargs: dict) -> list[Tensor]:
+    r = op(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
+    return [r] if isinstance(r, Tensor) else list(r)
+
+
+def out_kernel(backend: Backend, out_op: OpOverload, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``out_op`` itself: the outputs resized to the meta result before ``fn`` runs."""
+    names = out_names(out_op)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        specs = _meta_result(out_op, args, kwargs)
+        for name, spec in zip(names, specs, strict=True):
+            out = kwargs[name]
+            if out.shape != spec.shape:
+                backend.resize_device_tensor(out, spec.shape, spec.stride())
+        fn(*args, **kwargs)
+        outs = tuple(kwargs[n] for n in names)
+        return outs[0] if len(outs) == 1 else outs
+    return kernel
+
+
+def functional_kernel(backend: Backend, op: OpOverload, out_op: OpOverload,
+                      fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Functional ``op``: new device outputs laid out as the meta kernel says."""
+    names = out_names(out_op)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        specs = _meta_result(op, args, kwargs)
+        index = _device_index(backend, args, kwargs)
+        outs = [backend.empty_strided(s.shape, s.stride(), s.dtype, index) for s in specs]
+        fn(*args, **kwargs, **dict(zip(names, outs, strict=True)))
+        return outs[0] if len(outs) == 1 else tuple(outs)
+    return kernel
+
+
+def inplace_kernel(backend: Backend, op: OpOverload, out_op: OpOverload,
+                   fn: Callable[..., Any]) -> Callable[..., Any]:
+    """In-place ``op``: ``out=self`` once the meta kernel agrees on ``self``'s shape."""
+    (name,) = out_names(out_op)
+
+    def kernel(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        with warnings.catch_warnings():  # a mismatch is an error below, not a resize
+            warnings.simplefilter("ignore")
+            (spec,) = _meta_result(op, (self, *args), kwargs)  # PyTorch's dtype checks
+        if spec.shape != self.shape:
+            raise RuntimeError(f"{op}: output with shape {list(self.shape)} doesn't match the "
+                               f"broadcast shape {list(spec.shape)}")
+        fn(self, *args, **kwargs, **{name: self})
+        return self
+    return kernel
+
+
+def _device_index(backend: Backend, args: tuple, kwargs: dict) -> int:
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, Tensor) and v.device.type == backend.name:
+            return v.device.index
+    return backend.current_device()

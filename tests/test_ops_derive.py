@@ -1,0 +1,99 @@
+"""Out= kernels: torchport derives the functional and in-place overloads from one kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchport
+from torchport import ops
+from torchport.ops import derive, registry
+
+A = torch.ops.aten
+
+
+@pytest.fixture(scope="module")
+def hypot_calls():
+    """A vendor out= kernel for hypot (sim has none), counting its calls."""
+    b = torchport.active_backend()
+    calls: list[tuple] = []
+    ks = ops.KernelSet("test-derive")
+
+    @ks.out_kernel("hypot.out", dtypes=[torch.float32, torch.float64])
+    def hypot_out(self, other, *, out):
+        calls.append((tuple(self.shape), tuple(other.shape), tuple(out.shape), out.dtype))
+        # the "device" computes on the host views of its memory
+        h = b.to_host
+        torch.hypot(h(self), h(other), out=h(out))
+        return out
+
+    done = b.add_kernels(ks)
+    yield calls, done
+
+
+def test_declaration_lists_derived_overloads(hypot_calls):
+    _, done = hypot_calls
+    assert set(done) == {"hypot.out", "hypot", "hypot_"}
+    native = ops.native_overloads()
+    assert native["hypot"].derived_from == "hypot.out"
+    assert native["hypot_"].derived_from == "hypot.out"
+    assert native["hypot.out"].kind == "out" and native["hypot.out"].derived_from is None
+    assert native["hypot"].dtypes == frozenset({torch.float32, torch.float64})
+
+
+def test_functional_gets_ready_broadcast_outputs(hypot_calls):
+    calls, _ = hypot_calls
+    a, c = torch.randn(4, 1), torch.randn(1, 5)
+    calls.clear()
+    with ops.record() as rec:
+        r = torch.hypot(a.to("sim"), c.to("sim"))
+    assert calls == [((4, 1), (1, 5), (4, 5), torch.float32)]
+    assert rec.path_of("hypot") == "native"
+    assert r.device.type == "sim" and torch.equal(r.cpu(), torch.hypot(a, c))
+
+
+def test_functional_keeps_channels_last_strides(hypot_calls):
+    a = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    r = torch.hypot(a.to("sim"), a.to("sim"))
+    want = torch.hypot(a, a)
+    assert r.stride() == want.stride() and torch.equal(r.cpu(), want)
+
+
+def test_inplace_writes_self_and_checks_shape(hypot_calls):
+    calls, _ = hypot_calls
+    a, c = torch.randn(3, 4), torch.randn(4)
+    d = a.to("sim")
+    calls.clear()
+    r = d.hypot_(c.to("sim"))
+    assert r is d and torch.equal(d.cpu(), torch.hypot(a, c))
+    assert calls[0][2] == (3, 4)
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+        torch.randn(4, device="sim").hypot_(torch.randn(3, 4, device="sim"))
+
+
+def test_out_is_resized_to_the_meta_result(hypot_calls):
+    a = torch.randn(2, 3)
+    out = torch.empty(0, device="sim")
+    torch.hypot(a.to("sim"), a.to("sim"), out=out)
+    assert out.shape == (2, 3) and torch.equal(out.cpu(), torch.hypot(a, a))
+
+
+def test_other_dtypes_decline_to_the_next_path(hypot_calls):
+    calls, _ = hypot_calls
+    a = torch.randn(3).half()
+    calls.clear()
+    with ops.record() as rec:
+        r = torch.hypot(a.to("sim"), a.to("sim"))
+    assert calls == []
+    assert rec.ops["hypot"].declined == 1
+    assert torch.equal(r.cpu(), torch.hypot(a, a))
+
+
+def test_derivation_rules_from_schemas():
+    assert derive.functional_overloads(A.add.out) == [A.add.Tensor]
+    assert derive.inplace_overloads(A.add.out) == [A.add_.Tensor]
+    assert derive.functional_overloads(A.max.dim_max) == [A.max.dim]
+    assert derive.inplace_overloads(A.max.dim_max) == []
+    assert registry.overload_name(A.mm.default) == "mm"
+    with pytest.raises(ValueError, match="no out= overload"):
+        registry._expand(ops.KernelDecl("mm.default", lambda *a: None, kind="out"))
