@@ -57,6 +57,7 @@ class Backend:
                                              runtime.device_count())
         self.allocators = [DeviceAllocator(runtime, p, i, name) for i, p in enumerate(self.visible)]
         self._devices: list[torch.device] | None = None
+        self.stream_hook: Any = None  # index -> current stream handle (set by the stream layer)
         self.generators = [torch.Generator() for _ in self.visible]
         for g in self.generators:
             g.manual_seed(DEFAULT_SEED)
@@ -150,8 +151,8 @@ class Backend:
 
     def current_stream_handle(self, index: int) -> Any:
         """The runtime stream new work on ``index`` goes to (``None``: default stream)."""
-        hook = getattr(self, "stream_hook", None)
-        return hook(index) if hook is not None else None
+        hook = self.stream_hook
+        return None if hook is None else hook(index)
 
     def keep_alive_until_stream(self, phys: int, stream: Any, obj: Any) -> None:
         """Hold a host buffer until an asynchronous copy on ``stream`` has run."""

@@ -21,6 +21,13 @@ the same group go to an internal Gloo backend, so ``backend="sim:simccl,cpu:gloo
 (or no backend at all) serves both. PyTorch 2.13 cannot subclass the C++
 ``c10d::Backend`` from Python (it has no Python constructor), so the backend is a
 Python ``ProcessGroup`` subclass, as ``torch.testing``'s threaded group is.
+
+On top of it run DDP (bucketing, ``no_sync``), SyncBatchNorm (its CUDA-only kernels
+come from the backend, see ``backends/sim/syncbn_kernels.py``), FSDP2
+(``fully_shard``; needs the in-place storage resize installed here) and
+``torch.distributed.checkpoint``. DDP's ``find_unused_parameters`` / ``static_graph``
+stay out of reach in PyTorch 2.13: the C++ Reducer stages its used-parameter map in
+pinned host memory, and a Python backend cannot provide the pinned allocator.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Collectives", "CollectiveError", "DeviceProcessGroup", "HostStagedCollectives",
-    "backend_name", "init_device_from_env", "register_backend", "set_collectives",
+    "backend_name", "init_device_from_env", "register_backend",
+    "set_collectives",
 ]
 
 Tensor = torch.Tensor
@@ -248,6 +256,38 @@ def future_of(work: Any) -> torch.futures.Future:
     return fut
 
 
+# Callbacks still held by C++ futures. After running a callback, the communication thread
+# (Gloo's worker, a C++ thread) drops it in ``~PythonFunctionGuard``, which takes the GIL
+# inside a destructor (torch/csrc/jit/python/pybind_utils.h). If the interpreter is already
+# finalizing, taking the GIL ends the thread with pthread_exit, whose forced unwind through
+# that noexcept destructor calls std::terminate: "terminate called without an active
+# exception" after an otherwise successful run. Counting live callbacks lets the exit
+# handler wait (GIL released) until those threads are done with Python.
+_CALLBACKS = [0]
+_CALLBACKS_LOCK = threading.Lock()
+
+
+def _callback_released() -> None:
+    with _CALLBACKS_LOCK:
+        _CALLBACKS[0] -= 1
+
+
+def _then(fut: torch.futures.Future, fn: Callable[[torch.futures.Future], Any]
+          ) -> torch.futures.Future:
+    """``fut.then(fn)``, counted until the C++ side releases ``fn`` (see above)."""
+    with _CALLBACKS_LOCK:
+        _CALLBACKS[0] += 1
+    weakref.finalize(fn, _callback_released).atexit = False
+    return fut.then(fn)
+
+
+def _drain_callbacks(timeout: float) -> None:
+    """Wait, without holding the GIL, until communication threads dropped every callback."""
+    deadline = time.monotonic() + timeout
+    while _CALLBACKS[0] > 0 and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
 # ---- the default: host staging over Gloo ---------------------------------------------
 class _Staging:
     """Host tensors for device tensors of one collective, and what to write back."""
@@ -330,7 +370,7 @@ class HostStagedCollectives(Collectives):
             stage.finish()
             return result
 
-        return DeviceWork(future_of(work).then(complete))
+        return DeviceWork(_then(future_of(work), complete))
 
     @staticmethod
     def _opts(cls_: Any, **kw: Any) -> Any:
@@ -361,8 +401,14 @@ class HostStagedCollectives(Collectives):
         return self._done(w, s, outputs)
 
     def all_gather_into_tensor(self, output: Tensor, tensor: Tensor) -> dist.Work:
+        # Like NCCL, only sizes count: SyncBatchNorm gathers [2C+1] into [1, W*(2C+1)];
+        # Gloo splits along dim 0, so both sides go flat.
+        if output.numel() != tensor.numel() * self.size:
+            raise CollectiveError(f"all_gather_into_tensor: output has {output.numel()} elements, "
+                                  f"expected {self.size} x {tensor.numel()}")
         s = _Staging(self.backend)
-        w = self.gloo._allgather_base(s.out(output), s.host(tensor), c10d.AllgatherOptions())
+        w = self.gloo._allgather_base(s.out(output).reshape(-1), s.host(tensor).reshape(-1),
+                                      c10d.AllgatherOptions())
         return self._done(w, s, [output])
 
     def reduce_scatter(self, output: Tensor, inputs: list[Tensor], op: Any) -> dist.Work:
@@ -499,6 +545,8 @@ def _shutdown() -> None:
     for lv in list(_LIVENESS):
         lv.close()
         lv.thread.join(timeout=2 * lv.PERIOD)
+    gc.collect()  # drop finished DDP reducers / works, and with them their callbacks
+    _drain_callbacks(timeout=2.0)
     _KEEP_ALIVE.clear()
     gc.collect()
 
@@ -523,7 +571,7 @@ def _wrap_errors(work: dist.Work, what: str, pg: DeviceProcessGroup) -> dist.Wor
                 f"{pg.getBackendName()} {what} failed on rank {pg.rank()} of {pg.size()}: "
                 f"{pg.liveness.diagnose()}. Cause: {_unwrap(str(e))}") from e
 
-    return DeviceWork(future_of(work).then(check), f"{pg.getBackendName()} {what}")
+    return DeviceWork(_then(future_of(work), check), f"{pg.getBackendName()} {what}")
 
 
 class DeviceProcessGroup(dist.ProcessGroup):
@@ -647,7 +695,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
                     _divide(t, self._size)
                 return tensors
 
-            return DeviceWork(future_of(w).then(avg))
+            return DeviceWork(_then(future_of(w), avg))
         return self.gloo.allreduce(tensors, opts)
 
     def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:
@@ -669,7 +717,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
                 off += n
             return tensors
 
-        return DeviceWork(future_of(w).then(unflatten))
+        return DeviceWork(_then(future_of(w), unflatten))
 
     def broadcast(self, tensors: list[Tensor], opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else c10d.BroadcastOptions()
@@ -726,7 +774,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
             _divide(output, self._size)
             return [output]
 
-        return DeviceWork(future_of(w).then(avg))
+        return DeviceWork(_then(future_of(w), avg))
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[Tensor], inputs: list[Tensor],
                                         opts: Any = None) -> dist.Work:
@@ -810,7 +858,7 @@ def _join(works: list[dist.Work], result: list[Tensor]) -> dist.Work:
             x.value()
         return result
 
-    return DeviceWork(futs.then(done))
+    return DeviceWork(_then(futs, done))
 
 
 # ---- registration ---------------------------------------------------------------------

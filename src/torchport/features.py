@@ -9,4 +9,5 @@ FEATURE_MODULES: list[str] = [
     "torchport.streams",
     "torchport.amp",
     "torchport.transfer_env",
+    "torchport.storage",
 ]

@@ -51,6 +51,8 @@ class _StreamState:
         if cur is None:
             cur = self.tls.current = {}
         cur[stream.device_index] = stream
+        if self.backend.stream_hook is None:  # from now on, ask which stream is current
+            self.backend.stream_hook = lambda index: self.current(index).handle
 
 
 def _make(mod: types.ModuleType, b: Backend) -> None:
@@ -260,7 +262,9 @@ def _make(mod: types.ModuleType, b: Backend) -> None:
     mod.stream = stream
     mod._stream_state = state
 
-    b.stream_hook = lambda index: state.current(index).handle
+    # Until some thread makes another stream current, new work goes to the default
+    # stream (handle None) and nothing needs asking: set_current installs the hook.
+    b.stream_hook = None
     _install_stream_freeing(b)
     _register_record_stream(b, _own)
 

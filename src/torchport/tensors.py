@@ -109,6 +109,25 @@ def _template(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
+def swap_storage_blocks(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
+    """Exchange the memory of two device storages, the return of each block included
+    (``_swap_data_ptr_`` moves pointer and size; the release callbacks move here)."""
+    a._swap_data_ptr_(b)
+
+    def take(st: torch.UntypedStorage) -> object:
+        for ref in weakref.getweakrefs(st):
+            entry = _ON_FREE.pop(id(ref), None)
+            if entry is not None:
+                return entry[1]
+        return None
+
+    free_a, free_b = take(a), take(b)
+    for st, free in ((a, free_b), (b, free_a)):
+        if free is not None:
+            ref = weakref.ref(st, _storage_died)
+            _ON_FREE[id(ref)] = (ref, free)
+
+
 def storage_nbytes(size, stride, itemsize: int, offset: int = 0) -> int:
     """Bytes a (size, stride, storage_offset) layout needs, as ``computeStorageNbytes``."""
     if any(s == 0 for s in size):

@@ -254,6 +254,9 @@ class SimRuntime(Runtime):
         if seg is not None and nbytes <= seg.base + seg.nbytes - ptr:
             return seg.buffer.data_ptr() + (ptr - seg.base)
         seg, off = self._locate(index, ptr, nbytes)
+        if len(self._seg_cache) > 8192:
+            self._seg_cache.clear()
+        self._seg_cache[(index, ptr)] = seg
         return seg.buffer.data_ptr() + off
 
     def host_address(self, ptr: int) -> int:

@@ -1,0 +1,66 @@
+"""Device storages resized in place (``UntypedStorage.resize_``).
+
+FSDP2 frees and re-allocates each unsharded parameter's memory through its
+storage; PyTorch sends a PrivateUse1 storage's resize to a C++ hook a Python
+backend cannot fill, so torchport provides the method for device storages.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchport import device_module, tensors
+
+if TYPE_CHECKING:
+    from torchport.backend import Backend
+
+_C_RESIZE = torch._C.StorageBase.resize_
+
+
+def install_storage_resize(backend: Backend) -> None:
+    """Make ``UntypedStorage.resize_`` work on the device, in place.
+
+    FSDP2 frees and re-allocates each unsharded parameter with
+    ``tensor.untyped_storage().resize_(0 / nbytes)``; every tensor sharing that
+    storage must see the new memory. PyTorch 2.13 sends a PrivateUse1 storage to
+    the C++ hook ``PrivateUse1HooksInterface::resizePrivateUse1Bytes``, which a
+    Python backend cannot implement (``torch/csrc/acc/Module.cpp`` forwards no such
+    method). Instead: allocate the new block, copy the kept bytes, and move it into
+    the storage with ``_swap_data_ptr_`` (swaps data pointer and size, see
+    :func:`torchport.tensors.swap_storage_blocks`); the old block leaves with the temporary storage and
+    returns to the allocator.
+    Storages of other devices take PyTorch's path unchanged.
+    """
+    name = backend.name
+
+    def resize_(self: Any, size: int) -> Any:
+        if self.device.type != name:
+            return _C_RESIZE(self, size)
+        n, old = int(size), self.nbytes()
+        if n < 0:
+            raise RuntimeError(f"resize_: size must be non-negative, got {n}")
+        if n == old:
+            return self
+        index = self.device.index
+        if backend.runtime.asynchronous:
+            backend.synchronize(index)  # queued kernels may still read or write the old block
+        fresh = backend.empty_strided([n], [1], torch.uint8, index).untyped_storage()
+        keep = min(n, old)
+        if keep:
+            p = backend.phys(index)
+            backend.runtime.copy_d2d(p, fresh.data_ptr(), p, self.data_ptr(), keep)
+        if old and n:  # _swap_data_ptr_ needs equal sizes or one empty side: empty self first
+            empty = backend.empty_strided([0], [1], torch.uint8, index).untyped_storage()
+            tensors.swap_storage_blocks(self, empty)
+        tensors.swap_storage_blocks(self, fresh)
+        return self
+
+    resize_.__doc__ = _C_RESIZE.__doc__
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+
+
+@device_module.extend
+def _install(mod: Any, backend: Backend) -> None:
+    install_storage_resize(backend)
