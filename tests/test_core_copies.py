@@ -78,3 +78,22 @@ def test_copies_go_through_runtime(sim_backend, monkeypatch):
         assert "copy_d2h" in calls
     else:
         assert torch.equal(d.cpu(), c)
+
+
+@pytest.mark.parametrize("view", ["conj", "neg", "plain"])
+@pytest.mark.parametrize("dst_conj", [False, True])
+def test_copy_honours_conj_and_neg_bits(view: str, dst_conj: bool) -> None:
+    z = torch.randn(5, dtype=torch.complex64)
+    make = {"conj": torch.conj, "neg": torch._neg_view, "plain": lambda t: t}[view]
+    want = make(z).resolve_conj().resolve_neg()
+    d = make(z.to("sim"))
+    out = torch.empty(5, dtype=torch.complex64, device="sim")
+    ref = torch.empty(5, dtype=torch.complex64)
+    if dst_conj:
+        out, ref = out.conj(), ref.conj()
+    out.copy_(d)
+    ref.copy_(make(z))
+    assert torch.equal(out.cpu().resolve_conj(), ref.resolve_conj())
+    assert torch.equal(out.cpu().resolve_conj(), want)
+    assert torch.equal(d.cpu().resolve_conj().resolve_neg(), want)      # device -> CPU
+    assert torch.equal(d.to("sim:1").cpu().resolve_conj().resolve_neg(), want)  # across devices

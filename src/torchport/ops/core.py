@@ -56,21 +56,43 @@ def copy_between(backend: Backend, dst: torch.Tensor, src: torch.Tensor,
                         backend.current_stream_handle(dst.device.index) if non_blocking else None)
             return dst
         if src.device.type == name:
-            src = backend.to_host(src)
+            src = _host_values(backend, src)
         elif src.device.type != "cpu":
             raise RuntimeError(f"copy_ from {src.device} to {dst.device} is not supported; "
                                f"go through the CPU: .cpu().to({str(dst.device)!r})")
-        backend.write_tensor(dst, src, non_blocking)
+        backend.write_tensor(dst, _as_stored_in(dst, src), non_blocking)
         return dst
     if dst.device.type != "cpu":
         raise RuntimeError(f"copy_ from {src.device} to {dst.device} is not supported; "
                            f"go through the CPU")
-    dst.copy_(backend.to_host(src))
+    dst.copy_(_host_values(backend, src))
     return dst
 
 
+def _host_values(backend: Backend, t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor with ``t``'s values; raw memory views lose the lazy conj/neg bits,
+    so they are put back."""
+    h = backend.to_host(t)
+    if t.is_conj():
+        h = h.conj()
+    if t.is_neg():
+        h = torch._neg_view(h)
+    return h
+
+
+def _as_stored_in(dst: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The bytes to store in ``dst`` so that reading it (with its conj/neg bits) gives
+    ``values``."""
+    if dst.is_conj():
+        values = values.conj()
+    if dst.is_neg():
+        values = torch._neg_view(values)
+    return values.resolve_conj().resolve_neg()
+
+
 def _plain_bytes(src: torch.Tensor, dst: torch.Tensor) -> bool:
-    return (src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous())
+    return (src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous()
+            and src.is_conj() == dst.is_conj() and src.is_neg() == dst.is_neg())
 
 
 def core_kernels(backend: Backend) -> dict[str, Callable[..., Any]]:

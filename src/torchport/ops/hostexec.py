@@ -182,6 +182,19 @@ class HostCall:
         if dev.device.type != self.backend.name:
             return
         same_layout = dev.shape == cpu.shape and dev.stride() == cpu.stride()
+        if cpu.is_conj() != dev.is_conj() or cpu.is_neg() != dev.is_neg():
+            # The CPU kernel flipped a lazy bit of its out= argument (linalg_lu_solve.out
+            # with left=False sets the conjugate bit of ``out``): its memory now holds
+            # other values than the device tensor's bits say. Store the values.
+            vals = cpu.resolve_conj().resolve_neg()
+            if dev.is_conj():
+                vals = vals.conj().resolve_conj()
+            if dev.is_neg():
+                vals = vals.neg()
+            if not same_layout:
+                self.backend.resize_device_tensor(dev, cpu.shape, cpu.stride())
+            self.backend.write_tensor(dev, vals)
+            return
         if not same_layout:
             self.backend.resize_device_tensor(dev, cpu.shape, cpu.stride())
         elif self.zero_copy and dev.numel() > 0:
@@ -211,6 +224,10 @@ class HostCall:
     def _to_device(self, r: Tensor) -> Tensor:
         if r.device.type != "cpu":
             return r
+        if r._is_zerotensor():
+            # _efficientzerotensor: a ZeroTensor has no storage to copy; the device gets
+            # real zeros (same values; autograd treats them as an ordinary tensor).
+            r = torch.zeros(r.shape, dtype=r.dtype)
         if self.zero_copy and r.numel() > 0:
             ptr = r.untyped_storage().data_ptr()
             for dev, cpu in self.views:

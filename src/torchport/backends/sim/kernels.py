@@ -80,11 +80,25 @@ CORE_OPS = [
 ]
 
 
+# Ops whose decomposition computes in the input dtype with other rounding than the
+# CPU kernel (float16/bfloat16 results off by a few ULPs: addr, linalg_cross, batch
+# norm, interpolation): run natively so that the device matches the CPU exactly. Also
+# the FFT and the rest of the interpolation family, forward and backward.
+EXACT_OPS = [
+    "addr", "linalg_cross", "_batch_norm_with_update", "_batch_norm_no_update",
+    "batch_norm_backward", "upsample_nearest1d", "upsample_nearest3d", "upsample_linear1d",
+    "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa",
+    "_upsample_bicubic2d_aa", "upsample_nearest2d_backward", "upsample_linear1d_backward",
+    "upsample_bilinear2d_backward", "upsample_bicubic2d_backward",
+    "upsample_trilinear3d_backward", "_fft_c2c",
+]
+
+
 def _foreach_ops() -> list[str]:
     return sorted(n for n in dir(torch.ops.aten) if n.startswith("_foreach_"))
 
 
 def make_kernels(device_view) -> KernelSet:
     ks = KernelSet("sim")
-    ks.host_ops(MODEL_OPS + CORE_OPS + _foreach_ops(), to_cpu=device_view)
+    ks.host_ops(MODEL_OPS + CORE_OPS + EXACT_OPS + _foreach_ops(), to_cpu=device_view)
     return ks
