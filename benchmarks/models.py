@@ -79,8 +79,8 @@ CASES = [
 ]
 
 
-def time_case(case: Case, device: str, steps: int, repeat: int) -> float:
-    """Median seconds per training step."""
+def make_step(case: Case, device: str) -> Callable[[], float]:
+    """One training step of ``case`` on ``device`` (same seed, so same model and data)."""
     torch.manual_seed(0)
     model = case.make_model().to(device)
     x, y = (t.to(device) for t in case.make_batch())
@@ -94,15 +94,24 @@ def time_case(case: Case, device: str, steps: int, repeat: int) -> float:
         opt.step()
         return loss.item()
 
-    for _ in range(3):
-        step()
-    runs = []
+    return step
+
+
+def time_case(case: Case, steps: int, repeat: int) -> tuple[float, float]:
+    """Median seconds per training step on sim and on CPU. Their runs alternate, so a
+    noisy neighbour or a clock change hits both alike."""
+    fns = {d: make_step(case, d) for d in ("sim", "cpu")}
+    runs: dict[str, list[float]] = {d: [] for d in fns}
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        runs.append((time.perf_counter() - t0) / steps)
-    return statistics.median(runs)
+        for d, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            runs[d].append((time.perf_counter() - t0) / steps)
+    return statistics.median(runs["sim"]), statistics.median(runs["cpu"])
 
 
 def main() -> None:
@@ -120,8 +129,7 @@ def main() -> None:
     for case in CASES:
         if args.only and args.only not in case.name:
             continue
-        ts = time_case(case, "sim", args.steps, args.repeat)
-        tc = time_case(case, "cpu", args.steps, args.repeat)
+        ts, tc = time_case(case, args.steps, args.repeat)
         target = 1.10 if case.batch == "large" else 2.0
         print(f"{case.name:<20}{case.batch:>7}{ts * 1e3:>10.2f}{tc * 1e3:>10.2f}"
               f"{ts / tc:>8.2f}{target:>8.2f}")

@@ -16,17 +16,22 @@ import torch
 import torchport.sim  # noqa: F401
 
 
-def bench(fn: Callable[[], object], number: int, repeat: int) -> float:
-    """Median over ``repeat`` runs of the mean time per call, in microseconds."""
-    for _ in range(min(number, 200)):
-        fn()
-    runs = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(number):
+def bench_pair(dev: Callable[[], object], cpu: Callable[[], object], number: int,
+               repeat: int) -> tuple[float, float]:
+    """Medians over ``repeat`` runs of the mean time per call, in microseconds, of the
+    device and the CPU case; their runs alternate, so a noisy neighbour or a clock change
+    hits both alike."""
+    for fn in (dev, cpu):
+        for _ in range(min(number, 200)):
             fn()
-        runs.append((time.perf_counter() - t0) / number * 1e6)
-    return statistics.median(runs)
+    runs: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeat):
+        for fn, out in ((dev, runs[0]), (cpu, runs[1])):
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            out.append((time.perf_counter() - t0) / number * 1e6)
+    return statistics.median(runs[0]), statistics.median(runs[1])
 
 
 def cases(device: str) -> dict[str, Callable[[], object]]:
@@ -55,8 +60,7 @@ def main() -> None:
           f"sim memory {'strict' if torchport.sim.runtime.strict else 'host-addressable'}")
     print(f"{'op':<14}{'sim (us)':>10}{'cpu (us)':>10}{'ratio':>8}{'extra (us)':>12}")
     for name in sim:
-        ts = bench(sim[name], args.number, args.repeat)
-        tc = bench(cpu[name], args.number, args.repeat)
+        ts, tc = bench_pair(sim[name], cpu[name], args.number, args.repeat)
         print(f"{name:<14}{ts:>10.2f}{tc:>10.2f}{ts / tc:>8.1f}{ts - tc:>12.2f}")
 
 

@@ -84,16 +84,52 @@ def _meta_result(op: OpOverload, args: tuple, kwargs: dict) -> list[Tensor]:
     return [r] if isinstance(r, Tensor) else list(r)
 
 
+Spec = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]  # shape, strides, dtype
+_SPECS: dict[tuple, list[Spec]] = {}
+_TENSOR = object()
+
+
+def _sig(v: Any) -> Any:
+    if isinstance(v, Tensor):
+        return (_TENSOR, tuple(v.shape), v.stride(), v.dtype)
+    if isinstance(v, (list, tuple)):
+        return (type(v), tuple(_sig(x) for x in v))
+    return v
+
+
+def output_specs(op: OpOverload, args: tuple, kwargs: dict) -> list[Spec]:
+    """Shape, strides and dtype of each result of ``op``, from its meta kernel.
+
+    Many meta kernels are Python reference implementations costing a millisecond; a
+    training loop repeats the same shapes every step, so results are cached by the
+    arguments' metadata (never their values: a meta kernel sees none). Errors (shape
+    mismatches...) are raised each time, never cached."""
+    key: tuple | None = (op, tuple(_sig(a) for a in args),
+                         tuple((k, _sig(v)) for k, v in kwargs.items()))
+    try:
+        hit = _SPECS.get(key)  # type: ignore[arg-type]
+    except TypeError:  # an unhashable argument
+        key, hit = None, None
+    if hit is not None:
+        return hit
+    specs = [(tuple(r.shape), r.stride(), r.dtype) for r in _meta_result(op, args, kwargs)]
+    if key is not None:
+        if len(_SPECS) > 16384:
+            _SPECS.clear()
+        _SPECS[key] = specs
+    return specs
+
+
 def out_kernel(backend: Backend, out_op: OpOverload, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``out_op`` itself: the outputs resized to the meta result before ``fn`` runs."""
     names = out_names(out_op)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        specs = _meta_result(out_op, args, kwargs)
-        for name, spec in zip(names, specs, strict=True):
+        specs = output_specs(out_op, args, kwargs)
+        for name, (shape, stride, _) in zip(names, specs, strict=True):
             out = kwargs[name]
-            if out.shape != spec.shape:
-                backend.resize_device_tensor(out, spec.shape, spec.stride())
+            if out.shape != shape:
+                backend.resize_device_tensor(out, shape, stride)
         fn(*args, **kwargs)
         outs = tuple(kwargs[n] for n in names)
         return outs[0] if len(outs) == 1 else outs
@@ -106,9 +142,10 @@ def functional_kernel(backend: Backend, op: OpOverload, out_op: OpOverload,
     names = out_names(out_op)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        specs = _meta_result(op, args, kwargs)
+        specs = output_specs(op, args, kwargs)
         index = _device_index(backend, args, kwargs)
-        outs = [backend.empty_strided(s.shape, s.stride(), s.dtype, index) for s in specs]
+        outs = [backend.empty_strided(shape, stride, dtype, index)
+                for shape, stride, dtype in specs]
         fn(*args, **kwargs, **dict(zip(names, outs, strict=True)))
         return outs[0] if len(outs) == 1 else tuple(outs)
     return kernel
@@ -122,10 +159,10 @@ def inplace_kernel(backend: Backend, op: OpOverload, out_op: OpOverload,
     def kernel(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         with warnings.catch_warnings():  # a mismatch is an error below, not a resize
             warnings.simplefilter("ignore")
-            (spec,) = _meta_result(op, (self, *args), kwargs)  # PyTorch's dtype checks
-        if spec.shape != self.shape:
+            ((shape, _, _),) = output_specs(op, (self, *args), kwargs)  # PyTorch's checks
+        if shape != tuple(self.shape):
             raise RuntimeError(f"{op}: output with shape {list(self.shape)} doesn't match the "
-                               f"broadcast shape {list(spec.shape)}")
+                               f"broadcast shape {list(shape)}")
         fn(self, *args, **kwargs, **{name: self})
         return self
     return kernel

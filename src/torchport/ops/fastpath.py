@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport.ops import fallback, hostexec
+from torchport.ops import derive, fallback, hostexec
 from torchport.ops.plan import plan_for
 
 if TYPE_CHECKING:
@@ -157,27 +157,24 @@ class _InPlace:
         self.backend = backend
         self.op = op
         self.to_cpu = to_cpu
-        self.out = out_overload(op)
+        returns = op._schema.returns
+        plain = all(isinstance(r.type, torch.TensorType) for r in returns)
+        self.out = out_overload(op) if plain else None  # Tensor[] results: CPU, then copy
+        self.single = len(returns) == 1
         if self.out is not None:
             self.out_names = [a.name for a in self.out._schema.arguments
                               if a.alias_info is not None and a.alias_info.is_write]
 
     def _outputs(self, index: int, args: tuple, kwargs: dict) -> tuple[Any, list] | None:
         """New device tensors shaped as the meta kernel says, or ``None``."""
-        meta = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
-                if isinstance(a, Tensor) else a for a in args]
         try:
-            spec = self.op(*meta, **kwargs)
-        except Exception:  # no meta kernel, or a data-dependent shape
-            self.out = None
-            return None
-        specs = [spec] if isinstance(spec, Tensor) else list(spec)
-        if not all(isinstance(x, Tensor) for x in specs):
+            specs = derive.output_specs(self.op, args, kwargs)
+        except Exception:  # no meta kernel, a data-dependent shape, a non-tensor result
             self.out = None
             return None
         b = self.backend
-        outs = [b.empty_strided(x.shape, x.stride(), x.dtype, index) for x in specs]
-        return (outs[0] if isinstance(spec, Tensor) else tuple(outs)), outs
+        outs = [b.empty_strided(shape, stride, dtype, index) for shape, stride, dtype in specs]
+        return (outs[0] if self.single else tuple(outs)), outs
 
     def _out_kwargs(self, outs: list) -> dict:
         to_cpu = self.to_cpu
