@@ -35,6 +35,68 @@ def qualifies(op: torch._ops.OpOverload) -> bool:
                 or p.mixed_device_ok or p.num_returns == 0 or _takes_tensor_lists(op))
 
 
+def in_place(op: torch._ops.OpOverload) -> bool:
+    """An in-place op (``add_``, ``_foreach_mul_``): it writes its first argument (a
+    tensor or a list of them) and returns it or nothing; no resize, no randomness."""
+    p = plan_for(op)
+    first = p.arg_names[0] if p.arg_names else None
+    return (op._schema.name.endswith("_") and p.write_args == (first,) and not p.random
+            and not p.has_device_arg and not p.mixed_device_ok
+            and all(a == first for a in p.return_alias))
+
+
+def _inplace_kernel(backend: Backend, op: torch._ops.OpOverload,
+                    to_cpu: Callable[[Tensor], Tensor], general: Callable[[tuple, dict], Any],
+                    slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
+    """In-place ops on the chip's zero-copy view: the CPU kernel writes device memory
+    directly, so the result is the argument itself. Asynchronous runtimes take the
+    general path (the host computes, after the current stream)."""
+    if backend.runtime.asynchronous:
+        return lambda *args, **kwargs: general(args, kwargs)
+    fb = fallback
+    name = backend.name
+    returns_self = bool(plan_for(op).return_alias)
+
+    def view(a: Tensor, device: Any) -> Any:
+        d = a.device
+        if d.type != name or (device is not None and d != device) or a.is_conj() \
+                or a.is_neg():
+            return None
+        return to_cpu(a)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if slow is not None and fb.SLOW:
+            return slow(args, kwargs)
+        device = None
+        cargs = []
+        for a in args:
+            if isinstance(a, Tensor):
+                c = view(a, device)
+                if c is None:
+                    return general(args, kwargs)
+                device = a.device
+                a = c
+            elif type(a) in (list, tuple) and any(isinstance(x, Tensor) for x in a):
+                mapped = []
+                for x in a:
+                    c = view(x, device) if isinstance(x, Tensor) else None
+                    if c is None:  # None entries, other devices: the general path
+                        return general(args, kwargs)
+                    device = x.device
+                    mapped.append(c)
+                a = mapped
+            cargs.append(a)
+        if device is None:
+            return general(args, kwargs)
+        for v in kwargs.values():
+            if isinstance(v, (Tensor, list, tuple)):
+                return general(args, kwargs)
+        op(*cargs, **kwargs)
+        return args[0] if returns_self else None
+
+    return kernel
+
+
 def _takes_tensor_lists(op: torch._ops.OpOverload) -> bool:
     return any(isinstance(a.type, torch.ListType) and "Tensor" in str(a.type.getElementType())
                for a in op._schema.arguments)
@@ -65,6 +127,8 @@ def host_kernel(backend: Backend, op: torch._ops.OpOverload, to_cpu: Callable[[T
                 return slow(args, kwargs)
             return redispatch(_CPU_KS, *args, **kwargs)
         return view
+    if in_place(op):
+        return _inplace_kernel(backend, op, to_cpu, general, slow)
     if not qualifies(op):
         return lambda *args, **kwargs: general(args, kwargs)
     name = backend.name

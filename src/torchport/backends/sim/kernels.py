@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from torchport.ops import KernelSet
+from torchport.ops.plan import plan_for
 
 # Op families the sim runs natively: what common models use (issue: core ops).
 MODEL_OPS = [
@@ -98,7 +99,24 @@ def _foreach_ops() -> list[str]:
     return sorted(n for n in dir(torch.ops.aten) if n.startswith("_foreach_"))
 
 
+def _with_inplace(names: list[str]) -> list[str]:
+    """Each family with its in-place twin (``add`` -> ``add_``), a separate ATen name.
+
+    Not for view families: ``squeeze_``/``t_`` change the tensor's own metadata, which
+    PyTorch's kernels do on the device tensor itself (they stay on the view path)."""
+    out = []
+    for n in names:
+        out.append(n)
+        if "." in n or n.endswith("_") or not hasattr(torch.ops.aten, n + "_"):
+            continue
+        packet = getattr(torch.ops.aten, n)
+        if not any(plan_for(getattr(packet, o)).is_view for o in packet.overloads()):
+            out.append(n + "_")
+    return out
+
+
 def make_kernels(device_view) -> KernelSet:
     ks = KernelSet("sim")
-    ks.host_ops(MODEL_OPS + CORE_OPS + EXACT_OPS + _foreach_ops(), to_cpu=device_view)
+    ks.host_ops(_with_inplace(MODEL_OPS + CORE_OPS + EXACT_OPS) + _foreach_ops(),
+                to_cpu=device_view)
     return ks
