@@ -15,6 +15,7 @@ In both modes the sim's own kernels ("device code") reach memory through
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import ctypes
 import os
@@ -177,6 +178,14 @@ class SimRuntime(Runtime):
         self.asynchronous = _env_flag("TORCHPORT_SIM_ASYNC") and \
             not _env_flag("TORCHPORT_LAUNCH_BLOCKING")
         self._workers: dict[tuple[int, int], _Worker] = {}
+        if self.asynchronous:
+            atexit.register(self._drain)
+
+    def _drain(self) -> None:
+        """At exit: let queued kernels finish, so no worker is inside ATen while the
+        interpreter shuts down (a C++ kernel running then aborts the process)."""
+        for w in list(self._workers.values()):
+            w.wait()
 
     # ---- devices -------------------------------------------------------------
     def device_count(self) -> int:
