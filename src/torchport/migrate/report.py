@@ -196,15 +196,10 @@ def render_markdown(result: MigrationResult, report_dir: Path | None = None,
     ]
     lines += [f"| {name} | {count} |" for name, count in result.summary.items()]
     lines += ["", "## Changes", ""]
-    if result.changes:
-        lines += ["| location | rule | before | after | note |", "|---|---|---|---|---|"]
-        for change in result.changes:
-            lines.append(
-                f"| {_cell(change.path)}:{change.line} | {change.rule} | {_code(change.before)} "
-                f"| {_code(change.after)} | {_cell(change.note)} |"
-            )
-    else:
-        lines.append("No changes.")
+    lines += _md_table(
+        ["location", "rule", "before", "after", "note"],
+        [[f"{_cell(c.path)}:{c.line}", c.rule, _code(c.before), _code(c.after), _cell(c.note)]
+         for c in result.changes], empty="No changes.")
     titles = {
         "unsupported": "Unsupported APIs (left unchanged, need a human)",
         "unknown": f"Unknown APIs (renamed; `torch.{backend.name}` is not known to provide them)",
@@ -212,29 +207,15 @@ def render_markdown(result: MigrationResult, report_dir: Path | None = None,
     }
     for category, findings in _finding_groups(result):
         lines += ["", f"## {titles[category]}", ""]
-        if not findings:
-            lines.append("None.")
-            continue
-        lines += ["| location | API | reason |", "|---|---|---|"]
-        for finding in findings:
-            lines.append(
-                f"| {_cell(finding.path)}:{finding.line} | {_code(finding.api)} "
-                f"| {_cell(finding.reason)} |"
-            )
+        lines += _md_table(["location", "API", "reason"],
+                           [[f"{_cell(f.path)}:{f.line}", _code(f.api), _cell(f.reason)]
+                            for f in findings])
     lines += ["", "## Files copied unchanged because they could not be migrated", ""]
-    if result.failures:
-        lines += ["| file | problem | message |", "|---|---|---|"]
-        for failure in result.failures:
-            lines.append(f"| {_cell(failure.path)} | {failure.kind} | {_cell(failure.message)} |")
-    else:
-        lines.append("None.")
+    lines += _md_table(["file", "problem", "message"],
+                       [[_cell(f.path), f.kind, _cell(f.message)] for f in result.failures])
     lines += ["", "## Skipped paths", ""]
-    if result.skipped:
-        lines += ["| path | reason |", "|---|---|"]
-        for skipped in result.skipped:
-            lines.append(f"| {_cell(skipped.path)} | {_cell(skipped.reason)} |")
-    else:
-        lines.append("None.")
+    lines += _md_table(["path", "reason"],
+                       [[_cell(k.path), _cell(k.reason)] for k in result.skipped])
     if analyses is not None:
         lines += render_analyses(result, analyses, report_dir)
     elif result.analysis is not None:
@@ -253,3 +234,11 @@ def _analysis_line(result: MigrationResult, report_dir: Path | None) -> str:
         except ValueError:
             pass
     return f"{text}: [{target.name}]({target.as_posix()})"
+
+
+def _md_table(header: list[str], rows: list[list[str]], empty: str = "None.") -> list[str]:
+    """Markdown table lines (cells already escaped), or ``empty`` when there are no rows."""
+    if not rows:
+        return [empty]
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(c) for c in r) + " |" for r in rows)]

@@ -11,7 +11,7 @@ synchronize``) with libcst's ``QualifiedNameProvider``.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -130,6 +130,32 @@ def _rewrite_template(node: cst.BaseExpression, backend: Backend) -> cst.BaseExp
     return None
 
 
+Rewrite = Callable[[cst.BaseExpression], "cst.BaseExpression | None"]
+
+
+def _rewrite_arms(node: cst.BaseExpression, rewrite: Rewrite) -> cst.BaseExpression | None:
+    """Both arms of ``a if c else b`` / ``a or b``; ``None`` when neither changed."""
+    fields = ("body", "orelse") if isinstance(node, cst.IfExp) else ("left", "right")
+    new = {f: rewrite(getattr(node, f)) for f in fields}
+    if all(v is None for v in new.values()):
+        return None
+    return node.with_changes(**{f: v or getattr(node, f) for f, v in new.items()})
+
+
+def _rewrite_elements(node: cst.Tuple | cst.List | cst.Set,
+                      rewrite: Rewrite) -> cst.BaseExpression | None:
+    """Each element of a tuple/list/set literal; ``None`` when none changed."""
+    changed = False
+    items: list[cst.BaseElement] = []
+    for item in node.elements:
+        new_value = rewrite(item.value)
+        if new_value is not None:
+            changed = True
+            item = item.with_changes(value=new_value)
+        items.append(item)
+    return node.with_changes(elements=items) if changed else None
+
+
 def rewrite_device_expr(
     node: cst.BaseExpression, backend: Backend, *, containers: bool = False
 ) -> cst.BaseExpression | None:
@@ -154,18 +180,9 @@ def rewrite_device_expr(
             return None
         parts[0] = parts[0].with_changes(value=backend.name + text[4:])
         return node.with_changes(parts=parts)
-    if isinstance(node, cst.IfExp):
-        body = rewrite_device_expr(node.body, backend, containers=containers)
-        orelse = rewrite_device_expr(node.orelse, backend, containers=containers)
-        if body is None and orelse is None:
-            return None
-        return node.with_changes(body=body or node.body, orelse=orelse or node.orelse)
-    if isinstance(node, cst.BooleanOperation):
-        left = rewrite_device_expr(node.left, backend, containers=containers)
-        right = rewrite_device_expr(node.right, backend, containers=containers)
-        if left is None and right is None:
-            return None
-        return node.with_changes(left=left or node.left, right=right or node.right)
+    if isinstance(node, (cst.IfExp, cst.BooleanOperation)):
+        return _rewrite_arms(
+            node, lambda n: rewrite_device_expr(n, backend, containers=containers))
     if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, (cst.Add, cst.Modulo)):
         left = _rewrite_template(node.left, backend)
         return None if left is None else node.with_changes(left=left)
@@ -194,15 +211,7 @@ def rewrite_device_expr(
             elements.append(element)
         return node.with_changes(elements=elements) if changed else None
     if containers and isinstance(node, (cst.Tuple, cst.List, cst.Set)):
-        changed = False
-        items: list[cst.BaseElement] = []
-        for item in node.elements:
-            new_value = rewrite_device_expr(item.value, backend)
-            if new_value is not None:
-                changed = True
-                item = item.with_changes(value=new_value)
-            items.append(item)
-        return node.with_changes(elements=items) if changed else None
+        return _rewrite_elements(node, lambda n: rewrite_device_expr(n, backend))
     return None
 
 
@@ -214,28 +223,10 @@ def rewrite_collective_expr(
         body = _string_body(node)
         new = None if body is None else _collective_text(body, backend)
         return None if new is None else _with_body(node, new)
-    if isinstance(node, cst.IfExp):
-        body = rewrite_collective_expr(node.body, backend)
-        orelse = rewrite_collective_expr(node.orelse, backend)
-        if body is None and orelse is None:
-            return None
-        return node.with_changes(body=body or node.body, orelse=orelse or node.orelse)
-    if isinstance(node, cst.BooleanOperation):
-        left = rewrite_collective_expr(node.left, backend)
-        right = rewrite_collective_expr(node.right, backend)
-        if left is None and right is None:
-            return None
-        return node.with_changes(left=left or node.left, right=right or node.right)
+    if isinstance(node, (cst.IfExp, cst.BooleanOperation)):
+        return _rewrite_arms(node, lambda n: rewrite_collective_expr(n, backend))
     if containers and isinstance(node, (cst.Tuple, cst.List, cst.Set)):
-        changed = False
-        items: list[cst.BaseElement] = []
-        for item in node.elements:
-            new_value = rewrite_collective_expr(item.value, backend)
-            if new_value is not None:
-                changed = True
-                item = item.with_changes(value=new_value)
-            items.append(item)
-        return node.with_changes(elements=items) if changed else None
+        return _rewrite_elements(node, lambda n: rewrite_collective_expr(n, backend))
     return None
 
 

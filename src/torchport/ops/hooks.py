@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+from torchport.ops.switch import Registry
+
 ACTIVE = False  # read by the op layer: any interceptor registered?
-_INTERCEPTORS: list[Interceptor] = []
-_LOCK = threading.Lock()
-_LISTENERS: list[Callable[[], None]] = []
+_INTERCEPTORS: Registry[Interceptor] = Registry()
 _TLS = threading.local()
 _ENV_LOADED = False
 
@@ -60,39 +60,33 @@ class Interceptor(Protocol):
     def __call__(self, call: OpCall, run: Callable[[], Any]) -> Any: ...
 
 
+def _sync(active: bool) -> None:
+    global ACTIVE
+    ACTIVE = active
+
+
+_INTERCEPTORS.on_change(_sync)  # first listener: later ones see ACTIVE already updated
+
+
 def register(interceptor: Interceptor) -> Interceptor:
     """Start intercepting device op calls with ``interceptor``; returns it."""
-    global ACTIVE
-    with _LOCK:
-        _INTERCEPTORS.append(interceptor)
-        ACTIVE = True
-    _notify()
+    _INTERCEPTORS.add(interceptor)
     return interceptor
 
 
 def unregister(interceptor: Interceptor) -> None:
     """Stop ``interceptor`` (no error when it is not registered)."""
-    global ACTIVE
-    with _LOCK:
-        if interceptor in _INTERCEPTORS:
-            _INTERCEPTORS.remove(interceptor)
-        ACTIVE = bool(_INTERCEPTORS)
-    _notify()
+    _INTERCEPTORS.remove(interceptor)
 
 
 def interceptors() -> list[Interceptor]:
     """The registered interceptors, outermost first."""
-    return list(_INTERCEPTORS)
+    return list(_INTERCEPTORS.members)
 
 
 def on_change(fn: Callable[[], None]) -> None:
     """Call ``fn`` whenever interception starts or stops (the op layer caches a flag)."""
-    _LISTENERS.append(fn)
-
-
-def _notify() -> None:
-    for fn in _LISTENERS:
-        fn()
+    _INTERCEPTORS.on_change(lambda active: fn())
 
 
 def busy() -> bool:
@@ -115,7 +109,7 @@ def dispatch(op: Any, name: str, path: str, args: tuple, kwargs: dict,
     """Run one device op call through the interceptors; ``body(call)`` executes it."""
     depth = getattr(_TLS, "depth", 0)
     call = OpCall(op, name, path, args, kwargs, depth)
-    chain = list(_INTERCEPTORS)
+    chain = list(_INTERCEPTORS.members)
     if not chain:
         return body(call)
 

@@ -25,12 +25,21 @@ from typing import Any
 
 import torch
 
+from torchport.ops.switch import Registry
+
 PATHS = ("native", "decomposed", "fallback", "view")
 
-ENABLED = False  # read by the kernels: any recorder active?
-_ACTIVE: list[Recorder] = []
-_LOCK = threading.Lock()
-_LISTENERS: list[Callable[[], None]] = []  # told when ENABLED changes
+ENABLED = False  # read by the op layer: any recorder active?
+_RECORDERS: Registry[Recorder] = Registry()
+_LOCK = threading.Lock()  # guards the recorders' tables
+
+
+def _sync(active: bool) -> None:
+    global ENABLED
+    ENABLED = active
+
+
+_RECORDERS.on_change(_sync)  # first listener: later ones see ENABLED already updated
 
 
 @dataclass
@@ -139,14 +148,14 @@ def add(name: str, path: str, args: tuple, kwargs: dict, seconds: float) -> None
     """Record one call in every active recorder (only called when ``ENABLED``)."""
     dtypes = _dtypes(args, kwargs)
     with _LOCK:
-        for r in _ACTIVE:
+        for r in _RECORDERS.members:
             r.add(name, path, dtypes, seconds)
 
 
 def add_decline(name: str) -> None:
     """Count a kernel's :class:`~torchport.ops.Decline` for ``name``."""
     with _LOCK:
-        for r in _ACTIVE:
+        for r in _RECORDERS.members:
             s = r.ops.get(name)
             if s is None:
                 s = r.ops[name] = OpStat()
@@ -167,30 +176,16 @@ def _dtypes(args: tuple, kwargs: dict) -> list[torch.dtype]:
 
 
 def _start(r: Recorder) -> None:
-    global ENABLED
-    with _LOCK:
-        _ACTIVE.append(r)
-        ENABLED = True
-    _notify()
+    _RECORDERS.add(r)
 
 
 def _stop(r: Recorder) -> None:
-    global ENABLED
-    with _LOCK:
-        if r in _ACTIVE:
-            _ACTIVE.remove(r)
-        ENABLED = bool(_ACTIVE)
-    _notify()
-
-
-def _notify() -> None:
-    for fn in _LISTENERS:
-        fn()
+    _RECORDERS.remove(r)
 
 
 def on_change(fn: Callable[[], None]) -> None:
     """Call ``fn`` whenever recording starts or stops (the kernels cache the flag)."""
-    _LISTENERS.append(fn)
+    _RECORDERS.on_change(lambda active: fn())
 
 
 def _process_recorder() -> None:
