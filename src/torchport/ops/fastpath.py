@@ -45,6 +45,39 @@ def in_place(op: torch._ops.OpOverload) -> bool:
             and all(a == first for a in p.return_alias))
 
 
+def _device_views(args: tuple, kwargs: dict, name: str, to_cpu: Callable[[Tensor], Tensor],
+                  lists: bool = False) -> tuple[Any, list, list] | None:
+    """``(device, args with device tensors as the chip's views, the views)`` when every
+    tensor argument (and, with ``lists``, every element of a tensor list) is a plain
+    tensor on one ``name`` device; ``None`` otherwise (the general path's business)."""
+    device = None
+    cargs: list = []
+    views: list = []
+    for a in args:
+        if isinstance(a, Tensor):
+            d = a.device
+            if d.type != name or (device is not None and d != device) or a.is_conj() \
+                    or a.is_neg():
+                return None
+            device = d
+            a = to_cpu(a)
+            views.append(a)
+        elif lists and type(a) in (list, tuple) and any(isinstance(x, Tensor) for x in a):
+            mapped = _device_views(a, {}, name, to_cpu)
+            if mapped is None or len(mapped[2]) != len(a) \
+                    or (device is not None and mapped[0] != device):
+                return None  # None entries, scalars, other devices
+            device, a = mapped[0], mapped[1]
+        cargs.append(a)
+    if device is None:
+        return None
+    unmapped = (Tensor, list, tuple) if lists else Tensor  # keyword tensors: general path
+    for v in kwargs.values():
+        if isinstance(v, unmapped):
+            return None
+    return device, cargs, views
+
+
 def _inplace_kernel(backend: Backend, op: torch._ops.OpOverload,
                     to_cpu: Callable[[Tensor], Tensor], general: Callable[[tuple, dict], Any],
                     slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
@@ -57,41 +90,13 @@ def _inplace_kernel(backend: Backend, op: torch._ops.OpOverload,
     name = backend.name
     returns_self = bool(plan_for(op).return_alias)
 
-    def view(a: Tensor, device: Any) -> Any:
-        d = a.device
-        if d.type != name or (device is not None and d != device) or a.is_conj() \
-                or a.is_neg():
-            return None
-        return to_cpu(a)
-
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if slow is not None and fb.SLOW:
             return slow(args, kwargs)
-        device = None
-        cargs = []
-        for a in args:
-            if isinstance(a, Tensor):
-                c = view(a, device)
-                if c is None:
-                    return general(args, kwargs)
-                device = a.device
-                a = c
-            elif type(a) in (list, tuple) and any(isinstance(x, Tensor) for x in a):
-                mapped = []
-                for x in a:
-                    c = view(x, device) if isinstance(x, Tensor) else None
-                    if c is None:  # None entries, other devices: the general path
-                        return general(args, kwargs)
-                    device = x.device
-                    mapped.append(c)
-                a = mapped
-            cargs.append(a)
-        if device is None:
+        mapped = _device_views(args, kwargs, name, to_cpu, lists=True)
+        if mapped is None:
             return general(args, kwargs)
-        for v in kwargs.values():
-            if isinstance(v, (Tensor, list, tuple)):
-                return general(args, kwargs)
-        op(*cargs, **kwargs)
+        op(*mapped[1], **kwargs)
         return args[0] if returns_self else None
 
     return kernel
@@ -133,7 +138,7 @@ def host_kernel(backend: Backend, op: torch._ops.OpOverload, to_cpu: Callable[[T
         return lambda *args, **kwargs: general(args, kwargs)
     name = backend.name
     adopt = backend.to_device
-    into = _InPlace(backend, op, to_cpu)
+    into = _IntoDevice(backend, op, to_cpu)
     check = slow is not None
     if asynchronous:
         return _launching_kernel(backend, op, into, general, slow)
@@ -141,24 +146,10 @@ def host_kernel(backend: Backend, op: torch._ops.OpOverload, to_cpu: Callable[[T
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if check and fb.SLOW:
             return slow(args, kwargs)
-        device = None
-        cargs = []
-        views = []
-        for a in args:
-            if isinstance(a, Tensor):
-                d = a.device
-                if d.type != name or (device is not None and d != device) \
-                        or a.is_conj() or a.is_neg():
-                    return general(args, kwargs)
-                device = d
-                a = to_cpu(a)
-                views.append(a)
-            cargs.append(a)
-        if device is None:
+        mapped = _device_views(args, kwargs, name, to_cpu)
+        if mapped is None:
             return general(args, kwargs)
-        for v in kwargs.values():
-            if isinstance(v, Tensor):
-                return general(args, kwargs)
+        device, cargs, views = mapped
         index = device.index
         if into.out is not None and views[0].numel() >= LARGE_NUMEL:
             r = into(index, args, cargs, kwargs)
@@ -213,7 +204,7 @@ def out_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     return None
 
 
-class _InPlace:
+class _IntoDevice:
     """Computes a functional op with its ``out=`` overload into new device tensors."""
 
     def __init__(self, backend: Backend, op: torch._ops.OpOverload,
@@ -277,7 +268,7 @@ def _sync_devices(backend: Backend, args: tuple, kwargs: dict) -> None:
             backend.host_sync(d.index)
 
 
-def _launching_kernel(backend: Backend, op: torch._ops.OpOverload, into: _InPlace,
+def _launching_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoDevice,
                       general: Callable[[tuple, dict], Any],
                       slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
     """Asynchronous runtimes: allocate the results now (layout from the meta kernel),
