@@ -34,6 +34,10 @@ _BYTE_STAT_NAMES = ("allocated_bytes", "reserved_bytes", "active_bytes",
                     "inactive_split_bytes", "requested_bytes")
 _POOLS = ("all", "small_pool", "large_pool")
 
+# Called after a segment goes back to the runtime: caches of host views of device
+# memory (torchport.ops.hostviews) drop what may point into it.
+SEGMENT_FREED: list[Callable[[], None]] = []
+
 
 class _Stat:
     __slots__ = ("current", "peak", "allocated", "freed")
@@ -67,6 +71,7 @@ class Block:
     is_segment_head: bool = False
     parked: bool = False  # free, held for an exact-size reuse, not merged yet
     stream_uses: set = field(default_factory=set)
+    owner: Any = None  # what returns the block when its storage dies (torchport.tensors)
 
     def key(self) -> tuple[int, int]:
         return (self.size, self.ptr)
@@ -170,24 +175,64 @@ class DeviceAllocator:
         self.num_sync_all_streams = 0
         self.num_device_alloc = 0
         self.num_device_free = 0
+        self._reset_hot()
+
+    # The hot path (a parked small block handed out or parked again) only counts, in
+    # the fields below, what its mallocs and frees add up to since the last flush, and
+    # the highest net count/bytes/requested bytes reached; every other path and every
+    # reader flushes first, so the statistics stay exact (peaks included: within a
+    # window only the hot path moves them, so a window's peak is its start plus the
+    # highest net it reached).
+    def _reset_hot(self) -> None:
+        self._hm = self._hbm = self._hrm = 0  # mallocs: count, bytes, requested bytes
+        self._hf = self._hbf = self._hrf = 0  # frees
+        self._pn = self._pb = self._pr = 0  # highest net count, bytes, requested bytes
+
+    def _flush_hot(self) -> None:
+        if not (self._hm or self._hf):
+            return
+        moves = ((("allocation", "active"), self._hm, self._hf, self._pn),
+                 (("allocated_bytes", "active_bytes"), self._hbm, self._hbf, self._pb),
+                 (("requested_bytes",), self._hrm, self._hrf, self._pr))
+        for names, up, down, peak in moves:
+            for name in names:
+                for pool in ("all", "small_pool"):
+                    st = self.stats[(name, pool)]
+                    st.peak = max(st.peak, st.current + peak)
+                    st.current += up - down
+                    st.allocated += up
+                    st.freed += down
+        self._reset_hot()
+
+    def stat(self, name: str, pool: str = "all") -> _Stat:
+        """One statistic (``torch.cuda.memory_stats`` naming), up to date."""
+        with self.lock:
+            self._flush_hot()
+            return self.stats[(name, pool)]
 
     def _stat(self, name: str, small: bool, n: int) -> None:
+        self._flush_hot()
         a, b = self._pairs[(name, small)]
         a.add(n)
         b.add(n)
 
     def reset_peak(self) -> None:
-        for s in self.stats.values():
-            s.peak = s.current
+        with self.lock:
+            self._flush_hot()
+            for s in self.stats.values():
+                s.peak = s.current
 
     def reset_accumulated(self) -> None:
-        for s in self.stats.values():
-            s.allocated = s.freed = 0
+        with self.lock:
+            self._flush_hot()
+            for s in self.stats.values():
+                s.allocated = s.freed = 0
         self.num_alloc_retries = self.num_ooms = self.num_sync_all_streams = 0
         self.num_device_alloc = self.num_device_free = 0
 
     def memory_stats(self) -> dict[str, int]:
         with self.lock:
+            self._flush_hot()
             self._unpark_all()
             self._recount_inactive_split()  # computed on demand: O(free blocks)
         out: dict[str, int] = {}
@@ -205,21 +250,45 @@ class DeviceAllocator:
         return out
 
     def allocated(self) -> int:
-        return self.stats[("allocated_bytes", "all")].current
+        return self.stat("allocated_bytes").current
 
     def reserved(self) -> int:
-        return self.stats[("reserved_bytes", "all")].current
+        return self.stat("reserved_bytes").current
 
     # ---- allocation ------------------------------------------------------------
     def malloc(self, nbytes: int, stream: Any = None) -> Block:
         """A block of at least ``nbytes``; raises ``torch.OutOfMemoryError``."""
-        size = round_size(nbytes)
+        size = K_MIN_BLOCK if nbytes < K_MIN_BLOCK else \
+            (nbytes + K_MIN_BLOCK - 1) // K_MIN_BLOCK * K_MIN_BLOCK
+        if self.num_parked and size <= K_SMALL_SIZE:  # the hot path: an exact-size reuse
+            with self.lock:
+                ready = self.parked.get((id(stream), size))
+                if ready and not self.pending_free:
+                    block = ready.pop()
+                    block.parked = False
+                    block.allocated = True
+                    block.requested = nbytes
+                    self.num_parked -= 1
+                    self.active[block.ptr] = block
+                    self._hm = hm = self._hm + 1
+                    if hm - self._hf > self._pn:
+                        self._pn = hm - self._hf
+                    self._hbm = hb = self._hbm + size
+                    if hb - self._hbf > self._pb:
+                        self._pb = hb - self._hbf
+                    self._hrm = hr = self._hrm + nbytes
+                    if hr - self._hrf > self._pr:
+                        self._pr = hr - self._hrf
+                    return block
+        return self._malloc(nbytes, size, stream)
+
+    def _malloc(self, nbytes: int, size: int, stream: Any) -> Block:
         small = size <= K_SMALL_SIZE
         pool = self.small if small else self.large
         with self.lock:
+            self._flush_hot()
             if self.pending_free:
                 self._process_pending_frees()
-            block = None
             if small and self.num_parked:
                 ready = self.parked.get((id(stream), size))
                 if ready:
@@ -311,35 +380,40 @@ class DeviceAllocator:
         )
 
     # ---- freeing ---------------------------------------------------------------
+    def storage_died(self, ref: Any) -> None:
+        """Weakref callback of a device storage (``torchport.tensors.watch``)."""
+        if ref.ptr is not None:
+            self.free(ref.ptr)
+
     def free(self, ptr: int) -> None:
         with self.lock:
             block = self.active.pop(ptr)
+            if block.small and self.num_parked < _MAX_PARKED \
+                    and not (block.stream_uses and self.event_query is not None):
+                # the hot path: park it for an exact-size reuse (statistics deferred)
+                block.allocated = False
+                block.parked = True
+                self._hf += 1
+                self._hbf += block.size
+                self._hrf += block.requested
+                key = (id(block.stream), block.size)
+                lst = self.parked.get(key)
+                if lst is None:
+                    self.parked[key] = [block]
+                else:
+                    lst.append(block)
+                self.num_parked += 1
+                return
+            self._flush_hot()
             small = block.small
-            size = block.size
+            self._stat("allocation", small, -1)
+            self._stat("allocated_bytes", small, -block.size)
+            self._stat("requested_bytes", small, -block.requested)
             if block.stream_uses and self.event_query is not None:
-                self._stat("allocation", small, -1)
-                self._stat("allocated_bytes", small, -size)
-                self._stat("requested_bytes", small, -block.requested)
                 events = self._record_stream_uses(block)
                 if events:
                     self.pending_free.append((block, events))
                     return
-                self._release_block(block)
-                return
-            if small and self.num_parked < _MAX_PARKED:
-                for st, n in zip(self._on_alloc[small], (1, 1, 1, 1, size, size, size, size,
-                                                         block.requested, block.requested),
-                                 strict=True):
-                    st.current -= n
-                    st.freed += n
-                block.allocated = False
-                block.parked = True
-                self.parked.setdefault((id(block.stream), block.size), []).append(block)
-                self.num_parked += 1
-                return
-            self._stat("allocation", small, -1)
-            self._stat("allocated_bytes", small, -size)
-            self._stat("requested_bytes", small, -block.requested)
             self._release_block(block)
 
     def _unpark_all(self) -> None:
@@ -422,6 +496,7 @@ class DeviceAllocator:
         if self.runtime.asynchronous:
             self.runtime.synchronize(self.phys)  # queued kernels may still use cached blocks
         with self.lock:
+            self._flush_hot()
             self._process_pending_frees()
             self._unpark_all()
             for pool in (self.small, self.large):
@@ -430,6 +505,8 @@ class DeviceAllocator:
                         pool.remove(b)
                         del self.segments[b.ptr]
                         self.runtime.free(self.phys, b.ptr)
+                        for hook in SEGMENT_FREED:
+                            hook()
                         self.num_device_free += 1
                         self._stat("segment", b.small, -1)
                         self._stat("reserved_bytes", b.small, -b.size)
@@ -440,6 +517,7 @@ class DeviceAllocator:
         """Segments and their blocks, in the shape of ``torch.cuda.memory_snapshot()``."""
         out = []
         with self.lock:
+            self._flush_hot()
             self._unpark_all()
             for ptr, head in sorted(self.segments.items()):
                 blocks = []

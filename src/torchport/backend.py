@@ -7,7 +7,6 @@ backend: registering the same one again is a no-op; a different one is an error.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from collections.abc import Iterable
@@ -134,13 +133,10 @@ class Backend:
 
     def _new_tensor(self, index: int, size, stride, dtype: torch.dtype,
                     nbytes: int) -> torch.Tensor:
-        device = self.devices[index]
-        if nbytes == 0:
-            return tensors.wrap_memory(device, 0, 0, dtype, size, stride, None)
         alloc = self.allocators[index]
-        block = alloc.malloc(nbytes, self.current_stream_handle(index))
-        return tensors.wrap_memory(device, block.ptr, nbytes, dtype, size, stride,
-                                   functools.partial(alloc.free, block.ptr))
+        hook = self.stream_hook
+        block = alloc.malloc(nbytes, None if hook is None else hook(index)) if nbytes else None
+        return tensors.wrap_block(self.devices[index], alloc, block, nbytes, dtype, size, stride)
 
     def empty(self, size, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
         return self.empty_strided(size, tensors.contiguous_strides(size), dtype, device)

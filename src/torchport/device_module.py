@@ -111,13 +111,13 @@ def make_device_module(backend: Backend) -> types.ModuleType:
         return b.allocator(_index(device)).allocated()
 
     def max_memory_allocated(device: Any = None) -> int:
-        return b.allocator(_index(device)).stats[("allocated_bytes", "all")].peak
+        return b.allocator(_index(device)).stat("allocated_bytes").peak
 
     def memory_reserved(device: Any = None) -> int:
         return b.allocator(_index(device)).reserved()
 
     def max_memory_reserved(device: Any = None) -> int:
-        return b.allocator(_index(device)).stats[("reserved_bytes", "all")].peak
+        return b.allocator(_index(device)).stat("reserved_bytes").peak
 
     def reset_peak_memory_stats(device: Any = None) -> None:
         b.allocator(_index(device)).reset_peak()

@@ -84,17 +84,26 @@ def _from_dlpack(ptr: int, device_index: int, dtype: torch.dtype, size, stride) 
 # watches the storage's Python object: PyTorch keeps it alive exactly as long as
 # some tensor or view uses the storage, so its weakref callback (which CPython runs
 # with any in-flight exception saved) is where the block goes back to the allocator.
-# Half the cost of a DLPack import per tensor, on the hot path of every op.
+# The weakref itself says which block (a :class:`_BlockRef`), and the block keeps its
+# weakref alive: nothing else to look up on the hot path of every op.
 _alias_boxed = torch.ops.aten.alias.default._handle.redispatch_boxed
 _set_storage_boxed = _set_storage._handle.redispatch_boxed
 _TEMPLATES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-_ON_FREE: dict[int, tuple[weakref.ref, object]] = {}
 
 
-def _storage_died(ref: weakref.ref) -> None:
-    entry = _ON_FREE.pop(id(ref), None)
-    if entry is not None:
-        entry[1]()
+class _BlockRef(weakref.ref):
+    """A weak reference to a device storage whose death frees block ``ptr`` (the
+    callback is the allocator's ``storage_died``; ``ptr=None``: it no longer owns one)."""
+
+    __slots__ = ("allocator", "ptr")
+
+
+def watch(storage: torch.UntypedStorage, allocator, block) -> None:
+    """Return ``block`` to ``allocator`` when ``storage`` dies."""
+    ref = _BlockRef(storage, allocator.storage_died)
+    ref.allocator = allocator
+    ref.ptr = block.ptr
+    block.owner = ref
 
 
 def _template(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -109,23 +118,36 @@ def _template(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
+def _block_of(st: torch.UntypedStorage) -> tuple | None:
+    """(allocator, block) a storage returns when it dies, detached from it, or ``None``."""
+    for ref in weakref.getweakrefs(st):
+        if isinstance(ref, _BlockRef) and ref.ptr is not None:
+            ptr, ref.ptr = ref.ptr, None
+            return ref.allocator, ref.allocator.active[ptr]
+    return None
+
+
 def swap_storage_blocks(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
     """Exchange the memory of two device storages, the return of each block included
-    (``_swap_data_ptr_`` moves pointer and size; the release callbacks move here)."""
+    (``_swap_data_ptr_`` moves pointer and size; the blocks' owners move here)."""
+    owned_a, owned_b = _block_of(a), _block_of(b)
     a._swap_data_ptr_(b)
+    for st, owned in ((a, owned_b), (b, owned_a)):
+        if owned is not None:
+            watch(st, *owned)
 
-    def take(st: torch.UntypedStorage) -> object:
-        for ref in weakref.getweakrefs(st):
-            entry = _ON_FREE.pop(id(ref), None)
-            if entry is not None:
-                return entry[1]
-        return None
 
-    free_a, free_b = take(a), take(b)
-    for st, free in ((a, free_b), (b, free_a)):
-        if free is not None:
-            ref = weakref.ref(st, _storage_died)
-            _ON_FREE[id(ref)] = (ref, free)
+def wrap_block(device: torch.device, allocator, block, nbytes: int, dtype: torch.dtype,
+               size, stride) -> torch.Tensor:
+    """A device tensor over ``nbytes`` of ``block``, returned to ``allocator`` when its
+    storage dies (``block=None``: a zero-byte tensor, no memory)."""
+    if block is None:
+        storage = _construct_storage(0, device, 0)
+    else:
+        storage = _construct_storage(block.ptr, device, nbytes)
+        watch(storage, allocator, block)
+    shell = _alias_boxed(_CPU_KS, _template(device, dtype))
+    return _set_storage_boxed(_CPU_KS, shell, storage, 0, size, stride)
 
 
 def storage_nbytes(size, stride, itemsize: int, offset: int = 0) -> int:
@@ -142,17 +164,6 @@ def contiguous_strides(size) -> list[int]:
         strides.append(acc)
         acc *= max(s, 1)
     return strides[::-1]
-
-
-def wrap_memory(device: torch.device, ptr: int, nbytes: int, dtype: torch.dtype,
-                size, stride, on_free) -> torch.Tensor:
-    """A device tensor over ``nbytes`` at ``ptr``; ``on_free()`` runs when its storage dies."""
-    storage = _construct_storage(ptr, device, nbytes)
-    if on_free is not None:
-        ref = weakref.ref(storage, _storage_died)
-        _ON_FREE[id(ref)] = (ref, on_free)
-    shell = _alias_boxed(_CPU_KS, _template(device, dtype))
-    return _set_storage_boxed(_CPU_KS, shell, storage, 0, size, stride)
 
 
 # ---- host views and staging ------------------------------------------------------

@@ -94,7 +94,7 @@ def _sig(v: Any) -> Any:
         return (_TENSOR, tuple(v.shape), v.stride(), v.dtype)
     if isinstance(v, (list, tuple)):
         return (type(v), tuple(_sig(x) for x in v))
-    return v
+    return (type(v), v)  # 2 and 2.0 are equal keys, but promote differently
 
 
 def output_specs(op: OpOverload, args: tuple, kwargs: dict) -> list[Spec]:

@@ -12,12 +12,14 @@ handles the whole schema.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport.ops import derive, fallback, hostexec
+from torchport import tensors
+from torchport.ops import derive, fallback, hostexec, hostviews
 from torchport.ops.plan import plan_for
 
 if TYPE_CHECKING:
@@ -45,41 +47,48 @@ def in_place(op: torch._ops.OpOverload) -> bool:
             and all(a == first for a in p.return_alias))
 
 
-def _device_views(args: tuple, kwargs: dict, name: str, to_cpu: Callable[[Tensor], Tensor],
-                  lists: bool = False) -> tuple[Any, list, list] | None:
-    """``(device, args with device tensors as the chip's views, the views)`` when every
-    tensor argument (and, with ``lists``, every element of a tensor list) is a plain
-    tensor on one ``name`` device; ``None`` otherwise (the general path's business)."""
+def _device_views(args: tuple, kwargs: dict, views: hostviews.HostViews) -> list | None:
+    """``args`` with every device tensor (also inside tensor lists) replaced by the chip's
+    view of it, when all are plain tensors of one device and no keyword argument holds
+    a tensor; ``None`` otherwise (the general path's business)."""
+    entries, add = views.entries, views.add
     device = None
     cargs: list = []
-    views: list = []
     for a in args:
         if isinstance(a, Tensor):
-            d = a.device
-            if d.type != name or (device is not None and d != device) or a.is_conj() \
-                    or a.is_neg():
+            items, single = (a,), True
+        elif type(a) in (list, tuple) and a and isinstance(a[0], Tensor):
+            items, single = a, False
+        else:
+            cargs.append(a)
+            continue
+        mapped = []
+        for t in items:
+            if not isinstance(t, Tensor):
+                return None  # None entries, scalars
+            e = entries.get((t.data_ptr(), t.dtype, t.shape, t.stride()))
+            if e is None:
+                e = add(t, (t.data_ptr(), t.dtype, t.shape, t.stride()))
+                if e is None:
+                    return None
+            if e[2] is not device:
+                if device is not None:
+                    return None
+                device = e[2]
+            if t.is_conj() or t.is_neg():
                 return None
-            device = d
-            a = to_cpu(a)
-            views.append(a)
-        elif lists and type(a) in (list, tuple) and any(isinstance(x, Tensor) for x in a):
-            mapped = _device_views(a, {}, name, to_cpu)
-            if mapped is None or len(mapped[2]) != len(a) \
-                    or (device is not None and mapped[0] != device):
-                return None  # None entries, scalars, other devices
-            device, a = mapped[0], mapped[1]
-        cargs.append(a)
+            mapped.append(e[0])
+        cargs.append(mapped[0] if single else mapped)
     if device is None:
         return None
-    unmapped = (Tensor, list, tuple) if lists else Tensor  # keyword tensors: general path
     for v in kwargs.values():
-        if isinstance(v, unmapped):
+        if isinstance(v, (Tensor, list, tuple)):
             return None
-    return device, cargs, views
+    return cargs
 
 
-def _inplace_kernel(backend: Backend, op: torch._ops.OpOverload,
-                    to_cpu: Callable[[Tensor], Tensor], general: Callable[[tuple, dict], Any],
+def _inplace_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.HostViews,
+                    general: Callable[[tuple, dict], Any],
                     slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
     """In-place ops on the chip's zero-copy view: the CPU kernel writes device memory
     directly, so the result is the argument itself. Asynchronous runtimes take the
@@ -87,19 +96,33 @@ def _inplace_kernel(backend: Backend, op: torch._ops.OpOverload,
     if backend.runtime.asynchronous:
         return lambda *args, **kwargs: general(args, kwargs)
     fb = fallback
-    name = backend.name
     returns_self = bool(plan_for(op).return_alias)
+    boxed = op._handle.redispatch_boxed
+    unboxed = op._op
+    slots = number_slots(op)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if slow is not None and fb.SLOW:
             return slow(args, kwargs)
-        mapped = _device_views(args, kwargs, name, to_cpu, lists=True)
-        if mapped is None:
+        cargs = _device_views(args, kwargs, views)
+        if cargs is None:
             return general(args, kwargs)
-        op(*mapped[1], **kwargs)
+        for i in slots:
+            if i < len(args) and args[i] is not None and not isinstance(args[i], Tensor):
+                unboxed(*cargs, **kwargs)  # a Python number where a Tensor goes
+                break
+        else:
+            boxed(_CPU_KS, *cargs, **kwargs)
         return args[0] if returns_self else None
 
     return kernel
+
+
+def number_slots(op: torch._ops.OpOverload) -> list[int]:
+    """Positions of single-Tensor arguments: there the dispatcher hands a kernel a Python
+    number for a wrapped scalar (``x + 1``), which only an unboxed call converts back."""
+    return [i for i, a in enumerate(op._schema.arguments)
+            if not a.kwarg_only and str(a.type) in ("Tensor", "Optional[Tensor]")]
 
 
 def _takes_tensor_lists(op: torch._ops.OpOverload) -> bool:
@@ -133,33 +156,108 @@ def host_kernel(backend: Backend, op: torch._ops.OpOverload, to_cpu: Callable[[T
             return redispatch(_CPU_KS, *args, **kwargs)
         return view
     if in_place(op):
-        return _inplace_kernel(backend, op, to_cpu, general, slow)
+        return _inplace_kernel(backend, op, hostviews.for_to_cpu(to_cpu, backend.devices),
+                               general, slow)
     if not qualifies(op):
         return lambda *args, **kwargs: general(args, kwargs)
-    name = backend.name
-    adopt = backend.to_device
     into = _IntoDevice(backend, op, to_cpu)
-    check = slow is not None
     if asynchronous:
         return _launching_kernel(backend, op, into, general, slow)
+    return _functional_kernel(backend, op, into, general, slow)
+
+
+def _sees_view_bits(op: torch._ops.OpOverload) -> bool:
+    """Can a conjugate or negative view reach ``op``'s backend kernel? Only when the op
+    has its own Conjugate/Negative kernel (a fallthrough: views, copies, some linear
+    algebra); PyTorch's fallbacks for those keys materialise such inputs first."""
+    name = op._schema.name + ("." + op._schema.overload_name if op._schema.overload_name
+                              else "")
+    own = torch._C._dispatch_has_kernel_for_dispatch_key
+    return any(own(name, k) for k in (torch._C.DispatchKey.Conjugate,
+                                      torch._C.DispatchKey.Negative))
+
+
+def _functional_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoDevice,
+                       general: Callable[[tuple, dict], Any],
+                       slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
+    """The hot kernel of a functional op: every input mapped through the view cache,
+    the outputs' layout from a per-op cache keyed by the inputs' layouts, new device
+    tensors, and the ``out=`` overload of the CPU kernel writing straight into them.
+    An op without an ``out=`` overload, or inputs its meta kernel cannot take, compute
+    a CPU result that is then moved to the device (:meth:`_IntoDevice.compute`)."""
+    fb = fallback
+    name = backend.name
+    entries = into.views.entries
+    add_view = into.views.add
+    layouts = into.layouts
+    allocators = backend.allocators
+    devices = backend.devices
+    wrap = tensors.wrap_block
+    out_call = into.out_call
+    out_name = into.out_names[0] if into.single else None
+    outputs = into.outputs
+    first = into.first_call
+    compute = into.compute
+    check = slow is not None
+    Tensor_ = Tensor
+    bits = _sees_view_bits(op)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if check and fb.SLOW:
             return slow(args, kwargs)
-        mapped = _device_views(args, kwargs, name, to_cpu)
-        if mapped is None:
+        device = None
+        cargs = []
+        key = []
+        for a in args:
+            if isinstance(a, Tensor_):
+                e = entries.get((a.data_ptr(), a.dtype, a.shape, a.stride()))
+                if e is None:
+                    e = add_view(a, (a.data_ptr(), a.dtype, a.shape, a.stride()))
+                    if e is None:  # not a plain tensor of this backend's devices
+                        return general(args, kwargs)
+                if e[2] is not device:
+                    if device is not None:
+                        return general(args, kwargs)
+                    device = e[2]
+                if bits and (a.is_conj() or a.is_neg()):
+                    return general(args, kwargs)
+                cargs.append(e[0])
+                key.append(e[1])
+            else:
+                cargs.append(a)
+                key.append((type(a), tuple(a) if type(a) is list else a))
+        if device is None:
             return general(args, kwargs)
-        device, cargs, views = mapped
+        if kwargs:
+            for k, v in kwargs.items():
+                if isinstance(v, (Tensor_, list, tuple)):
+                    return general(args, kwargs)
+                key.append((k, type(v), v))
+        key = tuple(key)
+        try:
+            outs = layouts.get(key)
+        except TypeError:  # an unhashable argument
+            return compute(device.index, args, cargs, kwargs)
+        if outs is None:
+            return first(key, device.index, args, cargs, kwargs)
+        if outs is False:
+            return compute(device.index, args, cargs, kwargs)
+        call, specs = outs
+        if out_name is None:
+            return outputs(device.index, call, specs, cargs, kwargs)
         index = device.index
-        if into.out is not None and views[0].numel() >= LARGE_NUMEL:
-            r = into(index, args, cargs, kwargs)
-            if r is not None:
-                return r
-        r = op(*cargs, **kwargs)
-        if isinstance(r, Tensor):
-            return _result(r, index, views, args, adopt)
-        return type(r)(_result(x, index, views, args, adopt) if isinstance(x, Tensor) else x
-                       for x in r)
+        alloc = allocators[index]
+        hook = backend.stream_hook
+        nbytes, dtype, size, stride, shape_t, stride_t = specs[0]
+        block = alloc.malloc(nbytes, None if hook is None else hook(index)) if nbytes else None
+        r = wrap(devices[index], alloc, block, nbytes, dtype, size, stride)
+        k = (block.ptr if nbytes else 0, dtype, shape_t, stride_t)
+        e = entries.get(k)
+        if e is None:
+            e = add_view(r, k)
+        kwargs[out_name] = e[0]
+        call(_CPU_KS, *cargs, **kwargs)
+        return r
 
     return kernel
 
@@ -178,12 +276,6 @@ def _result(r: Tensor, index: int, views: list[Tensor], args: tuple,
                 return _as_strided.redispatch(_CPU_KS, dev, r.shape, r.stride(),
                                               r.storage_offset() - shift)
     return adopt(r, index)
-
-
-# Inputs at least this large compute straight into device memory (the result's
-# layout comes from the meta kernel); smaller ones compute into a CPU result that
-# is then copied, which costs less than the meta call.
-LARGE_NUMEL = 1 << 15
 
 
 def out_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
@@ -205,43 +297,109 @@ def out_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
 
 
 class _IntoDevice:
-    """Computes a functional op with its ``out=`` overload into new device tensors."""
+    """How a functional op's results are made: the layouts its meta kernel gives (cached
+    by the inputs' layouts), the ``out=`` overload computing into device tensors, and,
+    where that cannot be used, a CPU result moved to the device."""
 
     def __init__(self, backend: Backend, op: torch._ops.OpOverload,
                  to_cpu: Callable[[Tensor], Tensor]) -> None:
         self.backend = backend
         self.op = op
         self.to_cpu = to_cpu
+        self.views = hostviews.for_to_cpu(to_cpu, backend.devices)
+        # layout key -> [(nbytes, dtype, size, stride, shape tuple, stride tuple)], or
+        # False: the meta kernel could not say (data-dependent, none, an error)
+        self.layouts: dict[tuple, Any] = {}
         returns = op._schema.returns
         plain = all(isinstance(r.type, torch.TensorType) for r in returns)
         self.out = out_overload(op) if plain else None  # Tensor[] results: CPU, then copy
         self.single = len(returns) == 1
+        self.out_names: list[str] = []
+        self.out_call: Callable[..., Any] | None = None
         if self.out is not None:
             self.out_names = [a.name for a in self.out._schema.arguments
                               if a.alias_info is not None and a.alias_info.is_write]
+            self.out_call = self.out._handle.redispatch_boxed
+        self.cpu_call = op._op
+        self.number_slots = number_slots(op)
+
+    def first_call(self, key: tuple, index: int, args: tuple, cargs: list,
+                   kwargs: dict) -> Any:
+        """The first call with a layout ``key``: the outputs' layouts from the meta kernel,
+        then a trial of the ``out=`` overload on outputs that cannot grow; if the meta
+        kernel cannot say, or the ``out=`` overload fails, warns or would resize its
+        output (some CPU kernels stage a larger result in ``out``), calls with this key
+        compute a CPU result instead."""
+        layouts = self.layouts
+        if len(layouts) > 4096:
+            layouts.clear()
+        if self.out is None:
+            layouts[key] = False
+            return self.compute(index, args, cargs, kwargs)
+        try:
+            specs = [(tensors.storage_nbytes(shape, stride, dtype.itemsize), dtype,
+                      list(shape), list(stride), tuple(shape), tuple(stride))
+                     for shape, stride, dtype in derive.output_specs(self.op, args, kwargs)]
+        except Exception:  # no meta kernel, a data-dependent shape, a bad input
+            layouts[key] = False
+            return self.compute(index, args, cargs, kwargs)
+        call = self.out_call
+        if any(i < len(args) and args[i] is not None and not isinstance(args[i], Tensor)
+               for i in self.number_slots):  # a Python number where a Tensor goes
+            out = self.out
+            call = lambda _ks, *a, **k: out._op(*a, **k)  # noqa: E731 (wraps the number)
+        b = self.backend
+        outs = [b._new_tensor(index, size, stride, dtype, nbytes)
+                for nbytes, dtype, size, stride, _, _ in specs]
+        views = [self.views.exact(o) for o in outs]
+        ckw = dict(kwargs)
+        ckw.update(zip(self.out_names, views, strict=True))
+        try:
+            seen = _warnings_of(lambda: call(_CPU_KS, *cargs, **ckw))
+        except Exception:
+            seen = [True]
+        if any(v.shape != o.shape for v, o in zip(views, outs, strict=True)):
+            seen = True  # the kernel resized an empty output: not the meta kernel's layout
+        if seen:
+            layouts[key] = False
+            return self.compute(index, args, cargs, kwargs)
+        layouts[key] = (call, specs)
+        return outs[0] if self.single else tuple(outs)
+
+    def compute(self, index: int, args: tuple, cargs: list, kwargs: dict) -> Any:
+        """The CPU kernel's own results, moved to device ``index``."""
+        r = self.cpu_call(*cargs, **kwargs)
+        adopt = self.backend.to_device
+        views = [c for c, a in zip(cargs, args, strict=True) if isinstance(a, Tensor)]
+        if isinstance(r, Tensor):
+            return _result(r, index, views, args, adopt)
+        return type(r)(_result(x, index, views, args, adopt) if isinstance(x, Tensor) else x
+                       for x in r)
+
+    def outputs(self, index: int, call: Callable[..., Any], specs: list, cargs: list,
+                kwargs: dict) -> tuple:
+        """Several results (``max.dim``, ``sort``): new device tensors, ``out=`` into them."""
+        b = self.backend
+        outs = tuple(b._new_tensor(index, size, stride, dtype, nbytes)
+                     for nbytes, dtype, size, stride, _, _ in specs)
+        entries, add = self.views.entries, self.views.add
+        for n, o, (_, dtype, _, _, shape_t, stride_t) in zip(self.out_names, outs, specs,
+                                                               strict=True):
+            k = (o.data_ptr(), dtype, shape_t, stride_t)
+            e = entries.get(k)
+            kwargs[n] = (add(o, k) if e is None else e)[0]
+        call(_CPU_KS, *cargs, **kwargs)
+        return outs
 
     def _outputs(self, index: int, args: tuple, kwargs: dict) -> tuple[Any, list] | None:
         """New device tensors shaped as the meta kernel says, or ``None``."""
         try:
             specs = derive.output_specs(self.op, args, kwargs)
         except Exception:  # no meta kernel, a data-dependent shape, a non-tensor result
-            self.out = None
             return None
         b = self.backend
         outs = [b.empty_strided(shape, stride, dtype, index) for shape, stride, dtype in specs]
         return (outs[0] if self.single else tuple(outs)), outs
-
-    def _out_kwargs(self, outs: list) -> dict:
-        to_cpu = self.to_cpu
-        return {n: to_cpu(o) for n, o in zip(self.out_names, outs, strict=True)}
-
-    def __call__(self, index: int, args: tuple, cargs: list, kwargs: dict) -> Any:
-        made = self._outputs(index, args, kwargs)
-        if made is None:
-            return None
-        result, outs = made
-        self.out(*cargs, **kwargs, **self._out_kwargs(outs))
-        return result
 
     def launch(self, index: int, args: tuple, kwargs: dict, rt: Any, phys: int, stream: Any,
                label: str) -> Any:
@@ -253,10 +411,24 @@ class _IntoDevice:
         to_cpu = self.to_cpu
         cargs = [to_cpu(a) if isinstance(a, Tensor) else a for a in args]
         ckw = {k: to_cpu(v) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
-        ckw.update(self._out_kwargs(outs))
+        ckw.update({n: to_cpu(o) for n, o in zip(self.out_names, outs, strict=True)})
         out = self.out
         rt.launch(phys, stream, lambda: out(*cargs, **ckw), label)
         return result
+
+
+def _warnings_of(fn: Callable[[], Any]) -> list:
+    """The warnings ``fn`` gives, those of C++ (``TORCH_WARN``) included. Inside a kernel,
+    C++ warnings go to the user's outer call, which shows them when it returns; running
+    ``fn`` inside a PyTorch Python binding (``Tensor.apply_`` calls it back) makes them
+    Python warnings here."""
+    def element(_: float) -> float:
+        fn()
+        return 0.0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.zeros(1).apply_(element)
+    return seen
 
 
 def _sync_devices(backend: Backend, args: tuple, kwargs: dict) -> None:

@@ -1,0 +1,100 @@
+"""The chip's views of device tensors, made once per layout of device memory.
+
+A host-op kernel runs PyTorch's CPU kernel on a view of device memory that its
+``to_cpu`` function makes (``as_strided`` over the chip's memory: about 2 us). What
+such a view aliases depends only on the device address, dtype, shape and strides,
+and a training step touches the same few hundred of those every step, so views are
+kept by that key. Blocks are reused at the same address with the same layout, so
+the result tensors of an op find their views here too.
+
+A view stays valid while the memory under its address is the same: the cache is
+dropped whenever the allocator returns a segment to the runtime (and when it grows
+past a bound). ``to_cpu`` must therefore depend on nothing but the key, which holds
+for a view of a runtime's memory.
+
+Each view also carries a small integer naming its (dtype, shape, strides): keys of
+the per-op caches of output layouts are built from those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from torchport import allocator, tensors
+
+Tensor = torch.Tensor
+_CPU = torch.device("cpu")
+_MAX_ENTRIES = 8192
+_LAYOUTS: dict[tuple, int] = {}
+_ALL: list[HostViews] = []
+
+
+def layout_id(dtype: torch.dtype, shape: tuple, stride: tuple) -> int:
+    """A small integer per distinct (dtype, shape, strides)."""
+    key = (dtype, tuple(shape), tuple(stride))
+    n = _LAYOUTS.get(key)
+    if n is None:
+        n = _LAYOUTS[key] = len(_LAYOUTS)
+    return n
+
+
+class HostViews:
+    """Views made by one ``to_cpu``; ``entries`` maps ``(data_ptr, dtype, shape,
+    strides)`` to ``(view, layout id, device)`` (read directly by the fast path)."""
+
+    def __init__(self, to_cpu: Callable[[Tensor], Tensor], devices: list[torch.device]) -> None:
+        self.to_cpu = to_cpu
+        self.devices = devices
+        self.entries: dict[tuple, tuple[Tensor, int, torch.device]] = {}
+
+    def add(self, t: Tensor, key: tuple) -> tuple[Tensor, int, torch.device] | None:
+        """Make, keep and return the entry of ``t`` under ``key``; ``None`` when ``t`` is
+        not a plain tensor of one of ``devices`` (the caller's general path decides).
+        The device object in the entry is the one of ``devices``: compare with ``is``."""
+        d = t.device
+        devices = self.devices
+        if d.index is None or d.index >= len(devices) or devices[d.index] != d \
+                or t.is_conj() or t.is_neg():
+            return None
+        entries = self.entries
+        if len(entries) >= _MAX_ENTRIES:
+            entries.clear()
+        e = entries[key] = (self.to_cpu(t), layout_id(key[1], key[2], key[3]),
+                            devices[d.index])
+        return e
+
+    def exact(self, t: Tensor) -> Tensor:
+        """A view of ``t``'s elements whose storage ends where they end, so that a CPU
+        kernel cannot grow it over neighbouring memory (it raises instead)."""
+        v = self.to_cpu(t)
+        if v.numel() == 0:
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
+        nbytes = tensors.storage_nbytes(v.shape, v.stride(), v.element_size())
+        st = torch._C._construct_storage_from_data_pointer(v.data_ptr(), _CPU, nbytes)
+        return torch.empty(0, dtype=v.dtype).set_(st, 0, v.shape, v.stride())
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+_BY_FN: dict[Callable[[Tensor], Tensor], HostViews] = {}
+
+
+def for_to_cpu(to_cpu: Callable[[Tensor], Tensor], devices: list[torch.device]) -> HostViews:
+    """The one cache of ``to_cpu``'s views of tensors on ``devices`` (host-op kernels
+    sharing ``to_cpu`` share it)."""
+    hv = _BY_FN.get(to_cpu)
+    if hv is None:
+        hv = _BY_FN[to_cpu] = HostViews(to_cpu, devices)
+        _ALL.append(hv)
+    return hv
+
+
+def clear_all() -> None:
+    for hv in _ALL:
+        hv.clear()
+
+
+allocator.SEGMENT_FREED.append(clear_all)
