@@ -180,6 +180,10 @@ class Backend:
         if self.runtime.asynchronous:
             self.runtime.synchronize_stream(self.visible[index], self.current_stream_handle(index))
 
+    def host_view(self, t: torch.Tensor) -> torch.Tensor:
+        """A CPU tensor aliasing ``t``'s memory (host-addressable runtimes only)."""
+        return tensors.host_view(self, t)
+
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """CPU tensor with ``t``'s values: an alias when host-addressable, else a copy."""
         self.host_sync(t.device.index)

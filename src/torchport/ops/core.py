@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport import tensors
+from torchport.ops import hostviews
 
 if TYPE_CHECKING:
     from torchport.backend import Backend
@@ -45,6 +46,12 @@ def copy_between(backend: Backend, dst: torch.Tensor, src: torch.Tensor,
     if dst.numel() == 0:
         return dst
     if dst.device.type == name:
+        if src.device == dst.device and backend.runtime.host_addressable \
+                and not backend.runtime.asynchronous:
+            # one device, memory the host can address: ATen's copy between the two views
+            values = _host_values(backend, src, _host_view(backend, src))
+            _host_view(backend, dst).copy_(_as_stored_in(dst, values))
+            return dst
         if src.device.type == name and src.device != dst.device and _plain_bytes(src, dst):
             rt = backend.runtime
             n = dst.numel() * dst.element_size()
@@ -69,10 +76,20 @@ def copy_between(backend: Backend, dst: torch.Tensor, src: torch.Tensor,
     return dst
 
 
-def _host_values(backend: Backend, t: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor with ``t``'s values; raw memory views lose the lazy conj/neg bits,
-    so they are put back."""
-    h = backend.to_host(t)
+def _host_view(backend: Backend, t: torch.Tensor) -> torch.Tensor:
+    """The host's view of ``t`` (host-addressable memory; cached by layout)."""
+    views = hostviews.for_to_cpu(backend.host_view, backend.devices)
+    e = views.entries.get((t.data_ptr(), t.dtype, t.shape, t.stride()))
+    if e is None:
+        e = views.add(t, (t.data_ptr(), t.dtype, t.shape, t.stride()), plain=False)
+    return e[0]
+
+
+def _host_values(backend: Backend, t: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+    """A CPU tensor with ``t``'s values (``h``: its raw memory view, when made already);
+    raw memory views lose the lazy conj/neg bits, so they are put back."""
+    if h is None:
+        h = backend.to_host(t)
     if t.is_conj():
         h = h.conj()
     if t.is_neg():

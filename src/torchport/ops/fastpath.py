@@ -186,14 +186,15 @@ def _functional_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoD
     An op without an ``out=`` overload, or inputs its meta kernel cannot take, compute
     a CPU result that is then moved to the device (:meth:`_IntoDevice.compute`)."""
     fb = fallback
-    name = backend.name
     entries = into.views.entries
     add_view = into.views.add
     layouts = into.layouts
     allocators = backend.allocators
     devices = backend.devices
-    wrap = tensors.wrap_block
-    out_call = into.out_call
+    construct = torch._C._construct_storage_from_data_pointer
+    watch = tensors.watch
+    alias = tensors._alias_boxed
+    set_storage = tensors._set_storage_boxed
     out_name = into.out_names[0] if into.single else None
     outputs = into.outputs
     first = into.first_call
@@ -248,10 +249,18 @@ def _functional_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoD
         index = device.index
         alloc = allocators[index]
         hook = backend.stream_hook
-        nbytes, dtype, size, stride, shape_t, stride_t = specs[0]
-        block = alloc.malloc(nbytes, None if hook is None else hook(index)) if nbytes else None
-        r = wrap(devices[index], alloc, block, nbytes, dtype, size, stride)
-        k = (block.ptr if nbytes else 0, dtype, shape_t, stride_t)
+        nbytes, dtype, size, stride, shape_t, stride_t, templates = specs[0]
+        # tensors.wrap_block, inlined: this is the hot path of every functional op
+        if nbytes:
+            block = alloc.malloc(nbytes, None if hook is None else hook(index))
+            ptr = block.ptr
+            st = construct(ptr, devices[index], nbytes)
+            watch(st, alloc, block)
+        else:
+            ptr = 0
+            st = construct(0, devices[index], 0)
+        r = set_storage(_CPU_KS, alias(_CPU_KS, templates[index]), st, 0, size, stride)
+        k = (ptr, dtype, shape_t, stride_t)
         e = entries.get(k)
         if e is None:
             e = add_view(r, k)
@@ -320,6 +329,8 @@ class _IntoDevice:
             self.out_names = [a.name for a in self.out._schema.arguments
                               if a.alias_info is not None and a.alias_info.is_write]
             self.out_call = self.out._handle.redispatch_boxed
+        if op is _CLONE:  # clone.out is clone then copy (two copies); one copy will do
+            self.out_call = _copy_into
         self.cpu_call = op._op
         self.number_slots = number_slots(op)
 
@@ -337,8 +348,10 @@ class _IntoDevice:
             layouts[key] = False
             return self.compute(index, args, cargs, kwargs)
         try:
+            devices = self.backend.devices
             specs = [(tensors.storage_nbytes(shape, stride, dtype.itemsize), dtype,
-                      list(shape), list(stride), tuple(shape), tuple(stride))
+                      list(shape), list(stride), tuple(shape), tuple(stride),
+                      [tensors._template(d, dtype) for d in devices])
                      for shape, stride, dtype in derive.output_specs(self.op, args, kwargs)]
         except Exception:  # no meta kernel, a data-dependent shape, a bad input
             layouts[key] = False
@@ -350,7 +363,7 @@ class _IntoDevice:
             call = lambda _ks, *a, **k: out._op(*a, **k)  # noqa: E731 (wraps the number)
         b = self.backend
         outs = [b._new_tensor(index, size, stride, dtype, nbytes)
-                for nbytes, dtype, size, stride, _, _ in specs]
+                for nbytes, dtype, size, stride, _, _, _ in specs]
         views = [self.views.exact(o) for o in outs]
         ckw = dict(kwargs)
         ckw.update(zip(self.out_names, views, strict=True))
@@ -373,6 +386,8 @@ class _IntoDevice:
         views = [c for c, a in zip(cargs, args, strict=True) if isinstance(a, Tensor)]
         if isinstance(r, Tensor):
             return _result(r, index, views, args, adopt)
+        if not isinstance(r, (tuple, list)):
+            return r  # a number (``_fused_sdp_choice``)
         return type(r)(_result(x, index, views, args, adopt) if isinstance(x, Tensor) else x
                        for x in r)
 
@@ -381,10 +396,10 @@ class _IntoDevice:
         """Several results (``max.dim``, ``sort``): new device tensors, ``out=`` into them."""
         b = self.backend
         outs = tuple(b._new_tensor(index, size, stride, dtype, nbytes)
-                     for nbytes, dtype, size, stride, _, _ in specs)
+                     for nbytes, dtype, size, stride, _, _, _ in specs)
         entries, add = self.views.entries, self.views.add
-        for n, o, (_, dtype, _, _, shape_t, stride_t) in zip(self.out_names, outs, specs,
-                                                               strict=True):
+        for n, o, (_, dtype, _, _, shape_t, stride_t, _) in zip(self.out_names, outs, specs,
+                                                                  strict=True):
             k = (o.data_ptr(), dtype, shape_t, stride_t)
             e = entries.get(k)
             kwargs[n] = (add(o, k) if e is None else e)[0]
@@ -429,6 +444,15 @@ def _warnings_of(fn: Callable[[], Any]) -> list:
         warnings.simplefilter("always")
         torch.zeros(1).apply_(element)
     return seen
+
+
+_CLONE = torch.ops.aten.clone.default
+_copy_boxed = torch.ops.aten.copy_.default._handle.redispatch_boxed
+
+
+def _copy_into(ks: Any, src: Tensor, memory_format: Any = None, *, out: Tensor) -> Tensor:
+    """``clone`` into ``out``, laid out already as ``memory_format`` asks."""
+    return _copy_boxed(ks, out, src)
 
 
 def _sync_devices(backend: Backend, args: tuple, kwargs: dict) -> None:

@@ -49,14 +49,16 @@ class HostViews:
         self.devices = devices
         self.entries: dict[tuple, tuple[Tensor, int, torch.device]] = {}
 
-    def add(self, t: Tensor, key: tuple) -> tuple[Tensor, int, torch.device] | None:
+    def add(self, t: Tensor, key: tuple, plain: bool = True
+            ) -> tuple[Tensor, int, torch.device] | None:
         """Make, keep and return the entry of ``t`` under ``key``; ``None`` when ``t`` is
-        not a plain tensor of one of ``devices`` (the caller's general path decides).
-        The device object in the entry is the one of ``devices``: compare with ``is``."""
+        not a tensor of one of ``devices``, or (``plain``) is a conjugate or negative view
+        (the caller's general path decides). The device object in the entry is the one
+        of ``devices``: compare with ``is``."""
         d = t.device
         devices = self.devices
         if d.index is None or d.index >= len(devices) or devices[d.index] != d \
-                or t.is_conj() or t.is_neg():
+                or (plain and (t.is_conj() or t.is_neg())):
             return None
         entries = self.entries
         if len(entries) >= _MAX_ENTRIES:

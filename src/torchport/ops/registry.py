@@ -76,6 +76,15 @@ class KernelSet:
             return fn
         return deco
 
+    def autograd_kernel(self, name: str):
+        """Decorator: ``fn`` replaces ``name`` on the device's autograd key -- for ops that
+        decompose above the backend (CompositeImplicitAutograd) when the device has a
+        better way; ``fn`` calls ops with derivatives of their own."""
+        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+            self.decls.append(KernelDecl(name, fn, None, None, "autograd"))
+            return fn
+        return deco
+
     def host_ops(self, names: Iterable[str], to_cpu: Callable[[torch.Tensor], torch.Tensor],
                  dtypes: Iterable[torch.dtype] | None = None) -> None:
         """Declare ops run by the CPU kernel on zero-copy views made by ``to_cpu``."""
@@ -211,6 +220,11 @@ def install_kernel_set(backend: Backend, ks: KernelSet, lib: torch.library.Libra
         taken = set(_NATIVE) | _CORE
     done = []
     for decl in ks.decls:
+        if decl.kind == "autograd":
+            for op in resolve_overloads(decl.name):
+                lib.impl(overload_name(op), decl.fn, "AutogradPrivateUse1")
+                done.append(overload_name(op))
+            continue
         for op, make, d in _expand(decl):
             oname = overload_name(op)
             if oname in taken or not _has_backend_slot(op):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from torchport.backend import Backend
+from torchport.backends.sim.attention import make_attention_kernels
 from torchport.backends.sim.kernels import make_kernels
 from torchport.backends.sim.runtime import SimRuntime, parse_size
 from torchport.backends.sim.syncbn_kernels import make_syncbn_kernels
@@ -30,6 +31,7 @@ def make_backend(runtime: SimRuntime | None = None) -> Backend:
         typed, off = rt.typed_memory(visible[t.device.index], st.data_ptr(), t.dtype)
         return typed.as_strided(t.shape, t.stride(), off + t.storage_offset())
 
-    b = Backend("sim", rt, [make_kernels(device_view), make_syncbn_kernels()])
+    b = Backend("sim", rt, [make_kernels(device_view), make_syncbn_kernels(),
+                            make_attention_kernels()])
     visible = b.visible
     return b

@@ -25,6 +25,7 @@ MODEL_OPS = [
     "maximum", "minimum", "fmax", "fmin", "lerp", "addcmul", "addcdiv", "masked_fill",
     "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "logical_and", "logical_or",
     "logical_xor", "logical_not", "eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf",
+    "isneginf", "isposinf",
     "nan_to_num", "fill", "fill_", "zero_", "clone", "sigmoid_backward", "tanh_backward",
     "threshold_backward", "gelu_backward", "silu_backward", "leaky_relu_backward",
     "elu_backward", "hardtanh_backward", "softplus_backward", "hardswish_backward",
@@ -38,7 +39,11 @@ MODEL_OPS = [
     "convolution_backward", "_convolution", "_unsafe_index",
     # softmax, norms
     "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
-    "native_layer_norm", "native_layer_norm_backward", "native_batch_norm",
+    "native_layer_norm", "native_layer_norm_backward",
+    # attention: the same fused kernel as the CPU picks (_fused_sdp_choice answers as on
+    # the CPU), so that a transformer computes the CPU's numbers at the CPU's speed
+    "_fused_sdp_choice", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward", "native_batch_norm",
     "native_batch_norm_backward", "_native_batch_norm_legit",
     "_native_batch_norm_legit_no_training", "native_group_norm", "native_group_norm_backward",
     "_fused_rms_norm",

@@ -314,19 +314,19 @@ class SimRuntime(Runtime):
 
     def copy_h2d(self, index, dst, src_host, nbytes, stream=None) -> None:
         if nbytes and stream is None and not self.asynchronous:  # the common case, inline
-            ctypes.memmove(self._host_ptr(index, dst, nbytes), src_host, nbytes)
+            _copy_bytes(self._host_ptr(index, dst, nbytes), src_host, nbytes)
         elif nbytes:
-            self._blocking_or_launch(index, stream, lambda: ctypes.memmove(
+            self._blocking_or_launch(index, stream, lambda: _copy_bytes(
                 self._host_ptr(index, dst, nbytes), src_host, nbytes), "copy_h2d")
 
     def copy_d2h(self, index, dst_host, src, nbytes, stream=None) -> None:
         if nbytes:
-            self._blocking_or_launch(index, stream, lambda: ctypes.memmove(
+            self._blocking_or_launch(index, stream, lambda: _copy_bytes(
                 dst_host, self._host_ptr(index, src, nbytes), nbytes), "copy_d2h")
 
     def copy_d2d(self, dst_index, dst, src_index, src, nbytes, stream=None) -> None:
         if nbytes:
-            self._blocking_or_launch(dst_index, stream, lambda: ctypes.memmove(
+            self._blocking_or_launch(dst_index, stream, lambda: _copy_bytes(
                 self._host_ptr(dst_index, dst, nbytes),
                 self._host_ptr(src_index, src, nbytes), nbytes), "copy_d2d")
 
@@ -418,6 +418,21 @@ class SimRuntime(Runtime):
             if not e.recorded:
                 raise RuntimeError("Both events must be recorded before calculating elapsed time")
         return (end.timestamp - start.timestamp) * 1000.0
+
+
+_PARALLEL_COPY = 1 << 16
+_CPU = torch.device("cpu")
+
+
+def _copy_bytes(dst: int, src: int, nbytes: int) -> None:
+    """The sim's DMA engine: ``memmove`` for small copies; ATen's copy (which uses every
+    intra-op thread, as a device's copy engines would) for large ones."""
+    if nbytes < _PARALLEL_COPY:
+        ctypes.memmove(dst, src, nbytes)
+        return
+    make = torch._C._construct_storage_from_data_pointer
+    d = torch.empty(0, dtype=torch.uint8).set_(make(dst, _CPU, nbytes))
+    d.copy_(torch.empty(0, dtype=torch.uint8).set_(make(src, _CPU, nbytes)))
 
 
 def _stamp(event: SimEvent) -> None:

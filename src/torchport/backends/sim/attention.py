@@ -1,0 +1,44 @@
+"""Scaled dot-product attention as the CPU computes it.
+
+PyTorch picks SDPA's fused kernel per device type through a C++ stub that a Python
+backend cannot fill, so on any PrivateUse1 device ``scaled_dot_product_attention``
+takes the math path (a dozen ops, other rounding, several times the memory). The
+sim computes with the CPU's kernels, so it makes the CPU's choice: it asks
+``_fused_sdp_choice`` (a host op: the CPU's own selection rules) and runs the CPU's
+fused flash kernel when the CPU would. The kernel sits on the autograd key, because
+``scaled_dot_product_attention`` decomposes above the backend; the flash op it calls
+has its own derivative, so backward is the CPU's too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention import SDPBackend
+
+from torchport.ops import KernelSet
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_FLASH = int(SDPBackend.FLASH_ATTENTION)
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, *, scale: float | None = None,
+                                 enable_gqa: bool = False) -> torch.Tensor:
+    choice = torch.ops.aten._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)
+    if choice != _FLASH:
+        return _SDPA.decompose(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                               enable_gqa=enable_gqa)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as the CPU converts it
+        attn_mask = torch.where(attn_mask.logical_not(), float("-inf"),
+                                torch.zeros((), dtype=query.dtype, device=query.device))
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return out
+
+
+def make_attention_kernels() -> KernelSet:
+    ks = KernelSet("sim-attention")
+    ks.autograd_kernel("scaled_dot_product_attention")(scaled_dot_product_attention)
+    return ks

@@ -1,0 +1,44 @@
+"""scaled_dot_product_attention on sim takes the CPU's fused kernel: same numbers,
+same gradients, bit for bit (the math path PyTorch picks for other devices rounds
+differently)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchport.sim  # noqa: F401
+
+F = torch.nn.functional
+
+
+@pytest.mark.parametrize("mask,causal,dropout", [(None, False, 0.0), (None, True, 0.0),
+                                                 ("bool", False, 0.0), ("float", False, 0.0),
+                                                 (None, False, 0.5)])
+def test_sdpa_matches_cpu_bitwise(mask: str | None, causal: bool, dropout: float) -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+    m = {"bool": torch.rand(16, 16) > 0.3, "float": torch.randn(16, 16), None: None}[mask]
+    qs, ks, vs = (t.detach().to("sim").requires_grad_() for t in (q, k, v))
+    ms = m.to("sim") if m is not None else None
+    torch.manual_seed(1)
+    torch.sim.manual_seed(1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, dropout_p=dropout)
+    out_s = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=ms, is_causal=causal,
+                                           dropout_p=dropout)
+    if dropout:  # the CPU's fused kernel takes no dropout: both take the math path
+        assert out_s.shape == out.shape and out_s.device.type == "sim"
+        out_s.sum().backward()
+        return
+    assert type(out_s.grad_fn).__name__ == type(out.grad_fn).__name__
+    assert torch.equal(out_s.cpu(), out)
+    out.sum().backward()
+    out_s.sum().backward()
+    for a, b in ((q, qs), (k, ks), (v, vs)):
+        assert torch.equal(b.grad.cpu(), a.grad)
+
+
+def test_sdpa_rejects_mixed_dtypes_like_cpu() -> None:
+    q = torch.randn(1, 1, 4, 8, device="sim")
+    with pytest.raises(RuntimeError, match="dtype"):
+        F.scaled_dot_product_attention(q, q.double(), q)
