@@ -23,7 +23,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 tests
 	TORCHPORT_SIM_STRICT=1 $(BIN)/python -m pytest -q tests/test_core_*.py tests/conformance \
-		tests/test_sim_core_opset.py
+		tests/test_sim_core_opset.py tests/test_sim_attention.py tests/test_ops_hotpath.py
 	TORCHPORT_SIM_ASYNC=1 $(BIN)/python -m pytest -q tests/test_core_*.py tests/test_streams.py
 
 # Every OpInfo of PyTorch's op_db, sim vs CPU, in both sim memory modes: default

@@ -86,3 +86,66 @@ def test_deferred_statistics_are_exact(sizes: list[int]) -> None:
     stats = dm.memory_stats()
     assert stats["allocation.all.current"] == stats["active.all.current"]
     assert stats["allocated_bytes.all.peak"] == peak
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_first_call_of_a_layout_runs_the_op_once(training: bool) -> None:
+    # native_batch_norm writes its running statistics without saying so in its schema;
+    # in eval mode the CPU returns empty saved statistics where the meta kernel says [C]
+    x, w, b = torch.randn(6, 3), torch.randn(3), torch.randn(3)
+    rm, rv = torch.zeros(3), torch.ones(3)
+    dev = [t.to("sim") for t in (x, w, b, rm, rv)]
+    for _ in range(2):
+        want = torch.ops.aten.native_batch_norm(x, w, b, rm, rv, training, 0.1, 1e-5)
+        got = torch.ops.aten.native_batch_norm(*dev, training, 0.1, 1e-5)
+        for g, r in zip(got, want, strict=True):
+            assert g.shape == r.shape and torch.equal(g.cpu(), r)
+        assert torch.equal(dev[3].cpu(), rm) and torch.equal(dev[4].cpu(), rv)
+
+
+def test_large_host_results_are_adopted_not_copied() -> None:
+    # convolution.out is generated (the functional kernel, then a copy): a large result of
+    # the CPU kernel becomes device memory as it is, its own segment, freed with it
+    dm = active_backend().device_module
+    x, w = torch.randn(32, 8, 32, 32), torch.randn(16, 8, 3, 3)
+    xs, ws = x.to("sim"), w.to("sim")
+    dm.empty_cache()
+    before = dm.memory_stats()
+    y = torch.nn.functional.conv2d(xs, ws, padding=1)
+    assert torch.equal(y.cpu(), torch.nn.functional.conv2d(x, w, padding=1))
+    nbytes = y.numel() * 4
+    during = dm.memory_stats()
+    assert during["allocated_bytes.all.current"] - before["allocated_bytes.all.current"] == nbytes
+    assert during["segment.large_pool.current"] == before["segment.large_pool.current"] + 1
+    del y
+    after = dm.memory_stats()
+    assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
+    assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
+
+
+def test_adoption_respects_the_memory_fraction() -> None:
+    dm = active_backend().device_module
+    x = torch.randn(1, 1, 1536, 2048, device="sim")  # 12 MiB: a segment of its own
+    w = torch.randn(1, 1, 3, 3, device="sim")
+    dm.empty_cache()
+    total = dm.get_device_properties(0).total_memory
+    dm.set_per_process_memory_fraction((dm.memory_reserved() + (1 << 20)) / total)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.nn.functional.conv2d(x, w, padding=1)  # no room to adopt or copy
+    finally:
+        dm.set_per_process_memory_fraction(1.0)
+    y = torch.nn.functional.conv2d(x, w, padding=1)
+    assert torch.equal(y.cpu(), torch.nn.functional.conv2d(x.cpu(), w.cpu(), padding=1))
+
+
+def test_float_arguments_do_not_grow_the_layout_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchport.ops import derive
+    calls = []
+    real = derive.output_specs
+    monkeypatch.setattr(derive, "output_specs", lambda *a: calls.append(a[0]) or real(*a))
+    x = torch.randn(5, 3, device="sim")
+    for i in range(50):  # an optimizer's bias corrections: a new float every step
+        assert torch.equal((x / (1.0 + i / 7)).cpu(), x.cpu() / (1.0 + i / 7))
+        assert torch.equal((x * (0.5 + i)).cpu(), x.cpu() * (0.5 + i))
+    assert len(calls) <= 2  # one layout per op, not one per value

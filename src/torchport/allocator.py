@@ -72,6 +72,7 @@ class Block:
     parked: bool = False  # free, held for an exact-size reuse, not merged yet
     stream_uses: set = field(default_factory=set)
     owner: Any = None  # what returns the block when its storage dies (torchport.tensors)
+    adopted: bool = False  # a whole segment of host memory the runtime adopted
 
     def key(self) -> tuple[int, int]:
         return (self.size, self.ptr)
@@ -310,6 +311,28 @@ class DeviceAllocator:
             self._maybe_split(block, size, pool)
             return self._hand_out(block, nbytes)
 
+    def adopt(self, buffer: torch.Tensor, stream: Any = None) -> Block | None:
+        """A block over ``buffer`` (CPU uint8 memory the caller gives up) made device memory
+        by the runtime (:meth:`Runtime.adopt_host`), or ``None``. It is its own segment,
+        returned to the runtime when freed: results the host computed become device
+        tensors without a copy."""
+        nbytes = buffer.numel()
+        with self.lock:
+            self._flush_hot()
+            total = self.runtime.get_device_properties(self.phys).total_memory
+            if self.fraction is not None and self.reserved() + nbytes > self.fraction * total:
+                return None
+            ptr = self.runtime.adopt_host(self.phys, buffer)
+            if ptr is None:
+                return None
+            self.num_device_alloc += 1
+            block = Block(ptr=ptr, size=nbytes, segment_size=nbytes, small=False,
+                          stream=stream, is_segment_head=True, adopted=True)
+            self.segments[ptr] = block
+            self._stat("segment", False, 1)
+            self._stat("reserved_bytes", False, nbytes)
+            return self._hand_out(block, nbytes)
+
     def _hand_out(self, block: Block, nbytes: int) -> Block:
         small = block.small
         block.allocated = True
@@ -452,7 +475,19 @@ class DeviceAllocator:
         self._stat("active", small, -1)
         self._stat("active_bytes", small, -block.size)
         block.allocated = False
+        if block.adopted:  # not cached: the memory goes back to the host's allocator
+            del self.segments[block.ptr]
+            self._release_segment(block)
+            return
         self._return_to_pool(block)
+
+    def _release_segment(self, head: Block) -> None:
+        self.runtime.free(self.phys, head.ptr)
+        for hook in SEGMENT_FREED:
+            hook()
+        self.num_device_free += 1
+        self._stat("segment", head.small, -1)
+        self._stat("reserved_bytes", head.small, -head.size)
 
     def _return_to_pool(self, block: Block) -> None:
         pool = self.small if block.small else self.large
@@ -504,12 +539,7 @@ class DeviceAllocator:
                     if b.prev is None and b.next is None and b.size == b.segment_size:
                         pool.remove(b)
                         del self.segments[b.ptr]
-                        self.runtime.free(self.phys, b.ptr)
-                        for hook in SEGMENT_FREED:
-                            hook()
-                        self.num_device_free += 1
-                        self._stat("segment", b.small, -1)
-                        self._stat("reserved_bytes", b.small, -b.size)
+                        self._release_segment(b)
             self._recount_inactive_split()
 
     # ---- introspection -----------------------------------------------------------

@@ -7,6 +7,7 @@ backend: registering the same one again is a no-op; a different one is an error.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Iterable
@@ -19,6 +20,9 @@ from torchport.allocator import DeviceAllocator
 from torchport.runtime import Runtime
 
 _ACTIVE: Backend | None = None
+# Host-computed results at least this large are adopted as device memory where the
+# runtime can (below, copying costs less than a segment of its own).
+ADOPT_MIN_BYTES = 1 << 20
 _CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset
 DEFAULT_SEED = 67280421310721  # CUDA's default generator seed
@@ -171,6 +175,28 @@ class Backend:
         out = self.empty(cpu.shape, cpu.dtype, index)
         tensors.write_from_host(self, out, cpu)
         return out
+
+    @functools.cached_property
+    def adopts_host(self) -> bool:
+        """Does the runtime take host memory as device memory (:meth:`Runtime.adopt_host`)?"""
+        return type(self.runtime).adopt_host is not Runtime.adopt_host
+
+    def result_to_device(self, cpu: torch.Tensor, index: int) -> torch.Tensor:
+        """A CPU result nothing else uses, on device ``index``: a large one is adopted by
+        the runtime where it can (no copy), anything else is copied (:meth:`to_device`)."""
+        st = cpu.untyped_storage()
+        n = st.nbytes()
+        if n >= ADOPT_MIN_BYTES and self.adopts_host and cpu.storage_offset() == 0 \
+                and n == cpu.numel() * cpu.element_size() \
+                and torch._C._storage_Use_Count(st._cdata) <= 2 \
+                and tensors.is_non_overlapping_and_dense(cpu):  # 2: cpu and st
+            alloc = self.allocators[index]
+            block = alloc.adopt(torch.empty(0, dtype=torch.uint8).set_(st),
+                                self.current_stream_handle(index))
+            if block is not None:
+                return tensors.wrap_block(self.devices[index], alloc, block, n, cpu.dtype,
+                                          list(cpu.shape), list(cpu.stride()))
+        return self.to_device(cpu, index)
 
     def host_sync(self, index: int) -> None:
         """Before the host reads or writes device memory itself (host views, blocking

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport import tensors
+from torchport.backend import ADOPT_MIN_BYTES
 from torchport.ops import derive, fallback, hostexec, hostviews
 from torchport.ops.plan import plan_for
 
@@ -224,16 +225,17 @@ def _functional_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoD
                     return general(args, kwargs)
                 cargs.append(e[0])
                 key.append(e[1])
-            else:
+            else:  # a float's value never changes a layout (an optimizer's step sizes)
                 cargs.append(a)
-                key.append((type(a), tuple(a) if type(a) is list else a))
+                t = type(a)
+                key.append(t if t is float else (t, tuple(a) if t is list else a))
         if device is None:
             return general(args, kwargs)
         if kwargs:
             for k, v in kwargs.items():
                 if isinstance(v, (Tensor_, list, tuple)):
                     return general(args, kwargs)
-                key.append((k, type(v), v))
+                key.append((k, float) if type(v) is float else (k, type(v), v))
         key = tuple(key)
         try:
             outs = layouts.get(key)
@@ -329,18 +331,24 @@ class _IntoDevice:
             self.out_names = [a.name for a in self.out._schema.arguments
                               if a.alias_info is not None and a.alias_info.is_write]
             self.out_call = self.out._handle.redispatch_boxed
-        if op is _CLONE:  # clone.out is clone then copy (two copies); one copy will do
+        # An out= overload with no CPU kernel of its own (generated: the functional kernel,
+        # then a copy into ``out``) costs a copy; clone's is replaced by one copy.
+        self.out_copies = self.out is not None and not torch._C._dispatch_has_kernel_for_dispatch_key(
+            self.out.name(), "CPU")
+        if op is _CLONE:
             self.out_call = _copy_into
+            self.out_copies = False
         self.cpu_call = op._op
         self.number_slots = number_slots(op)
 
     def first_call(self, key: tuple, index: int, args: tuple, cargs: list,
                    kwargs: dict) -> Any:
         """The first call with a layout ``key``: the outputs' layouts from the meta kernel,
-        then a trial of the ``out=`` overload on outputs that cannot grow; if the meta
-        kernel cannot say, or the ``out=`` overload fails, warns or would resize its
-        output (some CPU kernels stage a larger result in ``out``), calls with this key
-        compute a CPU result instead."""
+        then a trial of the ``out=`` overload on outputs that cannot grow, next to the
+        functional CPU kernel. If the meta kernel cannot say, or the ``out=`` overload
+        fails, warns or would resize its output (some CPU kernels stage a larger result
+        in ``out``), or the CPU returns other shapes, strides or dtypes than the meta
+        kernel said, calls with this key compute a CPU result instead."""
         layouts = self.layouts
         if len(layouts) > 4096:
             layouts.clear()
@@ -356,6 +364,12 @@ class _IntoDevice:
         except Exception:  # no meta kernel, a data-dependent shape, a bad input
             layouts[key] = False
             return self.compute(index, args, cargs, kwargs)
+        if self.out_copies and self.backend.adopts_host \
+                and any(spec[0] >= ADOPT_MIN_BYTES for spec in specs):
+            # the out= overload computes into a temporary and copies it over; a large
+            # CPU result is better adopted as it is
+            layouts[key] = False
+            return self.compute(index, args, cargs, kwargs)
         call = self.out_call
         if any(i < len(args) and args[i] is not None and not isinstance(args[i], Tensor)
                for i in self.number_slots):  # a Python number where a Tensor goes
@@ -367,12 +381,21 @@ class _IntoDevice:
         views = [self.views.exact(o) for o in outs]
         ckw = dict(kwargs)
         ckw.update(zip(self.out_names, views, strict=True))
+        ref: list = []
+        # the functional kernel too, on copies (native_batch_norm writes its running
+        # statistics although its schema does not say so): the layouts must be the CPU's
+        copies = [c.clone() if isinstance(c, Tensor) else c for c in cargs]
         try:
-            seen = _warnings_of(lambda: call(_CPU_KS, *cargs, **ckw))
+            seen = _warnings_of(lambda: (call(_CPU_KS, *cargs, **ckw),
+                                         ref.append(self.cpu_call(*copies, **kwargs))))
         except Exception:
             seen = [True]
-        if any(v.shape != o.shape for v, o in zip(views, outs, strict=True)):
-            seen = True  # the kernel resized an empty output: not the meta kernel's layout
+        if ref:
+            r = ref[0] if isinstance(ref[0], (tuple, list)) else (ref[0],)
+            if [(x.shape, x.stride(), x.dtype) for x in r] != \
+                    [(o.shape, o.stride(), o.dtype) for o in outs] \
+                    or any(v.shape != o.shape for v, o in zip(views, outs, strict=True)):
+                seen = [True]  # the meta kernel's layout is not the CPU kernel's
         if seen:
             layouts[key] = False
             return self.compute(index, args, cargs, kwargs)
@@ -382,7 +405,7 @@ class _IntoDevice:
     def compute(self, index: int, args: tuple, cargs: list, kwargs: dict) -> Any:
         """The CPU kernel's own results, moved to device ``index``."""
         r = self.cpu_call(*cargs, **kwargs)
-        adopt = self.backend.to_device
+        adopt = self.backend.result_to_device
         views = [c for c, a in zip(cargs, args, strict=True) if isinstance(a, Tensor)]
         if isinstance(r, Tensor):
             return _result(r, index, views, args, adopt)

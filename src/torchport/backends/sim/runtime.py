@@ -234,6 +234,22 @@ class SimRuntime(Runtime):
             d.segments[base] = _Segment(base, nbytes, buf)
             return base
 
+    def adopt_host(self, index: int, buffer: torch.Tensor) -> int | None:
+        """Host memory becomes device memory (default mode only: strict-mode addresses
+        are not host addresses)."""
+        if self.strict:
+            return None
+        d = self._dev(index)
+        nbytes = buffer.numel()
+        with self._lock:
+            if d.used + nbytes > d.capacity:
+                return None
+            base = buffer.data_ptr()
+            d.used += nbytes
+            bisect.insort(d.bases, base)
+            d.segments[base] = _Segment(base, nbytes, buffer)
+            return base
+
     def free(self, index: int, ptr: int) -> None:
         d = self._dev(index)
         with self._lock:
