@@ -113,6 +113,8 @@ def test_large_host_results_are_adopted_not_copied() -> None:
     before = dm.memory_stats()
     y = torch.nn.functional.conv2d(xs, ws, padding=1)
     assert torch.equal(y.cpu(), torch.nn.functional.conv2d(x, w, padding=1))
+    if not active_backend().runtime.host_addressable:
+        pytest.skip("strict sim memory is not host memory: the result was copied")
     nbytes = y.numel() * 4
     during = dm.memory_stats()
     assert during["allocated_bytes.all.current"] - before["allocated_bytes.all.current"] == nbytes
