@@ -3,6 +3,7 @@ out= trial, and the allocator's deferred statistics -- each checked against the 
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -151,3 +152,40 @@ def test_float_arguments_do_not_grow_the_layout_cache(monkeypatch: pytest.Monkey
         assert torch.equal((x / (1.0 + i / 7)).cpu(), x.cpu() / (1.0 + i / 7))
         assert torch.equal((x * (0.5 + i)).cpu(), x.cpu() * (0.5 + i))
     assert len(calls) <= 2  # one layout per op, not one per value
+
+
+def test_every_foreach_op_is_native() -> None:
+    from torchport.ops import registry
+    names = {s.name.split("::")[1] for s in torch._C._jit_get_all_schemas()
+             if s.name.startswith("aten::_foreach_")}
+    native = {k.split(".")[0] for k in registry.native_overloads() if k.startswith("_foreach_")}
+    assert names <= native, sorted(names - native)[:5]
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_foreach_optimizer_steps_match_cpu(opt: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    dev = copy.deepcopy(model).to("sim")
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True),
+            "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, foreach=True)}[opt]
+    o_cpu, o_dev = make(model.parameters()), make(dev.parameters())
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    for _ in range(4):
+        for m, o, xx, yy in ((model, o_cpu, x, y), (dev, o_dev, x.to("sim"), y.to("sim"))):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(xx), yy).backward()
+            o.step()
+    for a, b in zip(model.parameters(), dev.parameters(), strict=True):
+        assert torch.equal(a, b.cpu())
+
+
+def test_functional_foreach_ops_match_cpu() -> None:
+    xs = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 2)]
+    ds = [t.to("sim") for t in xs]
+    pairs = ((torch._foreach_sqrt([d.abs() for d in ds]), torch._foreach_sqrt([t.abs() for t in xs])),
+             (torch._foreach_add(ds, ds, alpha=0.5), torch._foreach_add(xs, xs, alpha=0.5)),
+             (torch._foreach_mul(ds, 3.0), torch._foreach_mul(xs, 3.0)))
+    for got, want in pairs:
+        for g, w in zip(got, want, strict=True):
+            assert g.device.type == "sim" and torch.equal(g.cpu(), w)

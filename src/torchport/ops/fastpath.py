@@ -31,11 +31,13 @@ _CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _as_strided = torch.ops.aten.as_strided.default
 
 
-def qualifies(op: torch._ops.OpOverload) -> bool:
-    """Can calls of ``op`` take the fast path (decided from its schema, once)?"""
-    p = plan_for(op)
+def qualifies(op: torch._ops.OpOverload, lists: bool = False) -> bool:
+    """Can calls of ``op`` take the fast path (decided from its schema, once)? ``lists``:
+    the path for ops taking tensor lists (``cat``, ``index``, ``_foreach_*``)."""
+    p = plan_for(op)  # (a list kernel sends any tensor of another device to the general path)
     return not (p.write_args or p.random or p.has_device_arg or p.is_view
-                or p.mixed_device_ok or p.num_returns == 0 or _takes_tensor_lists(op))
+                or (p.mixed_device_ok and not lists) or p.num_returns == 0
+                or (not lists and _takes_tensor_lists(op)))
 
 
 def in_place(op: torch._ops.OpOverload) -> bool:
@@ -58,7 +60,7 @@ def _device_views(args: tuple, kwargs: dict, views: hostviews.HostViews) -> list
     for a in args:
         if isinstance(a, Tensor):
             items, single = (a,), True
-        elif type(a) in (list, tuple) and a and isinstance(a[0], Tensor):
+        elif type(a) in (list, tuple) and any(isinstance(x, Tensor) for x in a):
             items, single = a, False
         else:
             cargs.append(a)
@@ -126,6 +128,35 @@ def number_slots(op: torch._ops.OpOverload) -> list[int]:
             if not a.kwarg_only and str(a.type) in ("Tensor", "Optional[Tensor]")]
 
 
+def _list_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.HostViews,
+                 general: Callable[[tuple, dict], Any],
+                 slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
+    """Functional ops taking tensor lists (``cat``, ``index``, ``_foreach_add``): the CPU
+    kernel on the chip's views, its results moved to the device (large ones adopted)."""
+    fb = fallback
+    cpu_call = op._op
+    to_device = backend.result_to_device
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if slow is not None and fb.SLOW:
+            return slow(args, kwargs)
+        cargs = _device_views(args, kwargs, views)
+        if cargs is None:
+            return general(args, kwargs)
+        inputs = [v for c in cargs if isinstance(c, (Tensor, list))
+                  for v in (c if isinstance(c, list) else (c,))]
+        r = cpu_call(*cargs, **kwargs)
+        index = next(t for t in hostexec._iter_tensors(args, kwargs)).device.index
+        results = [r] if isinstance(r, Tensor) else list(r)
+        ptrs = {v.untyped_storage().data_ptr() for v in inputs if v.numel()}
+        if any(x.numel() and x.untyped_storage().data_ptr() in ptrs for x in results):
+            return general(args, kwargs)  # a result aliases an input: the general path says how
+        moved = [to_device(x, index) for x in results]
+        return moved[0] if isinstance(r, Tensor) else type(r)(moved)
+
+    return kernel
+
+
 def _takes_tensor_lists(op: torch._ops.OpOverload) -> bool:
     return any(isinstance(a.type, torch.ListType) and "Tensor" in str(a.type.getElementType())
                for a in op._schema.arguments)
@@ -160,6 +191,9 @@ def host_kernel(backend: Backend, op: torch._ops.OpOverload, to_cpu: Callable[[T
         return _inplace_kernel(backend, op, hostviews.for_to_cpu(to_cpu, backend.devices),
                                general, slow)
     if not qualifies(op):
+        if _takes_tensor_lists(op) and qualifies(op, lists=True) and not asynchronous:
+            return _list_kernel(backend, op, hostviews.for_to_cpu(to_cpu, backend.devices),
+                                general, slow)
         return lambda *args, **kwargs: general(args, kwargs)
     into = _IntoDevice(backend, op, to_cpu)
     if asynchronous:

@@ -101,7 +101,9 @@ EXACT_OPS = [
 
 
 def _foreach_ops() -> list[str]:
-    return sorted(n for n in dir(torch.ops.aten) if n.startswith("_foreach_"))
+    # from the schema registry: dir(torch.ops.aten) lists only the packets loaded so far
+    return sorted({s.name.split("::")[1] for s in torch._C._jit_get_all_schemas()
+                   if s.name.startswith("aten::_foreach_")})
 
 
 def _with_inplace(names: list[str]) -> list[str]:
