@@ -34,9 +34,9 @@ _BYTE_STAT_NAMES = ("allocated_bytes", "reserved_bytes", "active_bytes",
                     "inactive_split_bytes", "requested_bytes")
 _POOLS = ("all", "small_pool", "large_pool")
 
-# Called after a segment goes back to the runtime: caches of host views of device
-# memory (torchport.ops.hostviews) drop what may point into it.
-SEGMENT_FREED: list[Callable[[], None]] = []
+# Called with (address, size) after a segment goes back to the runtime: caches of host
+# views of device memory (torchport.ops.hostviews) drop what points into it.
+SEGMENT_FREED: list[Callable[[int, int], None]] = []
 
 
 class _Stat:
@@ -484,7 +484,7 @@ class DeviceAllocator:
     def _release_segment(self, head: Block) -> None:
         self.runtime.free(self.phys, head.ptr)
         for hook in SEGMENT_FREED:
-            hook()
+            hook(head.ptr, head.size)
         self.num_device_free += 1
         self._stat("segment", head.small, -1)
         self._stat("reserved_bytes", head.small, -head.size)

@@ -7,9 +7,9 @@ and a training step touches the same few hundred of those every step, so views a
 kept by that key. Blocks are reused at the same address with the same layout, so
 the result tensors of an op find their views here too.
 
-A view stays valid while the memory under its address is the same: the cache is
-dropped whenever the allocator returns a segment to the runtime (and when it grows
-past a bound). ``to_cpu`` must therefore depend on nothing but the key, which holds
+A view stays valid while the memory under its address is the same: views into a
+segment are dropped when the allocator returns it to the runtime (and the cache is
+cleared when it grows past a bound). ``to_cpu`` must therefore depend on nothing but the key, which holds
 for a view of a runtime's memory.
 
 Each view also carries a small integer naming its (dtype, shape, strides): keys of
@@ -94,9 +94,13 @@ def for_to_cpu(to_cpu: Callable[[Tensor], Tensor], devices: list[torch.device]) 
     return hv
 
 
-def clear_all() -> None:
+def forget(ptr: int, size: int) -> None:
+    """Drop every view into device memory [ptr, ptr + size) (a segment the runtime got back)."""
+    end = ptr + size
     for hv in _ALL:
-        hv.clear()
+        entries = hv.entries
+        for key in [k for k in entries if ptr <= k[0] < end]:
+            del entries[key]
 
 
-allocator.SEGMENT_FREED.append(clear_all)
+allocator.SEGMENT_FREED.append(forget)
