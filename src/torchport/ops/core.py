@@ -78,11 +78,7 @@ def copy_between(backend: Backend, dst: torch.Tensor, src: torch.Tensor,
 
 def _host_view(backend: Backend, t: torch.Tensor) -> torch.Tensor:
     """The host's view of ``t`` (host-addressable memory; cached by layout)."""
-    views = hostviews.for_to_cpu(backend.host_view, backend.devices)
-    e = views.entries.get((t.data_ptr(), t.dtype, t.shape, t.stride()))
-    if e is None:
-        e = views.add(t, (t.data_ptr(), t.dtype, t.shape, t.stride()), plain=False)
-    return e[0]
+    return hostviews.for_to_cpu(backend.host_view, backend.devices).entry(t, plain=False)[0]
 
 
 def _host_values(backend: Backend, t: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:

@@ -98,11 +98,28 @@ def _inplace_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostview
     general path (the host computes, after the current stream)."""
     if backend.runtime.asynchronous:
         return lambda *args, **kwargs: general(args, kwargs)
-    fb = fallback
     returns_self = bool(plan_for(op).return_alias)
     boxed = op._handle.redispatch_boxed
     unboxed = op._op
     slots = number_slots(op)
+
+    def body(args: tuple, cargs: list, kwargs: dict) -> Any:
+        if _number_in_tensor_slot(args, slots):
+            unboxed(*cargs, **kwargs)
+        else:
+            boxed(_CPU_KS, *cargs, **kwargs)
+        return args[0] if returns_self else None
+
+    return _on_views(views, general, slow, body)
+
+
+def _on_views(views: hostviews.HostViews, general: Callable[[tuple, dict], Any],
+              slow: Callable[[tuple, dict], Any] | None,
+              body: Callable[[tuple, list, dict], Any]) -> Callable[..., Any]:
+    """A kernel calling ``body(args, the chip's views of args, kwargs)``; calls
+    :func:`_device_views` cannot map go to ``general``, and to ``slow`` while
+    ``fallback.SLOW`` is set."""
+    fb = fallback
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if slow is not None and fb.SLOW:
@@ -110,13 +127,7 @@ def _inplace_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostview
         cargs = _device_views(args, kwargs, views)
         if cargs is None:
             return general(args, kwargs)
-        for i in slots:
-            if i < len(args) and args[i] is not None and not isinstance(args[i], Tensor):
-                unboxed(*cargs, **kwargs)  # a Python number where a Tensor goes
-                break
-        else:
-            boxed(_CPU_KS, *cargs, **kwargs)
-        return args[0] if returns_self else None
+        return body(args, cargs, kwargs)
 
     return kernel
 
@@ -128,21 +139,21 @@ def number_slots(op: torch._ops.OpOverload) -> list[int]:
             if not a.kwarg_only and str(a.type) in ("Tensor", "Optional[Tensor]")]
 
 
+def _number_in_tensor_slot(args: tuple, slots: list[int]) -> bool:
+    """Does a call hand a Python number where :func:`number_slots` says a Tensor goes?"""
+    return any(i < len(args) and args[i] is not None and not isinstance(args[i], Tensor)
+               for i in slots)
+
+
 def _list_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.HostViews,
                  general: Callable[[tuple, dict], Any],
                  slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
     """Functional ops taking tensor lists (``cat``, ``index``, ``_foreach_add``): the CPU
     kernel on the chip's views, its results moved to the device (large ones adopted)."""
-    fb = fallback
     cpu_call = op._op
     to_device = backend.result_to_device
 
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        if slow is not None and fb.SLOW:
-            return slow(args, kwargs)
-        cargs = _device_views(args, kwargs, views)
-        if cargs is None:
-            return general(args, kwargs)
+    def body(args: tuple, cargs: list, kwargs: dict) -> Any:
         inputs = [v for c in cargs if isinstance(c, (Tensor, list))
                   for v in (c if isinstance(c, list) else (c,))]
         r = cpu_call(*cargs, **kwargs)
@@ -154,7 +165,7 @@ def _list_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.H
         moved = [to_device(x, index) for x in results]
         return moved[0] if isinstance(r, Tensor) else type(r)(moved)
 
-    return kernel
+    return _on_views(views, general, slow, body)
 
 
 def _takes_tensor_lists(op: torch._ops.OpOverload) -> bool:
@@ -352,8 +363,9 @@ class _IntoDevice:
         self.op = op
         self.to_cpu = to_cpu
         self.views = hostviews.for_to_cpu(to_cpu, backend.devices)
-        # layout key -> [(nbytes, dtype, size, stride, shape tuple, stride tuple)], or
-        # False: the meta kernel could not say (data-dependent, none, an error)
+        # layout key -> (out= call, [(nbytes, dtype, size list, stride list, shape tuple,
+        # stride tuple, template tensor per device)]), or False: compute on the CPU and
+        # move the result (no meta kernel, a data-dependent shape, a failed trial)
         self.layouts: dict[tuple, Any] = {}
         returns = op._schema.returns
         plain = all(isinstance(r.type, torch.TensorType) for r in returns)
@@ -405,8 +417,7 @@ class _IntoDevice:
             layouts[key] = False
             return self.compute(index, args, cargs, kwargs)
         call = self.out_call
-        if any(i < len(args) and args[i] is not None and not isinstance(args[i], Tensor)
-               for i in self.number_slots):  # a Python number where a Tensor goes
+        if _number_in_tensor_slot(args, self.number_slots):
             out = self.out
             call = lambda _ks, *a, **k: out._op(*a, **k)  # noqa: E731 (wraps the number)
         b = self.backend
@@ -454,12 +465,8 @@ class _IntoDevice:
         b = self.backend
         outs = tuple(b._new_tensor(index, size, stride, dtype, nbytes)
                      for nbytes, dtype, size, stride, _, _, _ in specs)
-        entries, add = self.views.entries, self.views.add
-        for n, o, (_, dtype, _, _, shape_t, stride_t, _) in zip(self.out_names, outs, specs,
-                                                                  strict=True):
-            k = (o.data_ptr(), dtype, shape_t, stride_t)
-            e = entries.get(k)
-            kwargs[n] = (add(o, k) if e is None else e)[0]
+        for n, o in zip(self.out_names, outs, strict=True):
+            kwargs[n] = self.views.entry(o)[0]
         call(_CPU_KS, *cargs, **kwargs)
         return outs
 

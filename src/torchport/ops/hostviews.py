@@ -67,6 +67,12 @@ class HostViews:
                             devices[d.index])
         return e
 
+    def entry(self, t: Tensor, plain: bool = True) -> tuple[Tensor, int, torch.device] | None:
+        """``t``'s entry, made if missing (:meth:`add`; the fast paths inline this)."""
+        key = (t.data_ptr(), t.dtype, t.shape, t.stride())
+        e = self.entries.get(key)
+        return self.add(t, key, plain) if e is None else e
+
     def exact(self, t: Tensor) -> Tensor:
         """A view of ``t``'s elements whose storage ends where they end, so that a CPU
         kernel cannot grow it over neighbouring memory (it raises instead)."""
