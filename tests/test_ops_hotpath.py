@@ -192,3 +192,108 @@ def test_functional_foreach_ops_match_cpu() -> None:
     for got, want in pairs:
         for g, w in zip(got, want, strict=True):
             assert g.device.type == "sim" and torch.equal(g.cpu(), w)
+
+
+# ---- tensors from DLPack layout headers -------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.bfloat16, torch.complex64,
+                                   torch.int64, torch.float8_e4m3fn])
+@pytest.mark.parametrize("index", [0, 1])
+def test_new_tensors_have_the_asked_layout_and_free_their_block(dtype: torch.dtype,
+                                                                index: int) -> None:
+    b = active_backend()
+    alloc = b.allocators[index]
+    before = alloc.stat("allocated_bytes").current
+    t = b.empty_strided((3, 1, 4), (4, 7, 1), dtype, index)  # a stride on a size-1 dim
+    assert (t.shape, t.stride(), t.dtype, t.device) == \
+        ((3, 1, 4), (4, 7, 1), dtype, torch.device("sim", index))
+    assert t.untyped_storage().nbytes() == 12 * dtype.itemsize
+    assert t.data_ptr() in alloc.active
+    ptr = t.data_ptr()
+    del t
+    assert ptr not in alloc.active  # the block went back when the storage died
+    assert alloc.stat("allocated_bytes").current == before
+
+
+def test_a_rewritten_header_takes_the_slow_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchport import tensors
+    real = tensors._new_capsule
+
+    def racing(address: int, name: bytes, destructor: object) -> object:
+        cap = real(address, name, destructor)
+        ctypes_field = next(h[1] for h in tensors._HEADERS.values()
+                            if h is not None and h[0] == address)
+        ctypes_field.value = ctypes_field.value + 64  # another thread's block, say
+        return cap
+    x = torch.randn(7, 5, device="sim")
+    monkeypatch.setattr(tensors, "_new_capsule", racing)
+    y = active_backend().empty_strided((7, 5), (5, 1), torch.float32, 0)
+    y.copy_(x)
+    assert y.data_ptr() in active_backend().allocators[0].active
+    assert torch.equal(y.cpu(), x.cpu())
+
+
+def test_layout_headers_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchport import tensors
+    monkeypatch.setattr(tensors, "_MAX_HEADERS", len(tensors._HEADERS))
+    x = torch.randn(13, 17, 19)
+    y = (x.to("sim") * 3).cpu()  # a layout no header was made for: the slow way
+    assert torch.equal(y, x * 3)
+
+
+# ---- the out= overload through its Python binding ------------------------------------
+def _into(op: torch._ops.OpOverload) -> list:
+    import gc
+
+    from torchport.ops import fastpath
+    return [o for o in gc.get_objects() if isinstance(o, fastpath._IntoDevice) and o.op is op]
+
+
+def _plans(op: torch._ops.OpOverload) -> list:
+    return [v for o in _into(op) for v in o.layouts.values() if v]
+
+
+def test_python_binding_is_used_once_it_agrees() -> None:
+    a, b = torch.randn(6, 2), torch.randn(6, 2)
+    for _ in range(2):
+        assert torch.equal((a.to("sim") - b.to("sim")).cpu(), a - b)
+    assert any(p[2] is torch._C._VariableFunctions.sub for p in _plans(torch.ops.aten.sub.Tensor))
+
+
+def test_a_binding_computing_other_bits_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    for into in _into(torch.ops.aten.atan2.default):  # its out= binding replaced by sub's
+        into.layouts.clear()
+        monkeypatch.setattr(into, "binding", torch._C._VariableFunctions.sub)
+    a, b = torch.randn(3, 9, dtype=torch.float64), torch.randn(3, 9, dtype=torch.float64)
+    for _ in range(3):
+        assert torch.equal(torch.atan2(a.to("sim"), b.to("sim")).cpu(), torch.atan2(a, b))
+    assert _plans(torch.ops.aten.atan2.default)
+    assert all(p[2] is None for p in _plans(torch.ops.aten.atan2.default))
+
+
+@pytest.mark.parametrize("kind", ["function", "dispatch"])
+def test_modes_active_inside_kernels_never_see_their_cpu_calls(kind: str) -> None:
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    seen: list[str] = []
+
+    def record(func, args, kwargs):  # noqa: ANN001, ANN202
+        seen.extend(a.device.type for a in args if isinstance(a, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+    class FunctionSpy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            return record(func, args, kwargs)
+
+    class DispatchSpy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            return record(func, args, kwargs)
+    x, y = torch.randn(4, 4, device="sim"), torch.randn(4, 4, device="sim")
+    mul = torch.ops.aten.mul.Tensor
+    assert torch.equal(mul(x, y).cpu(), x.cpu() * y.cpu())  # the layout's binding in place
+    assert any(p[2] is not None for p in _plans(mul))
+    # a redispatch reaches the kernel with the mode still active (a Python binding would
+    # show the mode the kernel's CPU call)
+    with FunctionSpy() if kind == "function" else DispatchSpy():
+        got = mul.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1), x, y)
+    assert torch.equal(got.cpu(), x.cpu() * y.cpu())
+    assert "cpu" not in seen

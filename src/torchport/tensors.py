@@ -77,15 +77,90 @@ def _from_dlpack(ptr: int, device_index: int, dtype: torch.dtype, size, stride) 
     return torch._C._from_dlpack(capsule)
 
 
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+_new_capsule = ctypes.pythonapi.PyCapsule_New
+_new_capsule.restype = ctypes.py_object
+_new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_import_dlpack = torch._C._from_dlpack
+DL_NAME = b"dltensor"
+_DATA_OFFSET = _DLManagedTensor.dl_tensor.offset + _DLTensor.data.offset
+
+
+# ---- one DLPack header per layout ----------------------------------------------------
+# Importing a ready header whose data pointer was just rewritten is the cheapest way
+# Python has to make a device tensor (about 1 us, where alias + set_ take 3-4 us):
+# PyTorch's import is a single C++ call building TensorImpl and storage. A header is
+# (its address, its data field, the storage bytes of its layout). PyTorch keeps the
+# header's address and reads its ``deleter`` field when the storage dies, so headers
+# are never freed (their deleter stays null: blocks come back through the storage's
+# weakref, below); at most ``_MAX_HEADERS`` of them, later layouts take the slow way.
+_HEADERS: dict[tuple, tuple | None] = {}
+_KEEP: list = []  # the headers' memory, for the life of the process
+_MAX_HEADERS = 1 << 16
+Header = tuple  # (address, data field as ctypes.c_void_p, storage bytes)
+
+
+def layout_header(index: int, dtype: torch.dtype, size, stride) -> Header | None:
+    """The header of a (device index, dtype, size, stride) layout, or ``None`` where
+    DLPack cannot make it (a dtype it lacks, no bytes, PyTorch changing the layout)."""
+    key = (index, dtype, tuple(size), tuple(stride))
+    h = _HEADERS.get(key, False)
+    if h is False:
+        if len(_HEADERS) >= _MAX_HEADERS:
+            return None
+        h = _HEADERS[key] = _make_header(*key)
+    return h
+
+
+def _make_header(index: int, dtype: torch.dtype, size: tuple, stride: tuple) -> Header | None:
+    nbytes = storage_nbytes(size, stride, dtype.itemsize)
+    if dtype not in _DL_CODES or nbytes == 0:
+        return None
+    m = _DLManagedTensor()
+    ndim = len(size)
+    shape = (ctypes.c_int64 * max(ndim, 1))(*size)
+    strides = (ctypes.c_int64 * max(ndim, 1))(*stride)
+    dl = m.dl_tensor
+    dl.device = _DLDevice(_KDL_EXT_DEV, index)
+    dl.ndim = ndim
+    dl.dtype = _DLDataType(*_DL_CODES[dtype], 1)
+    dl.shape = shape
+    dl.strides = strides
+    _KEEP.append((m, shape, strides))
+    address = ctypes.addressof(m)
+    header = (address, ctypes.c_void_p.from_address(address + _DATA_OFFSET), nbytes)
+    try:  # a trial import at a fake address, never read: is the layout kept as asked?
+        t = import_header(header, 1 << 12)
+    except Exception:
+        return None
+    if t is None or tuple(t.shape) != size or t.stride() != stride or t.dtype != dtype \
+            or t.device.index != index or t.untyped_storage().nbytes() != nbytes:
+        return None
+    return header
+
+
+def import_header(header: Header, ptr: int) -> torch.Tensor | None:
+    """A device tensor over ``ptr`` (owning nothing) in ``header``'s layout; ``None``
+    if another thread rewrote the header in between (then take the slow way)."""
+    header[1].value = ptr
+    t = _import_dlpack(_new_capsule(header[0], DL_NAME, None))
+    return t if t.data_ptr() == ptr else None
+
+
 # ---- device tensors over allocator blocks ------------------------------------------
-# DLPack makes one empty "template" tensor per (device, dtype). Every allocation then
-# builds a storage over its block (``_construct_storage_from_data_pointer``, no copy,
-# no deleter), gives a fresh TensorImpl (an alias of the template) that storage, and
-# watches the storage's Python object: PyTorch keeps it alive exactly as long as
-# some tensor or view uses the storage, so its weakref callback (which CPython runs
-# with any in-flight exception saved) is where the block goes back to the allocator.
-# The weakref itself says which block (a :class:`_BlockRef`), and the block keeps its
-# weakref alive: nothing else to look up on the hot path of every op.
+# A new device tensor comes from its layout's DLPack header (above); where there is
+# none, from a storage built over the block (``_construct_storage_from_data_pointer``,
+# no copy, no deleter) given to a fresh TensorImpl (an alias of a per-(device, dtype)
+# template) with ``set_``. Either way the storage's Python object is watched: PyTorch
+# keeps it alive exactly as long as some tensor or view uses the storage, so its
+# weakref callback (which CPython runs with any in-flight exception saved) is where
+# the block goes back to the allocator. The weakref itself says which block (a
+# :class:`_BlockRef`), and the block keeps its weakref alive: nothing else to look up
+# on the hot path of every op.
 _alias_boxed = torch.ops.aten.alias.default._handle.redispatch_boxed
 _set_storage_boxed = _set_storage._handle.redispatch_boxed
 _TEMPLATES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -144,6 +219,12 @@ def wrap_block(device: torch.device, allocator, block, nbytes: int, dtype: torch
     if block is None:
         storage = _construct_storage(0, device, 0)
     else:
+        h = layout_header(device.index, dtype, size, stride)
+        if h is not None and h[2] == nbytes:
+            t = import_header(h, block.ptr)
+            if t is not None:
+                watch(t.untyped_storage(), allocator, block)
+                return t
         storage = _construct_storage(block.ptr, device, nbytes)
         watch(storage, allocator, block)
     shell = _alias_boxed(_CPU_KS, _template(device, dtype))

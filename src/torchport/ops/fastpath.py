@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchport import tensors
 from torchport.backend import ADOPT_MIN_BYTES
@@ -237,10 +238,13 @@ def _functional_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoD
     layouts = into.layouts
     allocators = backend.allocators
     devices = backend.devices
-    construct = torch._C._construct_storage_from_data_pointer
     watch = tensors.watch
-    alias = tensors._alias_boxed
-    set_storage = tensors._set_storage_boxed
+    wrap_block = tensors.wrap_block
+    new_capsule = tensors._new_capsule
+    import_dlpack = tensors._import_dlpack
+    dl_name = tensors.DL_NAME
+    function_modes = torch._C._is_torch_function_mode_enabled
+    dispatch_modes = torch._C._len_torch_dispatch_stack
     out_name = into.out_names[0] if into.single else None
     outputs = into.outputs
     first = into.first_call
@@ -290,29 +294,39 @@ def _functional_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoD
             return first(key, device.index, args, cargs, kwargs)
         if outs is False:
             return compute(device.index, args, cargs, kwargs)
-        call, specs = outs
+        call, specs, fast = outs
         if out_name is None:
-            return outputs(device.index, call, specs, cargs, kwargs)
+            return outputs(device.index, call, specs, fast, cargs, kwargs)
         index = device.index
         alloc = allocators[index]
         hook = backend.stream_hook
-        nbytes, dtype, size, stride, shape_t, stride_t, templates = specs[0]
+        nbytes, dtype, size, stride, shape_t, stride_t, headers = specs[0]
         # tensors.wrap_block, inlined: this is the hot path of every functional op
         if nbytes:
             block = alloc.malloc(nbytes, None if hook is None else hook(index))
             ptr = block.ptr
-            st = construct(ptr, devices[index], nbytes)
-            watch(st, alloc, block)
+            h = headers[index]
+            if h is not None:
+                h[1].value = ptr
+                r = import_dlpack(new_capsule(h[0], dl_name, None))
+                if r.data_ptr() == ptr:
+                    watch(r.untyped_storage(), alloc, block)
+                else:  # another thread rewrote the header in between
+                    r = wrap_block(devices[index], alloc, block, nbytes, dtype, size, stride)
+            else:
+                r = wrap_block(devices[index], alloc, block, nbytes, dtype, size, stride)
         else:
             ptr = 0
-            st = construct(0, devices[index], 0)
-        r = set_storage(_CPU_KS, alias(_CPU_KS, templates[index]), st, 0, size, stride)
+            r = wrap_block(devices[index], alloc, None, 0, dtype, size, stride)
         k = (ptr, dtype, shape_t, stride_t)
         e = entries.get(k)
         if e is None:
             e = add_view(r, k)
         kwargs[out_name] = e[0]
-        call(_CPU_KS, *cargs, **kwargs)
+        if fast is not None and not function_modes() and not dispatch_modes():
+            fast(*cargs, **kwargs)
+        else:
+            call(_CPU_KS, *cargs, **kwargs)
         return r
 
     return kernel
@@ -364,7 +378,7 @@ class _IntoDevice:
         self.to_cpu = to_cpu
         self.views = hostviews.for_to_cpu(to_cpu, backend.devices)
         # layout key -> (out= call, [(nbytes, dtype, size list, stride list, shape tuple,
-        # stride tuple, template tensor per device)]), or False: compute on the CPU and
+        # stride tuple, DLPack header per device)]), or False: compute on the CPU and
         # move the result (no meta kernel, a data-dependent shape, a failed trial)
         self.layouts: dict[tuple, Any] = {}
         returns = op._schema.returns
@@ -386,6 +400,9 @@ class _IntoDevice:
             self.out_copies = False
         self.cpu_call = op._op
         self.number_slots = number_slots(op)
+        # Used where a trial shows it reaches ``self.out`` and no mode could see it.
+        self.binding = python_binding(self.out) if self.out is not None and op is not _CLONE \
+            else None
 
     def first_call(self, key: tuple, index: int, args: tuple, cargs: list,
                    kwargs: dict) -> Any:
@@ -405,7 +422,7 @@ class _IntoDevice:
             devices = self.backend.devices
             specs = [(tensors.storage_nbytes(shape, stride, dtype.itemsize), dtype,
                       list(shape), list(stride), tuple(shape), tuple(stride),
-                      [tensors._template(d, dtype) for d in devices])
+                      [tensors.layout_header(d.index, dtype, shape, stride) for d in devices])
                      for shape, stride, dtype in derive.output_specs(self.op, args, kwargs)]
         except Exception:  # no meta kernel, a data-dependent shape, a bad input
             layouts[key] = False
@@ -444,8 +461,31 @@ class _IntoDevice:
         if seen:
             layouts[key] = False
             return self.compute(index, args, cargs, kwargs)
-        layouts[key] = (call, specs)
+        fast = self.binding if self.binding is not None \
+            and self._binding_agrees(cargs, kwargs, outs) else None
+        layouts[key] = (call, specs, fast)
         return outs[0] if self.single else tuple(outs)
+
+    def _binding_agrees(self, cargs: list, kwargs: dict, outs: list) -> bool:
+        """Does the ``out=`` overload's Python binding (faster than a boxed call), given
+        these arguments, reach that same overload, silently, and compute the same bits
+        as the trial did into ``outs``? (Its argument parser could pick another overload.)"""
+        mine = [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype) for o in outs]
+        ckw = dict(kwargs)
+        ckw.update(zip(self.out_names, mine, strict=True))
+        copies = [c.clone() if isinstance(c, Tensor) else c for c in cargs]
+        seen = _OpsSeen()
+
+        def run() -> None:
+            with seen:
+                self.binding(*copies, **ckw)
+        try:
+            if _warnings_of(run):
+                return False
+        except Exception:
+            return False
+        return seen.ops == [self.out] and all(
+            _same_bits(m, self.views.entry(o)[0]) for m, o in zip(mine, outs, strict=True))
 
     def compute(self, index: int, args: tuple, cargs: list, kwargs: dict) -> Any:
         """The CPU kernel's own results, moved to device ``index``."""
@@ -459,15 +499,19 @@ class _IntoDevice:
         return type(r)(_result(x, index, views, args, adopt) if isinstance(x, Tensor) else x
                        for x in r)
 
-    def outputs(self, index: int, call: Callable[..., Any], specs: list, cargs: list,
-                kwargs: dict) -> tuple:
+    def outputs(self, index: int, call: Callable[..., Any], specs: list,
+                fast: Callable[..., Any] | None, cargs: list, kwargs: dict) -> tuple:
         """Several results (``max.dim``, ``sort``): new device tensors, ``out=`` into them."""
         b = self.backend
         outs = tuple(b._new_tensor(index, size, stride, dtype, nbytes)
                      for nbytes, dtype, size, stride, _, _, _ in specs)
         for n, o in zip(self.out_names, outs, strict=True):
             kwargs[n] = self.views.entry(o)[0]
-        call(_CPU_KS, *cargs, **kwargs)
+        if fast is not None and not torch._C._is_torch_function_mode_enabled() \
+                and not torch._C._len_torch_dispatch_stack():
+            fast(*cargs, **kwargs)
+        else:
+            call(_CPU_KS, *cargs, **kwargs)
         return outs
 
     def _outputs(self, index: int, args: tuple, kwargs: dict) -> tuple[Any, list] | None:
@@ -494,6 +538,43 @@ class _IntoDevice:
         out = self.out
         rt.launch(phys, stream, lambda: out(*cargs, **ckw), label)
         return result
+
+
+_BINDING_MODULES = (torch._C._VariableFunctions, torch._C._nn, torch._C._linalg,
+                    torch._C._special, torch._C._fft)
+
+
+def python_binding(op: torch._ops.OpOverload) -> Callable[..., Any] | None:
+    """The generated Python function of ``op``'s name (``torch.add`` for ``add.out``):
+    its argument parser and unboxed call cost about half of a boxed call. It chooses
+    the overload from the arguments, so a caller must check which one it reached."""
+    name = op._schema.name.split("::")[1]
+    for m in _BINDING_MODULES:
+        f = getattr(m, name, None)
+        if f is not None:
+            return f
+    return None
+
+
+class _OpsSeen(TorchDispatchMode):
+    """The ATen overloads a block of code reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def _warnings_of(fn: Callable[[], Any]) -> list:
