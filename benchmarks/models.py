@@ -2,8 +2,9 @@
 
 Each model trains with its own optimizer on random data; one "run" is ``--steps``
 training steps (forward, backward, optimizer step, loss read back with
-``.item()`` as a training loop does); the figure is the median of ``--repeat``
-runs, per step. Large-batch cases are dominated by kernel time (the sim computes
+``.item()`` as a training loop does); times are the medians of ``--repeat`` runs,
+per step, and the ratio is the median of the ratios of back-to-back sim/CPU run pairs
+(robust to this kind of machine changing speed between seconds). Large-batch cases are dominated by kernel time (the sim computes
 with the same ATen CPU kernels), small-batch ones by the per-op host cost.
 
     .venv/bin/python benchmarks/models.py [--repeat 5] [--steps 10] [--only mlp-large]
@@ -97,21 +98,25 @@ def make_step(case: Case, device: str) -> Callable[[], float]:
     return step
 
 
-def time_case(case: Case, steps: int, repeat: int) -> tuple[float, float]:
-    """Median seconds per training step on sim and on CPU. Their runs alternate, so a
-    noisy neighbour or a clock change hits both alike."""
+def time_case(case: Case, steps: int, repeat: int) -> tuple[float, float, float]:
+    """Median seconds per training step on sim and on CPU, and the median of the
+    sim/CPU ratios of back-to-back run pairs. The pairs alternate their order, so that
+    a noisy neighbour or a clock change hits both sides of a ratio alike."""
     fns = {d: make_step(case, d) for d in ("sim", "cpu")}
     runs: dict[str, list[float]] = {d: [] for d in fns}
     for fn in fns.values():
         for _ in range(3):
             fn()
-    for _ in range(repeat):
-        for d, fn in fns.items():
+    for i in range(repeat):
+        for d in (("sim", "cpu") if i % 2 == 0 else ("cpu", "sim")):
+            fn = fns[d]
             t0 = time.perf_counter()
             for _ in range(steps):
                 fn()
             runs[d].append((time.perf_counter() - t0) / steps)
-    return statistics.median(runs["sim"]), statistics.median(runs["cpu"])
+    ratios = [s / c for s, c in zip(runs["sim"], runs["cpu"], strict=True)]
+    return statistics.median(runs["sim"]), statistics.median(runs["cpu"]), \
+        statistics.median(ratios)
 
 
 def main() -> None:
@@ -129,10 +134,10 @@ def main() -> None:
     for case in CASES:
         if args.only and args.only not in case.name:
             continue
-        ts, tc = time_case(case, args.steps, args.repeat)
+        ts, tc, ratio = time_case(case, args.steps, args.repeat)
         target = 1.10 if case.batch == "large" else 2.0
         print(f"{case.name:<20}{case.batch:>7}{ts * 1e3:>10.2f}{tc * 1e3:>10.2f}"
-              f"{ts / tc:>8.2f}{target:>8.2f}")
+              f"{ratio:>8.2f}{target:>8.2f}")
 
 
 if __name__ == "__main__":

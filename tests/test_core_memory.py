@@ -142,3 +142,30 @@ def test_no_leak_over_training_iterations():
         step()
     assert torch.sim.memory_allocated() == start_alloc
     assert torch.sim.memory_reserved() == start_res
+
+
+def test_large_blocks_are_reused_at_their_address():
+    _fresh()
+    x = torch.empty(3 << 20, dtype=torch.uint8, device="sim")
+    y = torch.empty(5 << 20, dtype=torch.uint8, device="sim")
+    px, py = x.data_ptr(), y.data_ptr()
+    reserved = torch.sim.memory_reserved()
+    del x, y
+    assert torch.sim.memory_allocated() < reserved
+    # the same sizes again, in the other order: merged blocks would give y2 x's address
+    y2 = torch.empty(5 << 20, dtype=torch.uint8, device="sim")
+    x2 = torch.empty(3 << 20, dtype=torch.uint8, device="sim")
+    assert (x2.data_ptr(), y2.data_ptr()) == (px, py)
+    assert torch.sim.memory_reserved() == reserved
+
+
+def test_held_large_blocks_merge_before_the_pool_grows():
+    _fresh()
+    pieces = [torch.empty(4 << 20, dtype=torch.uint8, device="sim") for _ in range(5)]
+    reserved = torch.sim.memory_reserved()
+    del pieces  # held unmerged for exact-size reuse ...
+    whole = torch.empty(18 << 20, dtype=torch.uint8, device="sim")  # ... merged for this
+    assert torch.sim.memory_reserved() == reserved
+    del whole
+    torch.sim.empty_cache()
+    assert torch.sim.memory_stats()["segment.large_pool.current"] == 0

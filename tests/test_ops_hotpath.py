@@ -297,3 +297,48 @@ def test_modes_active_inside_kernels_never_see_their_cpu_calls(kind: str) -> Non
         got = mul.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1), x, y)
     assert torch.equal(got.cpu(), x.cpu() * y.cpu())
     assert "cpu" not in seen
+
+
+# ---- factory ops ---------------------------------------------------------------------
+@pytest.mark.parametrize("index", [0, 1])
+def test_factory_ops_match_cpu_on_the_named_device(index: int) -> None:
+    dev = torch.device("sim", index)
+    x = torch.randn(4, 6).t()  # strides (1, 4): *_like keeps them
+    xd = x.to(dev)
+    cases = [
+        (lambda t: torch.zeros_like(t), True),
+        (lambda t: torch.ones_like(t, dtype=torch.float64), True),
+        (lambda t: torch.full_like(t, 2.5), True),
+        (lambda t: t.new_zeros((3, 2)), True),
+        (lambda t: t.new_full((5,), 7, dtype=torch.int32), True),
+        (lambda t: torch.zeros_like(t, memory_format=torch.contiguous_format), True),
+        (lambda t: torch.ones_like(torch.empty(600, 600, device=t.device)), False),  # adopted
+    ]
+    for make, same_strides in cases:
+        got, want = make(xd), make(x)
+        assert got.device == dev and got.dtype == want.dtype
+        assert torch.equal(got.cpu(), want)
+        if same_strides:
+            assert got.stride() == want.stride()
+    assert torch.equal(torch.full((2, 3), 1.5, device=dev).cpu(), torch.full((2, 3), 1.5))
+    assert torch.equal(torch.arange(2, 11, 3, device=dev).cpu(), torch.arange(2, 11, 3))
+    assert torch.scalar_tensor(3, device=dev).item() == 3.0
+
+
+def test_factory_op_naming_another_device() -> None:
+    x = torch.randn(3, device="sim:0")
+    y = torch.zeros_like(x, device="sim:1")
+    assert y.device == torch.device("sim", 1) and torch.equal(y.cpu(), torch.zeros(3))
+    z = torch.ones_like(x, device="cpu")
+    assert z.device.type == "cpu" and torch.equal(z, torch.ones(3))
+
+
+def test_general_path_puts_factory_results_on_the_named_device() -> None:
+    from torchport.ops import hostexec
+    x = torch.randn(3, device="sim:0")
+    run = hostexec.run_on_host
+    b = active_backend()
+    y = run(b, torch.ops.aten.zeros_like.default, (x,), {"device": torch.device("sim", 1)})
+    z = run(b, torch.ops.aten.ones_like.default, (x,), {"device": torch.device("cpu")})
+    assert y.device == torch.device("sim", 1) and torch.equal(y.cpu(), torch.zeros(3))
+    assert z.device.type == "cpu" and torch.equal(z, torch.ones(3))

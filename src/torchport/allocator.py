@@ -290,7 +290,7 @@ class DeviceAllocator:
             self._flush_hot()
             if self.pending_free:
                 self._process_pending_frees()
-            if small and self.num_parked:
+            if self.num_parked:
                 ready = self.parked.get((id(stream), size))
                 if ready:
                     block = ready.pop()
@@ -319,8 +319,7 @@ class DeviceAllocator:
         nbytes = buffer.numel()
         with self.lock:
             self._flush_hot()
-            total = self.runtime.get_device_properties(self.phys).total_memory
-            if self.fraction is not None and self.reserved() + nbytes > self.fraction * total:
+            if not self._within_fraction(nbytes):
                 return None
             ptr = self.runtime.adopt_host(self.phys, buffer)
             if ptr is None:
@@ -360,9 +359,15 @@ class DeviceAllocator:
         block.size = size
         pool.insert(rest)
 
-    def _device_malloc(self, seg_size: int) -> int | None:
+    def _within_fraction(self, nbytes: int) -> bool:
+        """May ``nbytes`` more be reserved under ``set_per_process_memory_fraction``?"""
+        if self.fraction is None:
+            return True
         total = self.runtime.get_device_properties(self.phys).total_memory
-        if self.fraction is not None and self.reserved() + seg_size > self.fraction * total:
+        return self.reserved() + nbytes <= self.fraction * total
+
+    def _device_malloc(self, seg_size: int) -> int | None:
+        if not self._within_fraction(seg_size):
             return None
         return self.runtime.malloc(self.phys, seg_size)
 
@@ -415,17 +420,10 @@ class DeviceAllocator:
                     and not (block.stream_uses and self.event_query is not None):
                 # the hot path: park it for an exact-size reuse (statistics deferred)
                 block.allocated = False
-                block.parked = True
                 self._hf += 1
                 self._hbf += block.size
                 self._hrf += block.requested
-                key = (id(block.stream), block.size)
-                lst = self.parked.get(key)
-                if lst is None:
-                    self.parked[key] = [block]
-                else:
-                    lst.append(block)
-                self.num_parked += 1
+                self._park(block)
                 return
             self._flush_hot()
             small = block.small
@@ -438,6 +436,19 @@ class DeviceAllocator:
                     self.pending_free.append((block, events))
                     return
             self._release_block(block)
+
+    def _park(self, block: Block) -> None:
+        """Hold a free block, unmerged, for a request of its exact size (a training step
+        asks for the same sizes every step: O(1), and the same addresses, whose host views
+        are cached). Parked blocks are merged back before the pools would grow."""
+        block.parked = True
+        key = (id(block.stream), block.size)
+        lst = self.parked.get(key)
+        if lst is None:
+            self.parked[key] = [block]
+        else:
+            lst.append(block)
+        self.num_parked += 1
 
     def _unpark_all(self) -> None:
         """Return every parked block to its pool (merging with free neighbours)."""
@@ -478,6 +489,9 @@ class DeviceAllocator:
         if block.adopted:  # not cached: the memory goes back to the host's allocator
             del self.segments[block.ptr]
             self._release_segment(block)
+            return
+        if self.num_parked < _MAX_PARKED:
+            self._park(block)
             return
         self._return_to_pool(block)
 

@@ -189,7 +189,7 @@ class Backend:
         if n >= ADOPT_MIN_BYTES and self.adopts_host and cpu.storage_offset() == 0 \
                 and n == cpu.numel() * cpu.element_size() \
                 and torch._C._storage_Use_Count(st._cdata) <= 2 \
-                and tensors.is_non_overlapping_and_dense(cpu):  # 2: cpu and st
+                and (cpu.is_contiguous() or tensors.is_non_overlapping_and_dense(cpu)):  # 2: cpu, st
             alloc = self.allocators[index]
             block = alloc.adopt(torch.empty(0, dtype=torch.uint8).set_(st),
                                 self.current_stream_handle(index))

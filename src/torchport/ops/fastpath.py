@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 _CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _as_strided = torch.ops.aten.as_strided.default
+_CPU = torch.device("cpu")
 
 
 def qualifies(op: torch._ops.OpOverload, lists: bool = False) -> bool:
@@ -169,6 +170,54 @@ def _list_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.H
     return _on_views(views, general, slow, body)
 
 
+def factory(op: torch._ops.OpOverload) -> bool:
+    """A factory op (``full``, ``zeros_like``, ``new_ones``, ``scalar_tensor``,
+    ``arange``): a ``device=`` argument, one new tensor, nothing written, nothing random."""
+    p = plan_for(op)
+    return p.has_device_arg and p.num_returns == 1 and not (
+        p.write_args or p.random or p.is_view or p.mixed_device_ok or _takes_tensor_lists(op))
+
+
+def _factory_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.HostViews,
+                    general: Callable[[tuple, dict], Any],
+                    slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
+    """Factory ops: the CPU op makes the values (reading the chip's views of any tensor
+    argument, for its layout), and the result goes to the device the call names or the
+    tensor argument is on; a large one is adopted, not copied (a device of another type
+    gets the CPU op's own result). Pinned memory or tensors of several devices take the
+    general path."""
+    cpu_call = op._op
+    name = backend.name
+    to_device = backend.result_to_device
+    fb = fallback
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if slow is not None and fb.SLOW:
+            return slow(args, kwargs)
+        device = kwargs.get("device")
+        if kwargs.get("pin_memory"):
+            return general(args, kwargs)
+        index = None
+        cargs = []
+        for a in args:
+            if isinstance(a, Tensor):
+                e = views.entry(a)
+                if e is None or (index is not None and e[2].index != index):
+                    return general(args, kwargs)
+                index = e[2].index
+                a = e[0]
+            cargs.append(a)
+        if device is not None and device.type != name:
+            return cpu_call(*cargs, **kwargs)  # ``ones_like(x, device="cpu")``: made there
+        if device is not None:
+            index = backend.index_of(device)
+        elif index is None:
+            return general(args, kwargs)
+        return to_device(cpu_call(*cargs, **{**kwargs, "device": _CPU}), index)
+
+    return kernel
+
+
 def _takes_tensor_lists(op: torch._ops.OpOverload) -> bool:
     return any(isinstance(a.type, torch.ListType) and "Tensor" in str(a.type.getElementType())
                for a in op._schema.arguments)
@@ -201,6 +250,9 @@ def host_kernel(backend: Backend, op: torch._ops.OpOverload, to_cpu: Callable[[T
         return view
     if in_place(op):
         return _inplace_kernel(backend, op, hostviews.for_to_cpu(to_cpu, backend.devices),
+                               general, slow)
+    if factory(op) and not asynchronous:
+        return _factory_kernel(backend, op, hostviews.for_to_cpu(to_cpu, backend.devices),
                                general, slow)
     if not qualifies(op):
         if _takes_tensor_lists(op) and qualifies(op, lists=True) and not asynchronous:

@@ -46,13 +46,23 @@ def op_device(backend: Backend, op: Any, plan: OpPlan, args: tuple, kwargs: dict
                 _mismatch(found, d, plan)
         elif v.dim() > 0 and not plan.mixed_device_ok:
             _mismatch(found or torch.device(name), d, plan)
+    named = named_device(plan, args, kwargs)
+    if named is not None and named.type == name:
+        return backend.index_of(named)  # ``zeros_like(x, device="sim:1")``: there
     if found is not None:
         return found.index
+    return backend.index_of(named)
+
+
+def named_device(plan: OpPlan, args: tuple, kwargs: dict) -> torch.device | None:
+    """The device a factory op's ``device=`` argument names, or ``None``."""
+    if not plan.has_device_arg:
+        return None
     dev = kwargs.get("device")
-    if dev is None and plan.has_device_arg:
+    if dev is None:
         i = plan.arg_names.index("device")
         dev = args[i] if i < len(args) else None
-    return backend.index_of(dev)
+    return None if dev is None else torch.device(dev)
 
 
 def _mismatch(a: torch.device, b: torch.device, plan: OpPlan) -> None:
@@ -222,7 +232,7 @@ class HostCall:
         return r
 
     def _to_device(self, r: Tensor) -> Tensor:
-        if r.device.type != "cpu":
+        if r.device.type != "cpu" or self.index is None:
             return r
         if r._is_zerotensor():
             # _efficientzerotensor: a ZeroTensor has no storage to copy; the device gets
@@ -246,6 +256,9 @@ def run_on_host(backend: Backend, op: Any, args: tuple, kwargs: dict,
     if plan.is_view:
         return run_view_op(op, args, kwargs)
     index = op_device(backend, op, plan, args, kwargs)
+    named = named_device(plan, args, kwargs)
+    if named is not None and named.type != backend.name:
+        index = None  # ``ones_like(x, device="cpu")``: the op makes its result there
     if to_cpu is None:
         to_cpu = backend.to_host
         zero_copy = backend.runtime.host_addressable

@@ -18,6 +18,7 @@ the per-op caches of output layouts are built from those.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 
 import torch
@@ -48,6 +49,9 @@ class HostViews:
         self.to_cpu = to_cpu
         self.devices = devices
         self.entries: dict[tuple, tuple[Tensor, int, torch.device]] = {}
+        # the entries' addresses, sorted, and the keys at each: what a freed segment drops
+        self._ptrs: list[int] = []
+        self._keys: dict[int, list[tuple]] = {}
 
     def add(self, t: Tensor, key: tuple, plain: bool = True
             ) -> tuple[Tensor, int, torch.device] | None:
@@ -62,9 +66,15 @@ class HostViews:
             return None
         entries = self.entries
         if len(entries) >= _MAX_ENTRIES:
-            entries.clear()
+            self.clear()
         e = entries[key] = (self.to_cpu(t), layout_id(key[1], key[2], key[3]),
                             devices[d.index])
+        at = self._keys.get(key[0])
+        if at is None:
+            bisect.insort(self._ptrs, key[0])
+            self._keys[key[0]] = [key]
+        else:
+            at.append(key)
         return e
 
     def entry(self, t: Tensor, plain: bool = True) -> tuple[Tensor, int, torch.device] | None:
@@ -85,6 +95,18 @@ class HostViews:
 
     def clear(self) -> None:
         self.entries.clear()
+        self._ptrs.clear()
+        self._keys.clear()
+
+    def forget(self, ptr: int, end: int) -> None:
+        """Drop the views into device memory [ptr, end)."""
+        ptrs = self._ptrs
+        lo, hi = bisect.bisect_left(ptrs, ptr), bisect.bisect_left(ptrs, end)
+        entries, keys = self.entries, self._keys
+        for p in ptrs[lo:hi]:
+            for k in keys.pop(p):
+                entries.pop(k, None)
+        del ptrs[lo:hi]
 
 
 _BY_FN: dict[Callable[[Tensor], Tensor], HostViews] = {}
@@ -102,11 +124,8 @@ def for_to_cpu(to_cpu: Callable[[Tensor], Tensor], devices: list[torch.device]) 
 
 def forget(ptr: int, size: int) -> None:
     """Drop every view into device memory [ptr, ptr + size) (a segment the runtime got back)."""
-    end = ptr + size
     for hv in _ALL:
-        entries = hv.entries
-        for key in [k for k in entries if ptr <= k[0] < end]:
-            del entries[key]
+        hv.forget(ptr, ptr + size)
 
 
 allocator.SEGMENT_FREED.append(forget)
