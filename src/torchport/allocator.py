@@ -211,11 +211,14 @@ class DeviceAllocator:
             self._flush_hot()
             return self.stats[(name, pool)]
 
-    def _stat(self, name: str, small: bool, n: int) -> None:
+    def _stat(self, small: bool, *changes: tuple[str, int]) -> None:
+        """Apply ``(statistic name, change)`` pairs to the pool's and the total statistics."""
         self._flush_hot()
-        a, b = self._pairs[(name, small)]
-        a.add(n)
-        b.add(n)
+        pairs = self._pairs
+        for name, n in changes:
+            a, b = pairs[(name, small)]
+            a.add(n)
+            b.add(n)
 
     def reset_peak(self) -> None:
         with self.lock:
@@ -328,8 +331,7 @@ class DeviceAllocator:
             block = Block(ptr=ptr, size=nbytes, segment_size=nbytes, small=False,
                           stream=stream, is_segment_head=True, adopted=True)
             self.segments[ptr] = block
-            self._stat("segment", False, 1)
-            self._stat("reserved_bytes", False, nbytes)
+            self._stat(False, ("segment", 1), ("reserved_bytes", nbytes))
             return self._hand_out(block, nbytes)
 
     def _hand_out(self, block: Block, nbytes: int) -> Block:
@@ -387,8 +389,7 @@ class DeviceAllocator:
         block = Block(ptr=ptr, size=seg_size, segment_size=seg_size, small=small,
                       stream=stream, is_segment_head=True)
         self.segments[ptr] = block
-        self._stat("segment", small, 1)
-        self._stat("reserved_bytes", small, seg_size)
+        self._stat(small, ("segment", 1), ("reserved_bytes", seg_size))
         return block
 
     def _oom_message(self, requested: int) -> str:
@@ -427,9 +428,8 @@ class DeviceAllocator:
                 return
             self._flush_hot()
             small = block.small
-            self._stat("allocation", small, -1)
-            self._stat("allocated_bytes", small, -block.size)
-            self._stat("requested_bytes", small, -block.requested)
+            self._stat(small, ("allocation", -1), ("allocated_bytes", -block.size),
+                       ("requested_bytes", -block.requested))
             if block.stream_uses and self.event_query is not None:
                 events = self._record_stream_uses(block)
                 if events:
@@ -483,8 +483,7 @@ class DeviceAllocator:
 
     def _release_block(self, block: Block) -> None:
         small = block.small
-        self._stat("active", small, -1)
-        self._stat("active_bytes", small, -block.size)
+        self._stat(small, ("active", -1), ("active_bytes", -block.size))
         block.allocated = False
         if block.adopted:  # not cached: the memory goes back to the host's allocator
             del self.segments[block.ptr]
@@ -500,8 +499,7 @@ class DeviceAllocator:
         for hook in SEGMENT_FREED:
             hook(head.ptr, head.size)
         self.num_device_free += 1
-        self._stat("segment", head.small, -1)
-        self._stat("reserved_bytes", head.small, -head.size)
+        self._stat(head.small, ("segment", -1), ("reserved_bytes", -head.size))
 
     def _return_to_pool(self, block: Block) -> None:
         pool = self.small if block.small else self.large
@@ -537,8 +535,7 @@ class DeviceAllocator:
         for pool in (self.small, self.large):
             for b in pool:
                 if b.prev is not None or b.next is not None:
-                    self._stat("inactive_split", b.small, 1)
-                    self._stat("inactive_split_bytes", b.small, b.size)
+                    self._stat(b.small, ("inactive_split", 1), ("inactive_split_bytes", b.size))
 
     def empty_cache(self) -> None:
         """Return every fully free segment to the runtime."""

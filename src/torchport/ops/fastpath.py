@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 _CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _as_strided = torch.ops.aten.as_strided.default
-_CPU = torch.device("cpu")
 
 
 def qualifies(op: torch._ops.OpOverload, lists: bool = False) -> bool:
@@ -171,49 +170,33 @@ def _list_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.H
 
 
 def factory(op: torch._ops.OpOverload) -> bool:
-    """A factory op (``full``, ``zeros_like``, ``new_ones``, ``scalar_tensor``,
-    ``arange``): a ``device=`` argument, one new tensor, nothing written, nothing random."""
+    """A factory op whose CPU kernel is PyTorch's composite one (``full``, ``zeros_like``,
+    ``new_ones``, ``scalar_tensor``, ``arange``): a ``device=`` argument, one new tensor,
+    nothing written, nothing random; ``empty`` plus an op that fills it."""
     p = plan_for(op)
+    own = torch._C._dispatch_has_kernel_for_dispatch_key
+    name = op.name()
     return p.has_device_arg and p.num_returns == 1 and not (
-        p.write_args or p.random or p.is_view or p.mixed_device_ok or _takes_tensor_lists(op))
+        p.write_args or p.random or p.is_view or p.mixed_device_ok
+        or _takes_tensor_lists(op)) and own(name, "CompositeExplicitAutograd") \
+        and not own(name, "CPU")
 
 
-def _factory_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.HostViews,
-                    general: Callable[[tuple, dict], Any],
+def _factory_kernel(op: torch._ops.OpOverload, general: Callable[[tuple, dict], Any],
                     slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
-    """Factory ops: the CPU op makes the values (reading the chip's views of any tensor
-    argument, for its layout), and the result goes to the device the call names or the
-    tensor argument is on; a large one is adopted, not copied (a device of another type
-    gets the CPU op's own result). Pinned memory or tensors of several devices take the
-    general path."""
-    cpu_call = op._op
-    name = backend.name
-    to_device = backend.result_to_device
+    """Factory ops run PyTorch's composite kernel: the backend's own ``empty`` on the
+    device the call names (or its tensor argument is on), then ``fill_``/``zero_``/
+    ``arange.out`` there -- as CUDA does: no host result, no copy, a cached block. Pinned
+    memory takes the general path."""
+    redispatch = op._handle.redispatch_boxed
     fb = fallback
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if slow is not None and fb.SLOW:
             return slow(args, kwargs)
-        device = kwargs.get("device")
         if kwargs.get("pin_memory"):
             return general(args, kwargs)
-        index = None
-        cargs = []
-        for a in args:
-            if isinstance(a, Tensor):
-                e = views.entry(a)
-                if e is None or (index is not None and e[2].index != index):
-                    return general(args, kwargs)
-                index = e[2].index
-                a = e[0]
-            cargs.append(a)
-        if device is not None and device.type != name:
-            return cpu_call(*cargs, **kwargs)  # ``ones_like(x, device="cpu")``: made there
-        if device is not None:
-            index = backend.index_of(device)
-        elif index is None:
-            return general(args, kwargs)
-        return to_device(cpu_call(*cargs, **{**kwargs, "device": _CPU}), index)
+        return redispatch(_CPU_KS, *args, **kwargs)
 
     return kernel
 
@@ -251,9 +234,8 @@ def host_kernel(backend: Backend, op: torch._ops.OpOverload, to_cpu: Callable[[T
     if in_place(op):
         return _inplace_kernel(backend, op, hostviews.for_to_cpu(to_cpu, backend.devices),
                                general, slow)
-    if factory(op) and not asynchronous:
-        return _factory_kernel(backend, op, hostviews.for_to_cpu(to_cpu, backend.devices),
-                               general, slow)
+    if factory(op):
+        return _factory_kernel(op, general, slow)
     if not qualifies(op):
         if _takes_tensor_lists(op) and qualifies(op, lists=True) and not asynchronous:
             return _list_kernel(backend, op, hostviews.for_to_cpu(to_cpu, backend.devices),
