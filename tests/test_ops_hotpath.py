@@ -342,3 +342,12 @@ def test_general_path_puts_factory_results_on_the_named_device() -> None:
     z = run(b, torch.ops.aten.ones_like.default, (x,), {"device": torch.device("cpu")})
     assert y.device == torch.device("sim", 1) and torch.equal(y.cpu(), torch.zeros(3))
     assert z.device.type == "cpu" and torch.equal(z, torch.ones(3))
+
+
+def test_list_op_results_small_and_large_reach_the_device() -> None:
+    # small results are filled by one copy between views; a large one is adopted
+    xs = [torch.rand(300, 1000) + 0.1, torch.rand(7) + 0.1, torch.rand(2, 3).t() + 0.1]
+    got = torch._foreach_sqrt([x.to("sim") for x in xs])
+    for g, x in zip(got, xs, strict=True):
+        assert g.device.type == "sim" and g.stride() == x.sqrt().stride()
+        assert torch.equal(g.cpu(), x.sqrt())

@@ -152,7 +152,6 @@ def _list_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.H
     """Functional ops taking tensor lists (``cat``, ``index``, ``_foreach_add``): the CPU
     kernel on the chip's views, its results moved to the device (large ones adopted)."""
     cpu_call = op._op
-    to_device = backend.result_to_device
 
     def body(args: tuple, cargs: list, kwargs: dict) -> Any:
         inputs = [v for c in cargs if isinstance(c, (Tensor, list))
@@ -163,10 +162,36 @@ def _list_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.H
         ptrs = {v.untyped_storage().data_ptr() for v in inputs if v.numel()}
         if any(x.numel() and x.untyped_storage().data_ptr() in ptrs for x in results):
             return general(args, kwargs)  # a result aliases an input: the general path says how
-        moved = [to_device(x, index) for x in results]
+        moved = _results_to_device(backend, views, results, index)
         return moved[0] if isinstance(r, Tensor) else type(r)(moved)
 
     return _on_views(views, general, slow, body)
+
+
+_foreach_copy = torch.ops.aten._foreach_copy_.default._handle.redispatch_boxed
+
+
+def _results_to_device(backend: Backend, views: hostviews.HostViews, results: list[Tensor],
+                       index: int) -> list[Tensor]:
+    """CPU results on device ``index``: each dense one below the adoption size gets a new
+    block, and one foreach copy between the chip's views fills them all (an optimizer's
+    ``_foreach_sqrt`` returns a tensor per parameter); the others go one by one
+    (:meth:`Backend.result_to_device`: large ones adopted)."""
+    moved: list[Tensor] = []
+    dsts: list[Tensor] = []
+    srcs: list[Tensor] = []
+    for x in results:
+        n = x.numel() * x.element_size()
+        if 0 < n < ADOPT_MIN_BYTES and (x.is_contiguous() or tensors.is_non_overlapping_and_dense(x)):
+            d = backend._new_tensor(index, x.shape, x.stride(), x.dtype, n)
+            dsts.append(views.entry(d)[0])
+            srcs.append(x)
+        else:
+            d = backend.result_to_device(x, index)
+        moved.append(d)
+    if dsts:
+        _foreach_copy(_CPU_KS, dsts, srcs)
+    return moved
 
 
 def factory(op: torch._ops.OpOverload) -> bool:
