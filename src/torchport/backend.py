@@ -314,6 +314,9 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):
         return True
 
 
+_PRIVATE_USE1 = torch._C._autograd.DeviceType.PrivateUse1
+
+
 class _Guard(torch._C._acc.DeviceGuard):
-    def type_(self):
-        return torch._C._autograd.DeviceType.PrivateUse1
+    def type_(self):  # called from C++ by autograd for every node on the device: kept minimal
+        return _PRIVATE_USE1
