@@ -351,3 +351,29 @@ def test_list_op_results_small_and_large_reach_the_device() -> None:
     for g, x in zip(got, xs, strict=True):
         assert g.device.type == "sim" and g.stride() == x.sqrt().stride()
         assert torch.equal(g.cpu(), x.sqrt())
+
+
+def test_threads_making_tensors_of_one_layout_get_their_own_blocks() -> None:
+    import threading
+    b = active_backend()
+    alloc = b.allocators[0]
+    x = torch.randn(16, 16, device="sim")
+    want = (x.cpu() * 2 + 1)
+    before = len(alloc.active)
+    errors: list[str] = []
+
+    def work() -> None:
+        for _ in range(300):
+            outs = [x * 2 + 1 for _ in range(4)]  # one layout, one header, many threads
+            ptrs = {o.data_ptr() for o in outs}
+            if len(ptrs) != 4 or any(p not in alloc.active for p in ptrs):
+                errors.append("two tensors share a block, or a block is not the allocator's")
+            if not all(torch.equal(o.cpu(), want) for o in outs):
+                errors.append("wrong values")
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert len(alloc.active) == before

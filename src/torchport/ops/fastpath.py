@@ -51,10 +51,12 @@ def in_place(op: torch._ops.OpOverload) -> bool:
             and all(a == first for a in p.return_alias))
 
 
-def _device_views(args: tuple, kwargs: dict, views: hostviews.HostViews) -> list | None:
+def _device_views(args: tuple, kwargs: dict, views: hostviews.HostViews,
+                  bits: bool = True) -> list | None:
     """``args`` with every device tensor (also inside tensor lists) replaced by the chip's
     view of it, when all are plain tensors of one device and no keyword argument holds
-    a tensor; ``None`` otherwise (the general path's business)."""
+    a tensor; ``None`` otherwise (the general path's business). ``bits``: conjugate and
+    negative views can reach the op (:func:`_sees_view_bits`), and are refused."""
     entries, add = views.entries, views.add
     device = None
     cargs: list = []
@@ -79,7 +81,7 @@ def _device_views(args: tuple, kwargs: dict, views: hostviews.HostViews) -> list
                 if device is not None:
                     return None
                 device = e[2]
-            if t.is_conj() or t.is_neg():
+            if bits and (t.is_conj() or t.is_neg()):
                 return None
             mapped.append(e[0])
         cargs.append(mapped[0] if single else mapped)
@@ -111,21 +113,22 @@ def _inplace_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostview
             boxed(_CPU_KS, *cargs, **kwargs)
         return args[0] if returns_self else None
 
-    return _on_views(views, general, slow, body)
+    return _on_views(op, views, general, slow, body)
 
 
-def _on_views(views: hostviews.HostViews, general: Callable[[tuple, dict], Any],
-              slow: Callable[[tuple, dict], Any] | None,
+def _on_views(op: torch._ops.OpOverload, views: hostviews.HostViews,
+              general: Callable[[tuple, dict], Any], slow: Callable[[tuple, dict], Any] | None,
               body: Callable[[tuple, list, dict], Any]) -> Callable[..., Any]:
     """A kernel calling ``body(args, the chip's views of args, kwargs)``; calls
     :func:`_device_views` cannot map go to ``general``, and to ``slow`` while
     ``fallback.SLOW`` is set."""
     fb = fallback
+    bits = _sees_view_bits(op)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if slow is not None and fb.SLOW:
             return slow(args, kwargs)
-        cargs = _device_views(args, kwargs, views)
+        cargs = _device_views(args, kwargs, views, bits)
         if cargs is None:
             return general(args, kwargs)
         return body(args, cargs, kwargs)
@@ -165,7 +168,7 @@ def _list_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.H
         moved = _results_to_device(backend, views, results, index)
         return moved[0] if isinstance(r, Tensor) else type(r)(moved)
 
-    return _on_views(views, general, slow, body)
+    return _on_views(op, views, general, slow, body)
 
 
 _foreach_copy = torch.ops.aten._foreach_copy_.default._handle.redispatch_boxed
