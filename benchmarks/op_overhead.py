@@ -17,21 +17,26 @@ import torchport.sim  # noqa: F401
 
 
 def bench_pair(dev: Callable[[], object], cpu: Callable[[], object], number: int,
-               repeat: int) -> tuple[float, float]:
+               repeat: int) -> tuple[float, float, float, float]:
     """Medians over ``repeat`` runs of the mean time per call, in microseconds, of the
-    device and the CPU case; their runs alternate, so a noisy neighbour or a clock change
-    hits both alike."""
+    device and the CPU case, and the medians of the ratio and of the difference of
+    back-to-back run pairs. The pairs alternate their order, so that a noisy neighbour or
+    a clock change hits both sides alike."""
     for fn in (dev, cpu):
         for _ in range(min(number, 200)):
             fn()
     runs: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeat):
-        for fn, out in ((dev, runs[0]), (cpu, runs[1])):
+    for i in range(repeat):
+        order = ((dev, runs[0]), (cpu, runs[1]))
+        for fn, out in (order if i % 2 == 0 else order[::-1]):
             t0 = time.perf_counter()
             for _ in range(number):
                 fn()
             out.append((time.perf_counter() - t0) / number * 1e6)
-    return statistics.median(runs[0]), statistics.median(runs[1])
+    ratios = [d / c for d, c in zip(*runs, strict=True)]
+    extras = [d - c for d, c in zip(*runs, strict=True)]
+    return (statistics.median(runs[0]), statistics.median(runs[1]), statistics.median(ratios),
+            statistics.median(extras))
 
 
 def cases(device: str) -> dict[str, Callable[[], object]]:
@@ -60,8 +65,8 @@ def main() -> None:
           f"sim memory {'strict' if torchport.sim.runtime.strict else 'host-addressable'}")
     print(f"{'op':<14}{'sim (us)':>10}{'cpu (us)':>10}{'ratio':>8}{'extra (us)':>12}")
     for name in sim:
-        ts, tc = bench_pair(sim[name], cpu[name], args.number, args.repeat)
-        print(f"{name:<14}{ts:>10.2f}{tc:>10.2f}{ts / tc:>8.1f}{ts - tc:>12.2f}")
+        ts, tc, ratio, extra = bench_pair(sim[name], cpu[name], args.number, args.repeat)
+        print(f"{name:<14}{ts:>10.2f}{tc:>10.2f}{ratio:>8.1f}{extra:>12.2f}")
 
 
 if __name__ == "__main__":
