@@ -29,8 +29,8 @@ _construct_storage = torch._C._construct_storage_from_data_pointer
 
 # ---- DLPack plumbing -------------------------------------------------------------
 # PyTorch's DLPack import is the one way Python can make a tensor on any
-# ``<device>:<index>`` (DESIGN-NOTES); the capsule comes from torch.to_dlpack of an
-# empty CPU tensor with its DLTensor fields rewritten to describe device memory.
+# ``<device>:<index>`` (DESIGN-NOTES); the capsule wraps a ``DLManagedTensor`` of our
+# own that describes device memory.
 class _DLDevice(ctypes.Structure):
     _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
 
@@ -45,10 +45,6 @@ class _DLTensor(ctypes.Structure):
                 ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
 
 
-_capsule_ptr = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_ptr.restype = ctypes.c_void_p
-_capsule_ptr.argtypes = [ctypes.py_object, ctypes.c_char_p]
-
 _KDL_EXT_DEV = 12
 _DL_CODES: dict[torch.dtype, tuple[int, int]] = {
     torch.bool: (6, 8), torch.uint8: (1, 8), torch.int8: (0, 8), torch.int16: (0, 16),
@@ -57,24 +53,6 @@ _DL_CODES: dict[torch.dtype, tuple[int, int]] = {
     torch.complex64: (5, 64), torch.complex128: (5, 128), torch.uint16: (1, 16),
     torch.uint32: (1, 32), torch.uint64: (1, 64),
 }
-
-
-def _from_dlpack(ptr: int, device_index: int, dtype: torch.dtype, size, stride) -> torch.Tensor:
-    """A device tensor over ``ptr`` made by PyTorch's DLPack import (owns nothing)."""
-    code, bits = _DL_CODES[dtype]
-    capsule = torch._C._to_dlpack(torch.empty(0))
-    dl = _DLTensor.from_address(_capsule_ptr(capsule, b"dltensor"))
-    ndim = len(size)
-    shape = (ctypes.c_int64 * max(ndim, 1))(*size)
-    strides = (ctypes.c_int64 * max(ndim, 1))(*stride)
-    dl.data = ptr
-    dl.device = _DLDevice(_KDL_EXT_DEV, device_index)
-    dl.ndim = ndim
-    dl.dtype = _DLDataType(code, bits, 1)
-    dl.shape = shape
-    dl.strides = strides
-    dl.byte_offset = 0
-    return torch._C._from_dlpack(capsule)
 
 
 class _DLManagedTensor(ctypes.Structure):
@@ -116,10 +94,9 @@ def layout_header(index: int, dtype: torch.dtype, size, stride) -> Header | None
     return h
 
 
-def _make_header(index: int, dtype: torch.dtype, size: tuple, stride: tuple) -> Header | None:
-    nbytes = storage_nbytes(size, stride, dtype.itemsize)
-    if dtype not in _DL_CODES or nbytes == 0:
-        return None
+def _new_header(index: int, dtype: torch.dtype, size, stride, nbytes: int) -> Header:
+    """A DLPack header (deleter null) describing a layout on device ``index``, its memory
+    kept for the life of the process."""
     m = _DLManagedTensor()
     ndim = len(size)
     shape = (ctypes.c_int64 * max(ndim, 1))(*size)
@@ -132,7 +109,14 @@ def _make_header(index: int, dtype: torch.dtype, size: tuple, stride: tuple) -> 
     dl.strides = strides
     _KEEP.append((m, shape, strides))
     address = ctypes.addressof(m)
-    header = (address, ctypes.c_void_p.from_address(address + _DATA_OFFSET), nbytes)
+    return (address, ctypes.c_void_p.from_address(address + _DATA_OFFSET), nbytes)
+
+
+def _make_header(index: int, dtype: torch.dtype, size: tuple, stride: tuple) -> Header | None:
+    nbytes = storage_nbytes(size, stride, dtype.itemsize)
+    if dtype not in _DL_CODES or nbytes == 0:
+        return None
+    header = _new_header(index, dtype, size, stride, nbytes)
     try:  # a trial import at a fake address, never read: is the layout kept as asked?
         t = import_header(header, 1 << 12)
     except Exception:
@@ -141,6 +125,11 @@ def _make_header(index: int, dtype: torch.dtype, size: tuple, stride: tuple) -> 
             or t.device.index != index or t.untyped_storage().nbytes() != nbytes:
         return None
     return header
+
+
+def _from_dlpack(ptr: int, device_index: int, dtype: torch.dtype, size, stride) -> torch.Tensor:
+    """A device tensor over ``ptr`` made by PyTorch's DLPack import (owns nothing)."""
+    return import_header(_new_header(device_index, dtype, size, stride, 0), ptr)
 
 
 def import_header(header: Header, ptr: int) -> torch.Tensor | None:

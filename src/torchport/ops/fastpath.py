@@ -364,28 +364,24 @@ def _functional_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoD
         hook = backend.stream_hook
         nbytes, dtype, size, stride, shape_t, stride_t, headers = specs[0]
         # tensors.wrap_block, inlined: this is the hot path of every functional op
-        if nbytes:
-            block = alloc.malloc(nbytes, None if hook is None else hook(index))
-            ptr = block.ptr
-            h = headers[index]
-            if h is not None:
-                h[1].value = ptr
-                r = import_dlpack(new_capsule(h[0], dl_name, None))
-                if r.data_ptr() == ptr:
-                    watch(r.untyped_storage(), alloc, block)
-                else:  # another thread rewrote the header in between
-                    r = wrap_block(devices[index], alloc, block, nbytes, dtype, size, stride)
-            else:
-                r = wrap_block(devices[index], alloc, block, nbytes, dtype, size, stride)
-        else:
-            ptr = 0
-            r = wrap_block(devices[index], alloc, None, 0, dtype, size, stride)
+        block = alloc.malloc(nbytes, None if hook is None else hook(index)) if nbytes else None
+        ptr = block.ptr if nbytes else 0
+        h = headers[index]
+        if h is not None:
+            h[1].value = ptr
+            r = import_dlpack(new_capsule(h[0], dl_name, None))
+            if r.data_ptr() == ptr:
+                watch(r.untyped_storage(), alloc, block)
+            else:  # another thread rewrote the header in between: the slow way
+                h = None
+        if h is None:
+            r = wrap_block(devices[index], alloc, block, nbytes, dtype, size, stride)
         k = (ptr, dtype, shape_t, stride_t)
         e = entries.get(k)
         if e is None:
             e = add_view(r, k)
         kwargs[out_name] = e[0]
-        if fast is not None and not function_modes() and not dispatch_modes():
+        if fast is not None and not function_modes() and not dispatch_modes():  # _call_out
             fast(*cargs, **kwargs)
         else:
             call(_CPU_KS, *cargs, **kwargs)
@@ -569,11 +565,7 @@ class _IntoDevice:
                      for nbytes, dtype, size, stride, _, _, _ in specs)
         for n, o in zip(self.out_names, outs, strict=True):
             kwargs[n] = self.views.entry(o)[0]
-        if fast is not None and not torch._C._is_torch_function_mode_enabled() \
-                and not torch._C._len_torch_dispatch_stack():
-            fast(*cargs, **kwargs)
-        else:
-            call(_CPU_KS, *cargs, **kwargs)
+        _call_out(call, fast, cargs, kwargs)
         return outs
 
     def _outputs(self, index: int, args: tuple, kwargs: dict) -> tuple[Any, list] | None:
@@ -600,6 +592,16 @@ class _IntoDevice:
         out = self.out
         rt.launch(phys, stream, lambda: out(*cargs, **ckw), label)
         return result
+
+
+def _call_out(call: Callable[..., Any], fast: Callable[..., Any] | None, cargs: list,
+              kwargs: dict) -> Any:
+    """The ``out=`` call: through its Python binding ``fast`` where the trial allowed it and
+    no TorchFunctionMode or TorchDispatchMode could see it, else the boxed ``call``."""
+    if fast is not None and not torch._C._is_torch_function_mode_enabled() \
+            and not torch._C._len_torch_dispatch_stack():
+        return fast(*cargs, **kwargs)
+    return call(_CPU_KS, *cargs, **kwargs)
 
 
 _BINDING_MODULES = (torch._C._VariableFunctions, torch._C._nn, torch._C._linalg,

@@ -33,8 +33,10 @@ class DeviceMismatchError(RuntimeError):
     """Tensors of one op live on different devices."""
 
 
-def op_device(backend: Backend, op: Any, plan: OpPlan, args: tuple, kwargs: dict) -> int:
-    """The device index an op runs on; raises when its tensors are on different devices."""
+def op_device(backend: Backend, op: Any, plan: OpPlan, args: tuple, kwargs: dict) -> int | None:
+    """The device index an op runs on (``None``: a factory op naming a device of another
+    type, ``ones_like(x, device="cpu")``, whose result stays there); raises when its
+    tensors are on different devices."""
     name = backend.name
     found: torch.device | None = None
     for v in _iter_tensors(args, kwargs):
@@ -47,11 +49,9 @@ def op_device(backend: Backend, op: Any, plan: OpPlan, args: tuple, kwargs: dict
         elif v.dim() > 0 and not plan.mixed_device_ok:
             _mismatch(found or torch.device(name), d, plan)
     named = named_device(plan, args, kwargs)
-    if named is not None and named.type == name:
-        return backend.index_of(named)  # ``zeros_like(x, device="sim:1")``: there
-    if found is not None:
-        return found.index
-    return backend.index_of(named)
+    if named is not None:  # ``zeros_like(x, device="sim:1")``: there
+        return backend.index_of(named) if named.type == name else None
+    return backend.index_of(None) if found is None else found.index
 
 
 def named_device(plan: OpPlan, args: tuple, kwargs: dict) -> torch.device | None:
@@ -94,7 +94,7 @@ class HostCall:
 
     __slots__ = ("backend", "op", "plan", "index", "to_cpu", "zero_copy", "views")
 
-    def __init__(self, backend: Backend, op: Any, plan: OpPlan, index: int,
+    def __init__(self, backend: Backend, op: Any, plan: OpPlan, index: int | None,
                  to_cpu: Callable[[Tensor], Tensor], zero_copy: bool) -> None:
         self.backend = backend
         self.op = op
@@ -256,9 +256,6 @@ def run_on_host(backend: Backend, op: Any, args: tuple, kwargs: dict,
     if plan.is_view:
         return run_view_op(op, args, kwargs)
     index = op_device(backend, op, plan, args, kwargs)
-    named = named_device(plan, args, kwargs)
-    if named is not None and named.type != backend.name:
-        index = None  # ``ones_like(x, device="cpu")``: the op makes its result there
     if to_cpu is None:
         to_cpu = backend.to_host
         zero_copy = backend.runtime.host_addressable
