@@ -377,3 +377,55 @@ def test_threads_making_tensors_of_one_layout_get_their_own_blocks() -> None:
         t.join()
     assert not errors, errors[:3]
     assert len(alloc.active) == before
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_random_functional_ops_draw_once_from_the_device_generator(train: bool) -> None:
+    # native_dropout takes the fast path: its first call of a layout (no out= trial) and the
+    # later ones draw what the CPU draws from the same seed, and leave the CPU's stream alone
+    x = torch.randn(37, 11)
+    xs = x.to("sim")
+    torch.manual_seed(21)
+    want = [torch.ops.aten.native_dropout(x, 0.3, train) for _ in range(3)]
+    cpu_state = torch.get_rng_state()
+    torch.sim.manual_seed(21)
+    got = [torch.ops.aten.native_dropout(xs, 0.3, train) for _ in range(3)]
+    assert torch.equal(torch.get_rng_state(), cpu_state)
+    for g, w in zip(got, want, strict=True):
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(g, w, strict=True))
+    kernel = _into(torch.ops.aten.native_dropout.default)
+    assert kernel and not kernel[0].layouts, "native_dropout took the out= path"
+
+
+def _bytes_copied_to_device(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    rt = active_backend().runtime
+    copied: list[int] = []
+    real = rt.copy_h2d
+
+    def spy(index: int, dst: int, src: int, nbytes: int, *rest: object) -> None:
+        copied.append(nbytes)
+        real(index, dst, src, nbytes, *rest)
+    monkeypatch.setattr(rt, "copy_h2d", spy)
+    return copied
+
+
+@pytest.mark.parametrize("op", ["native_dropout", "normal"])
+def test_large_results_of_random_ops_are_adopted(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # native_dropout takes the random fast path, normal (a generator argument) the general
+    # path: both hand their large CPU results to the device without a copy
+    if not active_backend().runtime.host_addressable:
+        pytest.skip("strict sim memory is not host memory: results are copied")
+    x = torch.randn(1 << 20)  # 4 MiB, and a 1 MiB mask
+    xs = x.to("sim")
+    run = {"native_dropout": lambda t: torch.ops.aten.native_dropout(t, 0.5, True),
+           "normal": lambda t: (torch.normal(t, 2.0),)}[op]
+    torch.manual_seed(5)
+    want = run(x)
+    torch.sim.manual_seed(5)
+    dm = active_backend().device_module
+    segments = dm.memory_stats()["segment.large_pool.current"]
+    copied = _bytes_copied_to_device(monkeypatch)
+    got = run(xs)
+    assert copied == []
+    assert dm.memory_stats()["segment.large_pool.current"] == segments + len(got)
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))

@@ -264,6 +264,8 @@ def host_kernel(backend: Backend, op: torch._ops.OpOverload, to_cpu: Callable[[T
                                general, slow)
     if factory(op):
         return _factory_kernel(op, general, slow)
+    if random_functional(op) and not asynchronous:
+        return _random_kernel(backend, op, _IntoDevice(backend, op, to_cpu), general, slow)
     if not qualifies(op):
         if _takes_tensor_lists(op) and qualifies(op, lists=True) and not asynchronous:
             return _list_kernel(backend, op, hostviews.for_to_cpu(to_cpu, backend.devices),
@@ -273,6 +275,32 @@ def host_kernel(backend: Backend, op: torch._ops.OpOverload, to_cpu: Callable[[T
     if asynchronous:
         return _launching_kernel(backend, op, into, general, slow)
     return _functional_kernel(backend, op, into, general, slow)
+
+
+def random_functional(op: torch._ops.OpOverload) -> bool:
+    """A random op that is otherwise a plain functional one (``native_dropout``, the CPU
+    flash attention with its ``dropout_p``): no generator argument, no tensor lists."""
+    p = plan_for(op)
+    return p.random and not (p.write_args or p.has_device_arg or p.has_generator_arg
+                             or p.is_view or p.mixed_device_ok or p.num_returns == 0
+                             or _takes_tensor_lists(op))
+
+
+def _random_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoDevice,
+                   general: Callable[[tuple, dict], Any],
+                   slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
+    """Random functional ops: the CPU kernel on the chip's views, drawing from the
+    device's generator (:func:`hostexec.drawing_from`), its results moved to the device
+    (large ones adopted). No ``out=`` trial: a trial would draw twice."""
+    generators = backend.generators
+    compute = into.compute
+
+    def body(args: tuple, cargs: list, kwargs: dict) -> Any:
+        index = next(a for a in args if isinstance(a, Tensor)).device.index
+        return hostexec.drawing_from(generators[index], compute, (index, args, cargs, kwargs),
+                                     {})
+
+    return _on_views(op, into.views, general, slow, body)
 
 
 def _sees_view_bits(op: torch._ops.OpOverload) -> bool:

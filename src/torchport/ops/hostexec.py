@@ -86,6 +86,21 @@ def run_view_op(op: Any, args: tuple, kwargs: dict) -> Any:
     return op.redispatch(_CPU_KS, *args, **kwargs)
 
 
+def drawing_from(gen: torch.Generator, fn: Callable[..., Any], args: list | tuple,
+                 kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` with the CPU's default generator standing in for ``gen``: a
+    CPU kernel without a generator argument draws from the default one; the device's
+    stream advances, the CPU's does not."""
+    cpu_gen = torch.default_generator
+    saved = cpu_gen.get_state()
+    cpu_gen.set_state(gen.get_state())
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        gen.set_state(cpu_gen.get_state())
+        cpu_gen.set_state(saved)
+
+
 class HostCall:
     """One execution of ``op`` with device tensors seen through ``to_cpu``.
 
@@ -160,14 +175,7 @@ class HostCall:
             else:
                 ckw["generator"] = gen
             return self.op(*cargs, **ckw)
-        cpu_gen = torch.default_generator
-        saved = cpu_gen.get_state()
-        cpu_gen.set_state(gen.get_state())
-        try:
-            return self.op(*cargs, **ckw)
-        finally:
-            gen.set_state(cpu_gen.get_state())
-            cpu_gen.set_state(saved)
+        return drawing_from(gen, self.op, cargs, ckw)
 
     def _write_back(self, args: tuple, kwargs: dict, cargs: list, ckw: dict) -> None:
         plan = self.plan
@@ -245,7 +253,7 @@ class HostCall:
                     # The CPU kernel returned (a view of) an input: keep aliasing on device.
                     return _as_strided.redispatch(_CPU_KS, dev, r.shape, r.stride(),
                                                   r.storage_offset())
-        return self.backend.to_device(r, self.index)
+        return self.backend.result_to_device(r, self.index)  # a large new one: adopted
 
 
 def run_on_host(backend: Backend, op: Any, args: tuple, kwargs: dict,
