@@ -429,3 +429,58 @@ def test_large_results_of_random_ops_are_adopted(op: str, monkeypatch: pytest.Mo
     assert copied == []
     assert dm.memory_stats()["segment.large_pool.current"] == segments + len(got)
     assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
+
+
+# ---- views whose CPU kernel is a composite calling as_strided ------------------------
+_VIEWS = {
+    "select": lambda t: t.select(1, -2),
+    "slice": lambda t: t[:, 1:7:3],
+    "permute": lambda t: t.permute(2, 0, 1),
+    "expand": lambda t: t[:, :1].expand(-1, 4, -1),
+    "unsqueeze": lambda t: t.unsqueeze(-1),
+    "squeeze": lambda t: t[:, :1].squeeze(1),
+    "squeeze_dims": lambda t: t[:1, :1].squeeze((0, 1)),
+    "diagonal": lambda t: t.diagonal(1, 0, 2),
+    "unbind": lambda t: t.unbind(2)[3],
+}
+
+
+@pytest.mark.parametrize("name", sorted(_VIEWS))
+def test_composite_views_have_the_cpu_layout_and_share_memory(name: str) -> None:
+    view = _VIEWS[name]
+    base = torch.randn(3, 9, 8, 13)
+    dev = base.to("sim")
+    # other offsets, and one shape with two stride patterns
+    for pick in (lambda t: t[1, 2:, 1:, ::2], lambda t: t[2, :5, :6, 3:9],
+                 lambda t: t[0, 2:, 1:, ::2].transpose(0, 2)):
+        x, xs = pick(base), pick(dev)
+        for _ in range(2):  # the first call of a layout, then the cached one
+            want, got = view(x), view(xs)
+            assert (got.shape, got.stride(), got.storage_offset()) == \
+                (want.shape, want.stride(), want.storage_offset())
+            assert got.device == xs.device and got.untyped_storage().data_ptr() == \
+                xs.untyped_storage().data_ptr()
+            assert torch.equal(got.cpu(), want)
+    got.fill_(7.0)  # a view: writes reach the base
+    view(pick(base)).fill_(7.0)
+    assert torch.equal(dev.cpu(), base)
+
+
+def test_composite_views_keep_errors_bits_and_autograd() -> None:
+    xs = torch.randn(4, 5, device="sim")
+    xs[1]  # a cached layout for select(0, 1)
+    with pytest.raises(IndexError) as cpu:
+        xs.cpu()[7]
+    with pytest.raises(IndexError, match=str(cpu.value)):
+        xs[7]
+    z = torch.randn(4, 3, dtype=torch.complex64)
+    zs = z.to("sim").conj()
+    for _ in range(2):
+        got = zs.permute(1, 0)
+        assert got.is_conj() and torch.equal(got.cpu(), z.conj().permute(1, 0))
+    w = torch.randn(4, 5, requires_grad=True)
+    ws = w.detach().to("sim").requires_grad_()
+    for _ in range(2):
+        (w.unsqueeze(0).select(1, 2) * 3).sum().backward()
+        (ws.unsqueeze(0).select(1, 2) * 3).sum().backward()
+    assert torch.equal(ws.grad.cpu(), w.grad)

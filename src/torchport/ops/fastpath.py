@@ -252,13 +252,7 @@ def host_kernel(backend: Backend, op: torch._ops.OpOverload, to_cpu: Callable[[T
         return run(backend, op, args, kwargs, to_cpu, True)
 
     if plan_for(op).is_view:
-        redispatch = op._handle.redispatch_boxed
-
-        def view(*args: Any, **kwargs: Any) -> Any:
-            if slow is not None and fb.SLOW:
-                return slow(args, kwargs)
-            return redispatch(_CPU_KS, *args, **kwargs)
-        return view
+        return _view_kernel(op, slow)
     if in_place(op):
         return _inplace_kernel(backend, op, hostviews.for_to_cpu(to_cpu, backend.devices),
                                general, slow)
@@ -275,6 +269,56 @@ def host_kernel(backend: Backend, op: torch._ops.OpOverload, to_cpu: Callable[[T
     if asynchronous:
         return _launching_kernel(backend, op, into, general, slow)
     return _functional_kernel(backend, op, into, general, slow)
+
+
+def _view_kernel(op: torch._ops.OpOverload,
+                 slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
+    """View ops run PyTorch's own CPU kernel on the device tensor (metadata only).
+
+    Where that kernel is a composite one calling ``as_strided`` (``select``, ``permute``,
+    ``expand``, ``unsqueeze``...), the inner call would enter Python a second time; the
+    view's sizes, strides and offset (relative to its input's) are therefore cached by the
+    input's layout and the arguments, and a hit is one ``as_strided`` of the CPU kernel.
+    A miss, or anything unusual, runs the composite kernel (its errors included)."""
+    fb = fallback
+    redispatch = op._handle.redispatch_boxed
+    p = plan_for(op)
+    own = torch._C._dispatch_has_kernel_for_dispatch_key
+    composite = not own(op.name(), "CPU") and own(op.name(), "CompositeExplicitAutograd") \
+        and p.num_returns == 1 and p.return_alias == (p.arg_names[0],) \
+        and isinstance(op._schema.arguments[0].type, torch.TensorType)
+
+    def view(*args: Any, **kwargs: Any) -> Any:
+        if slow is not None and fb.SLOW:
+            return slow(args, kwargs)
+        return redispatch(_CPU_KS, *args, **kwargs)
+
+    if not composite:
+        return view
+    layouts: dict[tuple, tuple] = {}
+    as_strided = _as_strided._handle.redispatch_boxed
+
+    def composite_view(*args: Any, **kwargs: Any) -> Any:
+        if slow is not None and fb.SLOW:
+            return slow(args, kwargs)
+        x = args[0]
+        key = (x.shape, x.stride(), *[tuple(a) if type(a) is list else a for a in args[1:]],
+               *kwargs.items())
+        try:
+            hit = layouts.get(key)
+        except TypeError:  # an unhashable argument
+            return redispatch(_CPU_KS, *args, **kwargs)
+        if hit is not None:
+            return as_strided(_CPU_KS, x, hit[0], hit[1], x.storage_offset() + hit[2])
+        r = redispatch(_CPU_KS, *args, **kwargs)
+        if isinstance(r, Tensor) and r.untyped_storage().data_ptr() == \
+                x.untyped_storage().data_ptr():
+            if len(layouts) > 4096:
+                layouts.clear()
+            layouts[key] = (r.shape, r.stride(), r.storage_offset() - x.storage_offset())
+        return r
+
+    return composite_view
 
 
 def random_functional(op: torch._ops.OpOverload) -> bool:
