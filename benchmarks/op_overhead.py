@@ -2,6 +2,10 @@
 
 The per-op host cost is the performance frontier of a Python backend. Run:
 ``.venv/bin/python benchmarks/op_overhead.py [--repeat 7] [--number 2000]``.
+
+``--cold`` times each call alone right after streaming through a buffer larger than
+the caches, as a training step's large kernels do between its small ops: the host code
+of an op (PyTorch's, and a Python backend's much larger share) then runs from memory.
 """
 
 from __future__ import annotations
@@ -39,6 +43,27 @@ def bench_pair(dev: Callable[[], object], cpu: Callable[[], object], number: int
             statistics.median(extras))
 
 
+def bench_cold(dev: Callable[[], object], cpu: Callable[[], object], number: int,
+               flush: Callable[[], object]) -> tuple[float, float, float, float]:
+    """As :func:`bench_pair`, but each call timed alone after ``flush()``: medians over
+    ``number`` back-to-back (alternating) pairs of single calls."""
+    for fn in (dev, cpu):
+        for _ in range(20):
+            fn()
+    runs: tuple[list[float], list[float]] = ([], [])
+    for i in range(number):
+        order = ((dev, runs[0]), (cpu, runs[1]))
+        for fn, out in (order if i % 2 == 0 else order[::-1]):
+            flush()
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e6)
+    ratios = [d / c for d, c in zip(*runs, strict=True)]
+    extras = [d - c for d, c in zip(*runs, strict=True)]
+    return (statistics.median(runs[0]), statistics.median(runs[1]), statistics.median(ratios),
+            statistics.median(extras))
+
+
 def cases(device: str) -> dict[str, Callable[[], object]]:
     a = torch.randn(8, 8, device=device)
     b = torch.randn(8, 8, device=device)
@@ -59,13 +84,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--number", type=int, default=2000)
+    p.add_argument("--cold", action="store_true",
+                   help="time single calls after flushing the caches (--number pairs)")
     args = p.parse_args()
     sim, cpu = cases("sim"), cases("cpu")
-    print(f"torch {torch.__version__}; median of {args.repeat} runs x {args.number} calls; "
-          f"sim memory {'strict' if torchport.sim.runtime.strict else 'host-addressable'}")
+    memory = "strict" if torchport.sim.runtime.strict else "host-addressable"
+    if args.cold:
+        src, dst = torch.randn(8 << 20), torch.empty(8 << 20)  # 32 MiB each
+        print(f"torch {torch.__version__}; cold caches (a 32 MiB copy before each call); "
+              f"median of {args.number} call pairs; sim memory {memory}")
+    else:
+        print(f"torch {torch.__version__}; median of {args.repeat} runs x {args.number} "
+              f"calls; sim memory {memory}")
     print(f"{'op':<14}{'sim (us)':>10}{'cpu (us)':>10}{'ratio':>8}{'extra (us)':>12}")
     for name in sim:
-        ts, tc, ratio, extra = bench_pair(sim[name], cpu[name], args.number, args.repeat)
+        if args.cold:
+            ts, tc, ratio, extra = bench_cold(sim[name], cpu[name], args.number,
+                                              lambda: dst.copy_(src))
+        else:
+            ts, tc, ratio, extra = bench_pair(sim[name], cpu[name], args.number, args.repeat)
         print(f"{name:<14}{ts:>10.2f}{tc:>10.2f}{ratio:>8.1f}{extra:>12.2f}")
 
 

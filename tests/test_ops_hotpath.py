@@ -4,6 +4,7 @@ out= trial, and the allocator's deferred statistics -- each checked against the 
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 
 import pytest
@@ -484,3 +485,21 @@ def test_composite_views_keep_errors_bits_and_autograd() -> None:
         (w.unsqueeze(0).select(1, 2) * 3).sum().backward()
         (ws.unsqueeze(0).select(1, 2) * 3).sum().backward()
     assert torch.equal(ws.grad.cpu(), w.grad)
+
+
+@pytest.mark.parametrize("name,view", [("select_backward", lambda t: t[:, 2]),
+                                       ("slice_backward", lambda t: t[1:5:2]),
+                                       ("diagonal_backward", lambda t: t.diagonal(1, 0, 1))])
+def test_backward_of_views_is_one_native_op(name: str, view) -> None:
+    # their composite kernels would allocate, zero, view and copy on the device: 4 calls
+    from torchport.ops import record
+    w = torch.randn(6, 7, 5, requires_grad=True)
+    ws = w.detach().to("sim").requires_grad_()
+    g = torch.randn_like(view(w))
+    view(w).backward(g)
+    with record() as rec:
+        view(ws).backward(g.to("sim"))
+    assert torch.equal(ws.grad.cpu(), w.grad)
+    ops = json.loads(rec.to_json())["ops"]
+    assert ops[name]["paths"] == {"native": 1}
+    assert not {"copy_", "zero_", "empty.memory_format"} & set(ops), sorted(ops)

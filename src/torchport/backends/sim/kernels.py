@@ -55,6 +55,9 @@ MODEL_OPS = [
     "tril", "triu", "arange", "one_hot", "bucketize", "searchsorted", "unique_dim",
     "_unique2", "new_zeros", "new_ones", "new_full", "new_empty_strided", "full", "zeros_like",
     "ones_like", "full_like", "scalar_tensor",
+    # backward of views (their composite kernels would enter Python four times: zeros,
+    # zero_, the view, copy_)
+    "select_backward", "slice_backward", "diagonal_backward",
     # pooling, losses
     "max_pool2d_with_indices", "max_pool2d_with_indices_backward", "avg_pool2d",
     "avg_pool2d_backward", "_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward",
