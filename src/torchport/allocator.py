@@ -410,11 +410,11 @@ class DeviceAllocator:
 
     # ---- freeing ---------------------------------------------------------------
     def storage_died(self, ref: Any) -> None:
-        """Weakref callback of a device storage (``torchport.tensors.watch``)."""
-        if ref.ptr is not None:
-            self.free(ref.ptr)
-
-    def free(self, ptr: int) -> None:
+        """Weakref callback of a device storage (``torchport.tensors.watch``): its block is
+        free. Runs once per device tensor, so the common case is handled right here."""
+        ptr = ref.ptr
+        if ptr is None:
+            return
         with self.lock:
             block = self.active.pop(ptr)
             if block.small and self.num_parked < _MAX_PARKED \
