@@ -41,6 +41,7 @@ conformance: $(STAMP)
 # Medians and ratios against native CPU in the same run (figures in the README).
 bench: $(STAMP)
 	$(BIN)/python benchmarks/op_overhead.py
+	$(BIN)/python benchmarks/op_overhead.py --cold --number 300
 	$(BIN)/python benchmarks/models.py
 	$(BIN)/python benchmarks/async_overlap.py
 	$(BIN)/python benchmarks/allreduce.py
