@@ -21,43 +21,25 @@ import torchport.sim  # noqa: F401
 
 
 def bench_pair(dev: Callable[[], object], cpu: Callable[[], object], number: int,
-               repeat: int) -> tuple[float, float, float, float]:
+               repeat: int, flush: Callable[[], object] | None = None
+               ) -> tuple[float, float, float, float]:
     """Medians over ``repeat`` runs of the mean time per call, in microseconds, of the
     device and the CPU case, and the medians of the ratio and of the difference of
     back-to-back run pairs. The pairs alternate their order, so that a noisy neighbour or
-    a clock change hits both sides alike."""
+    a clock change hits both sides alike. ``flush``: called before each run (``--cold``)."""
     for fn in (dev, cpu):
-        for _ in range(min(number, 200)):
+        for _ in range(200):
             fn()
     runs: tuple[list[float], list[float]] = ([], [])
     for i in range(repeat):
         order = ((dev, runs[0]), (cpu, runs[1]))
         for fn, out in (order if i % 2 == 0 else order[::-1]):
+            if flush is not None:
+                flush()
             t0 = time.perf_counter()
             for _ in range(number):
                 fn()
             out.append((time.perf_counter() - t0) / number * 1e6)
-    ratios = [d / c for d, c in zip(*runs, strict=True)]
-    extras = [d - c for d, c in zip(*runs, strict=True)]
-    return (statistics.median(runs[0]), statistics.median(runs[1]), statistics.median(ratios),
-            statistics.median(extras))
-
-
-def bench_cold(dev: Callable[[], object], cpu: Callable[[], object], number: int,
-               flush: Callable[[], object]) -> tuple[float, float, float, float]:
-    """As :func:`bench_pair`, but each call timed alone after ``flush()``: medians over
-    ``number`` back-to-back (alternating) pairs of single calls."""
-    for fn in (dev, cpu):
-        for _ in range(20):
-            fn()
-    runs: tuple[list[float], list[float]] = ([], [])
-    for i in range(number):
-        order = ((dev, runs[0]), (cpu, runs[1]))
-        for fn, out in (order if i % 2 == 0 else order[::-1]):
-            flush()
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e6)
     ratios = [d / c for d, c in zip(*runs, strict=True)]
     extras = [d - c for d, c in zip(*runs, strict=True)]
     return (statistics.median(runs[0]), statistics.median(runs[1]), statistics.median(ratios),
@@ -98,8 +80,8 @@ def main() -> None:
               f"calls; sim memory {memory}")
     print(f"{'op':<14}{'sim (us)':>10}{'cpu (us)':>10}{'ratio':>8}{'extra (us)':>12}")
     for name in sim:
-        if args.cold:
-            ts, tc, ratio, extra = bench_cold(sim[name], cpu[name], args.number,
+        if args.cold:  # single calls, each after the flush
+            ts, tc, ratio, extra = bench_pair(sim[name], cpu[name], 1, args.number,
                                               lambda: dst.copy_(src))
         else:
             ts, tc, ratio, extra = bench_pair(sim[name], cpu[name], args.number, args.repeat)

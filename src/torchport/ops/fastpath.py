@@ -32,11 +32,12 @@ _CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _as_strided = torch.ops.aten.as_strided.default
 
 
-def qualifies(op: torch._ops.OpOverload, lists: bool = False) -> bool:
+def qualifies(op: torch._ops.OpOverload, lists: bool = False, random: bool = False) -> bool:
     """Can calls of ``op`` take the fast path (decided from its schema, once)? ``lists``:
-    the path for ops taking tensor lists (``cat``, ``index``, ``_foreach_*``)."""
+    the path for ops taking tensor lists (``cat``, ``index``, ``_foreach_*``); ``random``:
+    the path for random ops (:func:`random_functional`)."""
     p = plan_for(op)  # (a list kernel sends any tensor of another device to the general path)
-    return not (p.write_args or p.random or p.has_device_arg or p.is_view
+    return not (p.write_args or (p.random and not random) or p.has_device_arg or p.is_view
                 or (p.mixed_device_ok and not lists) or p.num_returns == 0
                 or (not lists and _takes_tensor_lists(op)))
 
@@ -325,9 +326,7 @@ def random_functional(op: torch._ops.OpOverload) -> bool:
     """A random op that is otherwise a plain functional one (``native_dropout``, the CPU
     flash attention with its ``dropout_p``): no generator argument, no tensor lists."""
     p = plan_for(op)
-    return p.random and not (p.write_args or p.has_device_arg or p.has_generator_arg
-                             or p.is_view or p.mixed_device_ok or p.num_returns == 0
-                             or _takes_tensor_lists(op))
+    return p.random and not p.has_generator_arg and qualifies(op, random=True)
 
 
 def _random_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoDevice,
