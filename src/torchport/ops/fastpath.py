@@ -23,6 +23,7 @@ from torchport import tensors
 from torchport.backend import ADOPT_MIN_BYTES
 from torchport.ops import derive, fallback, hostexec, hostviews
 from torchport.ops.plan import plan_for
+from torchport.tensors import storage_ptr
 
 if TYPE_CHECKING:
     from torchport.backend import Backend
@@ -163,8 +164,8 @@ def _list_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.H
         r = cpu_call(*cargs, **kwargs)
         index = next(t for t in hostexec._iter_tensors(args, kwargs)).device.index
         results = [r] if isinstance(r, Tensor) else list(r)
-        ptrs = {v.untyped_storage().data_ptr() for v in inputs if v.numel()}
-        if any(x.numel() and x.untyped_storage().data_ptr() in ptrs for x in results):
+        ptrs = {storage_ptr(v) for v in inputs if v.numel()}
+        if any(x.numel() and storage_ptr(x) in ptrs for x in results):
             return general(args, kwargs)  # a result aliases an input: the general path says how
         moved = _results_to_device(backend, views, results, index)
         return moved[0] if isinstance(r, Tensor) else type(r)(moved)
@@ -312,8 +313,7 @@ def _view_kernel(op: torch._ops.OpOverload,
         if hit is not None:
             return as_strided(_CPU_KS, x, hit[0], hit[1], x.storage_offset() + hit[2])
         r = redispatch(_CPU_KS, *args, **kwargs)
-        if isinstance(r, Tensor) and r.untyped_storage().data_ptr() == \
-                x.untyped_storage().data_ptr():
+        if isinstance(r, Tensor) and r.numel() and storage_ptr(r) == storage_ptr(x):
             if len(layouts) > 4096:
                 layouts.clear()
             layouts[key] = (r.shape, r.stride(), r.storage_offset() - x.storage_offset())
@@ -371,7 +371,7 @@ def _functional_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoD
     layouts = into.layouts
     allocators = backend.allocators
     devices = backend.devices
-    watch = tensors.watch
+    live = tensors._LIVE
     wrap_block = tensors.wrap_block
     new_capsule = tensors._new_capsule
     import_dlpack = tensors._import_dlpack
@@ -433,19 +433,17 @@ def _functional_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoD
         index = device.index
         alloc = allocators[index]
         hook = backend.stream_hook
-        nbytes, dtype, size, stride, shape_t, stride_t, headers = specs[0]
+        nbytes, dtype, size, stride, shape_t, stride_t, pools = specs[0]
         # tensors.wrap_block, inlined: this is the hot path of every functional op
         block = alloc.malloc(nbytes, None if hook is None else hook(index)) if nbytes else None
         ptr = block.ptr if nbytes else 0
-        h = headers[index]
-        if h is not None:
+        pool = pools[index]
+        h = (pool.pop() if pool else pool.new()) if pool is not None else None
+        if h is not None:  # tensors.import_block
             h[1].value = ptr
             r = import_dlpack(new_capsule(h[0], dl_name, None))
-            if r.data_ptr() == ptr:
-                watch(r.untyped_storage(), alloc, block)
-            else:  # another thread rewrote the header in between: the slow way
-                h = None
-        if h is None:
+            live[h[0]] = (alloc, ptr, pool, h)
+        else:
             r = wrap_block(devices[index], alloc, block, nbytes, dtype, size, stride)
         k = (ptr, dtype, shape_t, stride_t)
         e = entries.get(k)
@@ -466,9 +464,9 @@ def _result(r: Tensor, index: int, views: list[Tensor], args: tuple,
     """A new device tensor with ``r``'s values -- or, when the CPU kernel returned (a
     view of) an input, the same view of the device input."""
     if r.numel():
-        ptr = r.untyped_storage().data_ptr()
+        ptr = storage_ptr(r)
         for i, v in enumerate(views):
-            if v.untyped_storage().data_ptr() == ptr:
+            if storage_ptr(v) == ptr:
                 dev = [a for a in args if isinstance(a, Tensor)][i]
                 # offsets count from the view's storage, which may start before dev's
                 shift = v.storage_offset() - dev.storage_offset()
@@ -507,7 +505,7 @@ class _IntoDevice:
         self.to_cpu = to_cpu
         self.views = hostviews.for_to_cpu(to_cpu, backend.devices)
         # layout key -> (out= call, [(nbytes, dtype, size list, stride list, shape tuple,
-        # stride tuple, DLPack header per device)]), or False: compute on the CPU and
+        # stride tuple, DLPack header pool per device)]), or False: compute on the CPU and
         # move the result (no meta kernel, a data-dependent shape, a failed trial)
         self.layouts: dict[tuple, Any] = {}
         returns = op._schema.returns
@@ -551,7 +549,7 @@ class _IntoDevice:
             devices = self.backend.devices
             specs = [(tensors.storage_nbytes(shape, stride, dtype.itemsize), dtype,
                       list(shape), list(stride), tuple(shape), tuple(stride),
-                      [tensors.layout_header(d.index, dtype, shape, stride) for d in devices])
+                      [tensors.layout_pool(d.index, dtype, shape, stride) for d in devices])
                      for shape, stride, dtype in derive.output_specs(self.op, args, kwargs)]
         except Exception:  # no meta kernel, a data-dependent shape, a bad input
             layouts[key] = False

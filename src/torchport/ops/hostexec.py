@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchport import tensors
 from torchport.ops.plan import OpPlan, plan_for
 
 if TYPE_CHECKING:
@@ -247,9 +248,9 @@ class HostCall:
             # real zeros (same values; autograd treats them as an ordinary tensor).
             r = torch.zeros(r.shape, dtype=r.dtype)
         if self.zero_copy and r.numel() > 0:
-            ptr = r.untyped_storage().data_ptr()
+            ptr = tensors.storage_ptr(r)
             for dev, cpu in self.views:
-                if cpu.untyped_storage().data_ptr() == ptr and cpu.numel() > 0:
+                if tensors.storage_ptr(cpu) == ptr and cpu.numel() > 0:
                     # The CPU kernel returned (a view of) an input: keep aliasing on device.
                     return _as_strided.redispatch(_CPU_KS, dev, r.shape, r.stride(),
                                                   r.storage_offset())

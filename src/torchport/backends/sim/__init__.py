@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from torchport import tensors
 from torchport.backend import Backend
 from torchport.backends.sim.attention import make_attention_kernels
 from torchport.backends.sim.kernels import make_kernels
@@ -25,10 +26,10 @@ def make_backend(runtime: SimRuntime | None = None) -> Backend:
 
     def device_view(t: torch.Tensor) -> torch.Tensor:
         # The simulated chip reading its own memory: zero-copy in both memory modes.
-        st = t.untyped_storage()
-        if st.nbytes() == 0:
+        ptr = tensors.storage_ptr(t)
+        if ptr == 0:  # no elements: nothing to alias
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-        typed, off = rt.typed_memory(visible[t.device.index], st.data_ptr(), t.dtype)
+        typed, off = rt.typed_memory(visible[t.device.index], ptr, t.dtype)
         return typed.as_strided(t.shape, t.stride(), off + t.storage_offset())
 
     b = Backend("sim", rt, [make_kernels(device_view), make_syncbn_kernels(),
