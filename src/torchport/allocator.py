@@ -71,7 +71,7 @@ class Block:
     is_segment_head: bool = False
     parked: bool = False  # free, held for an exact-size reuse, not merged yet
     stream_uses: set = field(default_factory=set)
-    owner: Any = None  # the weakref returning a watched block (torchport.tensors.watch)
+    owner: Any = None  # what returns the block when its storage dies (torchport.tensors)
     adopted: bool = False  # a whole segment of host memory the runtime adopted
 
     def key(self) -> tuple[int, int]:
@@ -409,9 +409,12 @@ class DeviceAllocator:
         )
 
     # ---- freeing ---------------------------------------------------------------
-    def release(self, ptr: int) -> None:
-        """The storage over block ``ptr`` died (``torchport.tensors``): the block is free.
-        Runs once per device tensor, so the common case is handled right here."""
+    def storage_died(self, ref: Any) -> None:
+        """Weakref callback of a device storage (``torchport.tensors.watch``): its block is
+        free. Runs once per device tensor, so the common case is handled right here."""
+        ptr = ref.ptr
+        if ptr is None:
+            return
         with self.lock:
             block = self.active.pop(ptr)
             if block.small and self.num_parked < _MAX_PARKED \

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import device_module, tensors
+from torchport import device_module
 
 if TYPE_CHECKING:
     from torchport.backend import Backend
@@ -299,12 +299,12 @@ def _register_record_stream(b: Backend, own: Any) -> None:
 
     def record_stream(self: torch.Tensor, s: torch.Stream) -> None:
         stream = own(s)
-        ptr = tensors.storage_ptr(self)
-        if ptr == 0:  # no elements
+        st = self.untyped_storage()
+        if st.nbytes() == 0:
             return
         alloc = b.allocator(self.device.index)
         with alloc.lock:
-            block = alloc.active.get(ptr)
+            block = alloc.active.get(st.data_ptr())
             if block is None:
                 return  # memory not from this allocator (nothing to protect)
             if stream.device_index == self.device.index and stream.handle is block.stream:

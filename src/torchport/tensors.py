@@ -10,7 +10,6 @@ its memory host-addressable, in which case a zero-copy host view is built.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import math
 import weakref
@@ -69,82 +68,35 @@ DL_NAME = b"dltensor"
 _DATA_OFFSET = _DLManagedTensor.dl_tensor.offset + _DLTensor.data.offset
 
 
-# ---- DLPack headers, one per live storage --------------------------------------------
+# ---- one DLPack header per layout ----------------------------------------------------
 # Importing a ready header whose data pointer was just rewritten is the cheapest way
 # Python has to make a device tensor (about 1 us, where alias + set_ take 3-4 us):
-# PyTorch's import is a single C++ call building TensorImpl and storage. PyTorch keeps
-# the header's address and calls the header's ``deleter`` when the storage dies: that
-# call (a ctypes callback, about 0.2 us) gives the block back to its allocator and the
-# header back to its layout's pool, so a header serves one live storage at a time.
-#
-# The storage never needs a Python object. One would count as a reference of the
-# storage for as long as the storage lives, and PyTorch's "am I the last user" checks
-# would fail for every device tensor: the autograd engine, for one, then sums two
-# gradients out of place instead of adding into the first (CPU and CUDA do it in place).
-#
-# Headers are never freed (their memory is kept for the life of the process); at most
-# ``_MAX_HEADERS`` of them, after which new tensors take the slow way below.
-Header = tuple  # (address, data field as ctypes.c_void_p)
-_Deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_POOLS: dict[tuple, HeaderPool | None] = {}
-_LIVE: dict[int, tuple] = {}  # header address -> (allocator, block ptr, pool, header)
+# PyTorch's import is a single C++ call building TensorImpl and storage. A header is
+# (its address, its data field, the storage bytes of its layout). PyTorch keeps the
+# header's address and reads its ``deleter`` field when the storage dies, so headers
+# are never freed (their deleter stays null: blocks come back through the storage's
+# weakref, below); at most ``_MAX_HEADERS`` of them, later layouts take the slow way.
+_HEADERS: dict[tuple, tuple | None] = {}
 _KEEP: list = []  # the headers' memory, for the life of the process
 _MAX_HEADERS = 1 << 16
+Header = tuple  # (address, data field as ctypes.c_void_p, storage bytes)
 
 
-class HeaderPool(list):
-    """The free headers of one (device index, dtype, size, stride) layout."""
-
-    __slots__ = ("layout", "nbytes")
-
-    def __init__(self, layout: tuple, nbytes: int) -> None:
-        super().__init__()
-        self.layout = layout
-        self.nbytes = nbytes  # the storage bytes of the layout
-
-    def new(self) -> Header | None:
-        """A new header for this layout (the pool is empty), ``None`` past the bound."""
-        if len(_KEEP) >= _MAX_HEADERS:
-            return None
-        return _new_header(*self.layout)
-
-
-def _storage_freed(address: int) -> None:
-    """The deleter of every header: PyTorch calls it when a storage made from it dies."""
-    rec = _LIVE.pop(address, None)
-    if rec is not None:  # else: a header's trial import, or a template
-        alloc, ptr, pool, header = rec
-        pool.append(header)
-        alloc.release(ptr)
-
-
-_DELETER = _Deleter(_storage_freed)
-_DELETER_ADDRESS = ctypes.cast(_DELETER, ctypes.c_void_p).value
-
-
-@atexit.register
-def _stop_deleters() -> None:
-    """Storages dying while the interpreter shuts down call nothing (the deleter is read
-    when the storage dies): the process is ending, and Python may be gone by then."""
-    for m, _, _ in _KEEP:
-        m.deleter = None
-
-
-def layout_pool(index: int, dtype: torch.dtype, size, stride) -> HeaderPool | None:
-    """The header pool of a (device index, dtype, size, stride) layout, or ``None`` where
+def layout_header(index: int, dtype: torch.dtype, size, stride) -> Header | None:
+    """The header of a (device index, dtype, size, stride) layout, or ``None`` where
     DLPack cannot make it (a dtype it lacks, no bytes, PyTorch changing the layout)."""
     key = (index, dtype, tuple(size), tuple(stride))
-    p = _POOLS.get(key, False)
-    if p is False:
-        if len(_KEEP) >= _MAX_HEADERS:
+    h = _HEADERS.get(key, False)
+    if h is False:
+        if len(_HEADERS) >= _MAX_HEADERS:
             return None
-        p = _POOLS[key] = _make_pool(*key)
-    return p
+        h = _HEADERS[key] = _make_header(*key)
+    return h
 
 
-def _new_header(index: int, dtype: torch.dtype, size, stride) -> Header:
-    """A DLPack header describing a layout on device ``index``, its deleter
-    :func:`_storage_freed`, its memory kept for the life of the process."""
+def _new_header(index: int, dtype: torch.dtype, size, stride, nbytes: int) -> Header:
+    """A DLPack header (deleter null) describing a layout on device ``index``, its memory
+    kept for the life of the process."""
     m = _DLManagedTensor()
     ndim = len(size)
     shape = (ctypes.c_int64 * max(ndim, 1))(*size)
@@ -155,81 +107,64 @@ def _new_header(index: int, dtype: torch.dtype, size, stride) -> Header:
     dl.dtype = _DLDataType(*_DL_CODES[dtype], 1)
     dl.shape = shape
     dl.strides = strides
-    m.deleter = _DELETER_ADDRESS
     _KEEP.append((m, shape, strides))
     address = ctypes.addressof(m)
-    return (address, ctypes.c_void_p.from_address(address + _DATA_OFFSET))
+    return (address, ctypes.c_void_p.from_address(address + _DATA_OFFSET), nbytes)
 
 
-def _make_pool(index: int, dtype: torch.dtype, size: tuple, stride: tuple) -> HeaderPool | None:
+def _make_header(index: int, dtype: torch.dtype, size: tuple, stride: tuple) -> Header | None:
     nbytes = storage_nbytes(size, stride, dtype.itemsize)
     if dtype not in _DL_CODES or nbytes == 0:
         return None
-    header = _new_header(index, dtype, size, stride)
+    header = _new_header(index, dtype, size, stride, nbytes)
     try:  # a trial import at a fake address, never read: is the layout kept as asked?
         t = import_header(header, 1 << 12)
     except Exception:
         return None
-    if tuple(t.shape) != size or t.stride() != stride or t.dtype != dtype \
+    if t is None or tuple(t.shape) != size or t.stride() != stride or t.dtype != dtype \
             or t.device.index != index or t.untyped_storage().nbytes() != nbytes:
         return None
-    del t
-    pool = HeaderPool((index, dtype, size, stride), nbytes)
-    pool.append(header)
-    return pool
+    return header
 
 
 def _from_dlpack(ptr: int, device_index: int, dtype: torch.dtype, size, stride) -> torch.Tensor:
     """A device tensor over ``ptr`` made by PyTorch's DLPack import (owns nothing)."""
-    return import_header(_new_header(device_index, dtype, size, stride), ptr)
+    return import_header(_new_header(device_index, dtype, size, stride, 0), ptr)
 
 
-def import_header(header: Header, ptr: int) -> torch.Tensor:
-    """A device tensor over ``ptr`` in ``header``'s layout, owning nothing."""
+def import_header(header: Header, ptr: int) -> torch.Tensor | None:
+    """A device tensor over ``ptr`` (owning nothing) in ``header``'s layout; ``None``
+    if another thread rewrote the header in between (then take the slow way)."""
     header[1].value = ptr
-    return _import_dlpack(_new_capsule(header[0], DL_NAME, None))
-
-
-def import_block(pool: HeaderPool, alloc, ptr: int) -> torch.Tensor | None:
-    """A device tensor in ``pool``'s layout over block ``ptr`` of ``alloc``, which gets the
-    block back when the tensor's storage dies; ``None`` past the bound on headers."""
-    h = pool.pop() if pool else pool.new()
-    if h is None:
-        return None
-    h[1].value = ptr
-    t = _import_dlpack(_new_capsule(h[0], DL_NAME, None))
-    _LIVE[h[0]] = (alloc, ptr, pool, h)
-    return t
+    t = _import_dlpack(_new_capsule(header[0], DL_NAME, None))
+    return t if t.data_ptr() == ptr else None
 
 
 # ---- device tensors over allocator blocks ------------------------------------------
-# A new device tensor comes from a header of its layout's pool (above). Where there is
-# none, it is a storage built over the block (``_construct_storage_from_data_pointer``,
+# A new device tensor comes from its layout's DLPack header (above); where there is
+# none, from a storage built over the block (``_construct_storage_from_data_pointer``,
 # no copy, no deleter) given to a fresh TensorImpl (an alias of a per-(device, dtype)
-# template) with ``set_``, and that storage's Python object is watched: PyTorch keeps
-# it alive exactly as long as some tensor or view uses the storage, so its weakref
-# callback is where the block goes back to the allocator. The weakref itself says which
-# block (a :class:`_BlockRef`), and the block keeps its weakref alive.
+# template) with ``set_``. Either way the storage's Python object is watched: PyTorch
+# keeps it alive exactly as long as some tensor or view uses the storage, so its
+# weakref callback (which CPython runs with any in-flight exception saved) is where
+# the block goes back to the allocator. The weakref itself says which block (a
+# :class:`_BlockRef`), and the block keeps its weakref alive: nothing else to look up
+# on the hot path of every op.
 _alias_boxed = torch.ops.aten.alias.default._handle.redispatch_boxed
 _set_storage_boxed = _set_storage._handle.redispatch_boxed
 _TEMPLATES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 class _BlockRef(weakref.ref):
-    """A weak reference to a device storage whose death frees block ``ptr`` of
-    ``allocator`` (``ptr=None``: it no longer owns one)."""
+    """A weak reference to a device storage whose death frees block ``ptr`` (the
+    callback is the allocator's ``storage_died``; ``ptr=None``: it no longer owns one)."""
 
     __slots__ = ("allocator", "ptr")
 
 
-def _storage_died(ref: _BlockRef) -> None:
-    if ref.ptr is not None:
-        ref.allocator.release(ref.ptr)
-
-
 def watch(storage: torch.UntypedStorage, allocator, block) -> None:
     """Return ``block`` to ``allocator`` when ``storage`` dies."""
-    ref = _BlockRef(storage, _storage_died)
+    ref = _BlockRef(storage, allocator.storage_died)
     ref.allocator = allocator
     ref.ptr = block.ptr
     block.owner = ref
@@ -248,7 +183,7 @@ def _template(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _block_of(st: torch.UntypedStorage) -> tuple | None:
-    """(allocator, block) a watched storage returns when it dies, detached from it."""
+    """(allocator, block) a storage returns when it dies, detached from it, or ``None``."""
     for ref in weakref.getweakrefs(st):
         if isinstance(ref, _BlockRef) and ref.ptr is not None:
             ptr, ref.ptr = ref.ptr, None
@@ -257,9 +192,8 @@ def _block_of(st: torch.UntypedStorage) -> tuple | None:
 
 
 def swap_storage_blocks(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
-    """Exchange the memory of two device storages, the return of each block included.
-    ``_swap_data_ptr_`` moves pointer, size and deleter: a block a header's deleter
-    returns follows its memory by itself; a watched one is watched on its new storage."""
+    """Exchange the memory of two device storages, the return of each block included
+    (``_swap_data_ptr_`` moves pointer and size; the blocks' owners move here)."""
     owned_a, owned_b = _block_of(a), _block_of(b)
     a._swap_data_ptr_(b)
     for st, owned in ((a, owned_b), (b, owned_a)):
@@ -274,22 +208,16 @@ def wrap_block(device: torch.device, allocator, block, nbytes: int, dtype: torch
     if block is None:
         storage = _construct_storage(0, device, 0)
     else:
-        pool = layout_pool(device.index, dtype, size, stride)
-        if pool is not None and pool.nbytes == nbytes:
-            t = import_block(pool, allocator, block.ptr)
+        h = layout_header(device.index, dtype, size, stride)
+        if h is not None and h[2] == nbytes:
+            t = import_header(h, block.ptr)
             if t is not None:
+                watch(t.untyped_storage(), allocator, block)
                 return t
         storage = _construct_storage(block.ptr, device, nbytes)
         watch(storage, allocator, block)
     shell = _alias_boxed(_CPU_KS, _template(device, dtype))
     return _set_storage_boxed(_CPU_KS, shell, storage, 0, size, stride)
-
-
-def storage_ptr(t: torch.Tensor) -> int:
-    """The address ``t``'s storage starts at, without making the storage's Python object
-    (which would count as a reference to it for as long as it lives); 0 for a tensor
-    without elements, which PyTorch gives no address."""
-    return t.data_ptr() - t.storage_offset() * t.element_size() if t.numel() else 0
 
 
 def storage_nbytes(size, stride, itemsize: int, offset: int = 0) -> int:
@@ -308,6 +236,12 @@ def contiguous_strides(size) -> list[int]:
     return strides[::-1]
 
 
+def storage_ptr(t: torch.Tensor) -> int:
+    """The address ``t``'s storage starts at (0 for a tensor without elements, which
+    PyTorch gives no address), without a call into the storage's Python object."""
+    return t.data_ptr() - t.storage_offset() * t.element_size() if t.numel() else 0
+
+
 # ---- host views and staging ------------------------------------------------------
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """(first byte, byte count) of the storage range a tensor can touch."""
@@ -318,9 +252,9 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
 def host_view(backend: Backend, t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor aliasing device tensor ``t`` (host-addressable runtimes only)."""
     ptr = storage_ptr(t)
-    nbytes = storage_nbytes(t.shape, t.stride(), t.element_size(), t.storage_offset())
     if ptr == 0:  # no elements
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    nbytes = storage_nbytes(t.shape, t.stride(), t.element_size(), t.storage_offset())
     cpu_storage = _construct_storage(backend.runtime.host_address(ptr), _CPU, nbytes)
     return torch.empty(0, dtype=t.dtype).set_(cpu_storage, t.storage_offset(), t.shape, t.stride())
 

@@ -371,7 +371,7 @@ def _functional_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoD
     layouts = into.layouts
     allocators = backend.allocators
     devices = backend.devices
-    live = tensors._LIVE
+    watch = tensors.watch
     wrap_block = tensors.wrap_block
     new_capsule = tensors._new_capsule
     import_dlpack = tensors._import_dlpack
@@ -433,17 +433,19 @@ def _functional_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoD
         index = device.index
         alloc = allocators[index]
         hook = backend.stream_hook
-        nbytes, dtype, size, stride, shape_t, stride_t, pools = specs[0]
+        nbytes, dtype, size, stride, shape_t, stride_t, headers = specs[0]
         # tensors.wrap_block, inlined: this is the hot path of every functional op
         block = alloc.malloc(nbytes, None if hook is None else hook(index)) if nbytes else None
         ptr = block.ptr if nbytes else 0
-        pool = pools[index]
-        h = (pool.pop() if pool else pool.new()) if pool is not None else None
-        if h is not None:  # tensors.import_block
+        h = headers[index]
+        if h is not None:
             h[1].value = ptr
             r = import_dlpack(new_capsule(h[0], dl_name, None))
-            live[h[0]] = (alloc, ptr, pool, h)
-        else:
+            if r.data_ptr() == ptr:
+                watch(r.untyped_storage(), alloc, block)
+            else:  # another thread rewrote the header in between: the slow way
+                h = None
+        if h is None:
             r = wrap_block(devices[index], alloc, block, nbytes, dtype, size, stride)
         k = (ptr, dtype, shape_t, stride_t)
         e = entries.get(k)
@@ -505,7 +507,7 @@ class _IntoDevice:
         self.to_cpu = to_cpu
         self.views = hostviews.for_to_cpu(to_cpu, backend.devices)
         # layout key -> (out= call, [(nbytes, dtype, size list, stride list, shape tuple,
-        # stride tuple, DLPack header pool per device)]), or False: compute on the CPU and
+        # stride tuple, DLPack header per device)]), or False: compute on the CPU and
         # move the result (no meta kernel, a data-dependent shape, a failed trial)
         self.layouts: dict[tuple, Any] = {}
         returns = op._schema.returns
@@ -549,7 +551,7 @@ class _IntoDevice:
             devices = self.backend.devices
             specs = [(tensors.storage_nbytes(shape, stride, dtype.itemsize), dtype,
                       list(shape), list(stride), tuple(shape), tuple(stride),
-                      [tensors.layout_pool(d.index, dtype, shape, stride) for d in devices])
+                      [tensors.layout_header(d.index, dtype, shape, stride) for d in devices])
                      for shape, stride, dtype in derive.output_specs(self.op, args, kwargs)]
         except Exception:  # no meta kernel, a data-dependent shape, a bad input
             layouts[key] = False
