@@ -195,6 +195,127 @@ def test_functional_foreach_ops_match_cpu() -> None:
             assert g.device.type == "sim" and torch.equal(g.cpu(), w)
 
 
+def _foreach_inputs(dtype: torch.dtype) -> list[list[torch.Tensor]]:
+    """Three lists laid out alike: odd sizes, a scalar, an empty, a transposed and a
+    channels_last tensor (the CPU keeps each input's layout in its result)."""
+    torch.manual_seed(0)
+
+    def one() -> list[torch.Tensor]:
+        return [torch.randn(3, 4), torch.randn(37), torch.randn(()), torch.randn(0, 3),
+                torch.randn(5, 7, 3), torch.randn(4, 6).t(),
+                torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)]
+    return [[(t.abs() + 0.5).to(dtype) for t in one()] for _ in range(3)]
+
+
+_FOREACH_CALLS = {
+    "sqrt": lambda a, b, c: torch._foreach_sqrt(a),
+    "exp": lambda a, b, c: torch._foreach_exp(a),
+    "log1p": lambda a, b, c: torch._foreach_log1p(a),
+    "sigmoid": lambda a, b, c: torch._foreach_sigmoid(a),
+    "lgamma": lambda a, b, c: torch._foreach_lgamma(a),
+    "neg": lambda a, b, c: torch._foreach_neg(a),
+    "add.List": lambda a, b, c: torch._foreach_add(a, b, alpha=0.3),
+    "add.ScalarList": lambda a, b, c: torch._foreach_add(a, [0.5 * i for i in range(len(a))]),
+    "mul.Scalar": lambda a, b, c: torch._foreach_mul(a, 0.7),
+    "div.List": lambda a, b, c: torch._foreach_div(a, b),
+    "pow.Scalar": lambda a, b, c: torch._foreach_pow(a, 1.7),
+    "addcdiv.Scalar": lambda a, b, c: torch._foreach_addcdiv(a, b, c, 0.1),
+    "addcmul.ScalarList": lambda a, b, c: torch._foreach_addcmul(a, b, c, [0.5] * len(a)),
+    "lerp.List": lambda a, b, c: torch._foreach_lerp(a, b, c),
+    "maximum.List": lambda a, b, c: torch._foreach_maximum(a, b),
+    "add.complex": lambda a, b, c: torch._foreach_add(a, 1j),  # promotes: not by the twin
+}
+
+
+@pytest.mark.parametrize("name", list(_FOREACH_CALLS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_functional_foreach_ops_keep_cpu_layouts_and_bits(name: str, dtype: torch.dtype,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchport.ops import fastpath
+    fn = _FOREACH_CALLS[name]
+    cpu = _foreach_inputs(dtype)
+    dev = [[t.to("sim") for t in lst] for lst in cpu]
+    copies = [[t.clone() for t in lst] for lst in dev]
+    moved: list = []
+    real = fastpath._results_to_device
+    monkeypatch.setattr(fastpath, "_results_to_device", lambda *a: moved.append(1) or real(*a))
+    try:
+        want = fn(*cpu)
+    except RuntimeError as e:  # an op the CPU refuses for this dtype: the same error
+        with pytest.raises(RuntimeError, match=str(e)[:30].replace("(", ".").replace(")", ".")):
+            fn(*dev)
+        return
+    got = fn(*dev)
+    for g, w in zip(got, want, strict=True):
+        assert (g.device.type, g.dtype, g.shape, g.stride()) == ("sim", w.dtype, w.shape, w.stride())
+        torch.testing.assert_close(g.cpu(), w, rtol=0, atol=0, equal_nan=True)
+    for lst, kept in zip(dev, copies, strict=True):  # inputs untouched
+        assert all(torch.equal(t.cpu(), k.cpu()) for t, k in zip(lst, kept, strict=True))
+    # float32 kept by the result: computed in place into new device tensors
+    assert bool(moved) == (dtype != torch.float32 or name == "add.complex")
+
+
+def _foreach_sample(op: torch._ops.OpOverload, dtype: torch.dtype, number: float) -> list | None:
+    """Positional arguments for ``op`` built from its schema (positive tensors: in every
+    op's domain), or ``None`` for an argument kind not covered."""
+    args: list = []
+    for a in op._schema.arguments:
+        kind = str(a.type)
+        if a.kwarg_only:
+            continue
+        if kind == "List[Tensor]":
+            args.append([(torch.rand(s) + 0.05).to(dtype) for s in [(37,), (4, 5), (3, 7, 5)]])
+        elif kind in ("Scalar", "number"):
+            args.append(number)
+        elif kind == "List[number]":
+            args.append([number, -1.3, 2.1])
+        elif kind == "bool":
+            args.append(False)
+        else:
+            return None
+    return args
+
+
+def test_every_foreach_twin_computes_the_functional_bits() -> None:
+    # what makes the in-place route of functional foreach ops exact, op by op
+    from torchport.ops import fastpath
+    checked = 0
+    for schema in torch._C._jit_get_all_schemas():
+        name = schema.name.split("::")[1]
+        if not name.startswith("_foreach_") or name.endswith("_"):
+            continue
+        packet = getattr(torch.ops.aten, name, None)
+        op = getattr(packet, schema.overload_name or "default", None)
+        twin = fastpath._foreach_twin(op) if op is not None else None
+        for dtype in fastpath._TWIN_DTYPES if twin is not None else ():
+            for number in (0.37, 3, -1.7e-3):
+                args = _foreach_sample(op, dtype, number)
+                if args is None:
+                    continue
+                want = op(*args)
+                outs = [x.clone() for x in args[0]]
+                twin(outs, *args[1:])
+                for w, o in zip(want, outs, strict=True):
+                    torch.testing.assert_close(o, w, rtol=0, atol=0, equal_nan=True,
+                                               msg=lambda m, n=name: f"{n}: {m}")
+                checked += 1
+    assert checked > 300
+
+
+def test_functional_foreach_errors_are_the_cpus() -> None:
+    a, b = _foreach_inputs(torch.float32)[:2]
+    da, db = [t.to("sim") for t in a], [t.to("sim") for t in b[:2]]
+    with pytest.raises(RuntimeError, match="same number of tensors"):
+        torch._foreach_add(da, db)
+    odd = [t.to("sim") for t in b]
+    odd[1] = odd[1][:5]  # shapes differ at one position: the CPU's own error
+    with pytest.raises(RuntimeError) as err:
+        torch._foreach_mul(da, odd)
+    with pytest.raises(RuntimeError) as want:
+        torch._foreach_mul(a, [t if i != 1 else t[:5] for i, t in enumerate(b)])
+    assert str(err.value) == str(want.value)
+
+
 # ---- tensors from DLPack layout headers -------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.bfloat16, torch.complex64,
                                    torch.int64, torch.float8_e4m3fn])

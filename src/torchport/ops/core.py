@@ -172,6 +172,10 @@ def core_kernels(backend: Backend) -> dict[str, Callable[..., Any]]:
         return copy_between(backend, out, self, non_blocking)
 
     def local_scalar_dense(self):
+        # a training loop's loss.item() every step: the cached view, not a new one
+        if backend.runtime.host_addressable:
+            backend.host_sync(self.device.index)
+            return _host_view(backend, self).item()
         return backend.to_host(self).item()
 
     return {

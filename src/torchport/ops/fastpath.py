@@ -155,16 +155,23 @@ def _list_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.H
                  general: Callable[[tuple, dict], Any],
                  slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
     """Functional ops taking tensor lists (``cat``, ``index``, ``_foreach_add``): the CPU
-    kernel on the chip's views, its results moved to the device (large ones adopted)."""
+    kernel on the chip's views, its results moved to the device (large ones adopted).
+    A functional foreach op that keeps its first list's layouts computes into new device
+    tensors instead (:func:`_foreach_by_twin`)."""
     cpu_call = op._op
+    twin = _foreach_twin(op)
 
     def body(args: tuple, cargs: list, kwargs: dict) -> Any:
+        if twin is not None:
+            outs = _foreach_by_twin(backend, views, twin, args, cargs, kwargs)
+            if outs is not None:
+                return outs
         inputs = [v for c in cargs if isinstance(c, (Tensor, list))
                   for v in (c if isinstance(c, list) else (c,))]
         r = cpu_call(*cargs, **kwargs)
         index = next(t for t in hostexec._iter_tensors(args, kwargs)).device.index
         results = [r] if isinstance(r, Tensor) else list(r)
-        ptrs = {storage_ptr(v) for v in inputs if v.numel()}
+        ptrs = {storage_ptr(v) for v in inputs if isinstance(v, Tensor) and v.numel()}
         if any(x.numel() and storage_ptr(x) in ptrs for x in results):
             return general(args, kwargs)  # a result aliases an input: the general path says how
         moved = _results_to_device(backend, views, results, index)
@@ -174,6 +181,67 @@ def _list_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.H
 
 
 _foreach_copy = torch.ops.aten._foreach_copy_.default._handle.redispatch_boxed
+
+
+def _foreach_twin(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The in-place twin of a functional foreach op taking a tensor list first
+    (``_foreach_sqrt_`` of ``_foreach_sqrt``), or ``None``."""
+    name = op._schema.name.split("::")[1]
+    args = op._schema.arguments
+    if not name.startswith("_foreach_") or not args or str(args[0].type) != "List[Tensor]":
+        return None
+    packet = getattr(torch.ops.aten, name + "_", None)
+    twin = getattr(packet, op._overloadname, None) if packet is not None else None
+    if twin is None or not in_place(twin) or \
+            [str(a.type) for a in twin._schema.arguments] != [str(a.type) for a in args]:
+        return None
+    return twin
+
+
+_TWIN_DTYPES = (torch.float32, torch.float64)
+
+
+def _foreach_by_twin(backend: Backend, views: hostviews.HostViews,
+                     twin: torch._ops.OpOverload, args: tuple, cargs: list,
+                     kwargs: dict) -> list[Tensor] | None:
+    """A functional foreach op as a copy of its first list into new device tensors and
+    its in-place twin on those: no CPU results to allocate, free and move (an optimizer's
+    ``_foreach_sqrt`` every step). Only where the CPU's results are the first list's
+    dtypes and layouts, and its in-place kernels compute the same bits: one dtype,
+    float32 or float64 (the CPU's in-place foreach kernels round half and bfloat16
+    scalars otherwise), dense tensors, the other lists laid out alike, no complex
+    numbers, no single tensor argument; ``None`` otherwise."""
+    first = args[0]
+    if not first:
+        return None
+    dtype = first[0].dtype
+    if dtype not in _TWIN_DTYPES:
+        return None
+    for t in first:
+        if t.dtype is not dtype or not (t.is_contiguous() or tensors.is_non_overlapping_and_dense(t)):
+            return None
+    for a in (*args[1:], *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            if len(a) != len(first):
+                return None
+            for x, t in zip(a, first, strict=True):
+                if isinstance(x, Tensor):
+                    if x.dtype is not dtype or x.shape != t.shape or x.stride() != t.stride():
+                        return None
+                elif isinstance(x, complex):
+                    return None
+        elif isinstance(a, (Tensor, complex)):
+            return None
+    index = first[0].device.index
+    outs = [backend._new_tensor(index, t.shape, t.stride(), dtype, t.numel() * t.element_size())
+            for t in first]
+    ovs = [views.entry(o)[0] for o in outs]
+    try:
+        _foreach_copy(_CPU_KS, ovs, cargs[0])
+        twin._handle.redispatch_boxed(_CPU_KS, ovs, *cargs[1:], **kwargs)
+    except Exception:  # the functional kernel says what is wrong, in its own words
+        return None
+    return outs
 
 
 def _results_to_device(backend: Backend, views: hostviews.HostViews, results: list[Tensor],
