@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from torchport.allocator import K_SMALL_BUFFER, round_size
+from torchport.backend import active_backend
 
 
 def _fresh():
@@ -169,3 +170,18 @@ def test_held_large_blocks_merge_before_the_pool_grows():
     del whole
     torch.sim.empty_cache()
     assert torch.sim.memory_stats()["segment.large_pool.current"] == 0
+
+
+def test_a_merge_for_one_request_leaves_the_other_sizes_held():
+    _fresh()
+    alloc = active_backend().allocators[0]
+    small = [torch.empty(3000, dtype=torch.uint8, device="sim") for _ in range(4)]
+    pieces = [torch.empty(4 << 20, dtype=torch.uint8, device="sim") for _ in range(5)]
+    reserved = torch.sim.memory_reserved()
+    del small, pieces
+    held = alloc.num_parked
+    whole = torch.empty(18 << 20, dtype=torch.uint8, device="sim")  # needs the pieces merged
+    assert torch.sim.memory_reserved() == reserved
+    assert alloc.num_parked == held - 5  # the small blocks keep their exact-size reuse
+    assert len(alloc.parked.get((id(None), round_size(3000)), [])) >= 4
+    del whole

@@ -130,6 +130,30 @@ def test_large_host_results_are_adopted_not_copied() -> None:
     assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
 
 
+def test_an_adopted_result_is_its_own_host_view_until_it_dies(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the CPU result that became device memory is already the chip's view of it: the op
+    # consuming it makes no new view, and the entry goes with the segment
+    if not active_backend().runtime.host_addressable:
+        pytest.skip("strict sim memory is not host memory: results are copied")
+    x, w = torch.randn(32, 8, 32, 32), torch.randn(16, 8, 3, 3)
+    torch.ones(32, 16, 32, 32, device="sim") * 3  # mul's first call of this layout: a trial
+    y = torch.nn.functional.conv2d(x.to("sim"), w.to("sim"), padding=1)
+    key = (y.data_ptr(), y.dtype, y.shape, y.stride())
+    holders = [hv for hv in hostviews._ALL if key in hv.entries]
+    assert len(holders) == 1
+    hv = holders[0]
+    assert hv.entries[key][0].data_ptr() == y.data_ptr()
+    made: list = []
+    to_cpu = hv.to_cpu
+    monkeypatch.setattr(hv, "to_cpu", lambda t: made.append(t.shape) or to_cpu(t))
+    want = torch.nn.functional.conv2d(x, w, padding=1)
+    assert torch.equal((y * 3).cpu(), want * 3)
+    assert made == []  # y's entry was there; the product reuses the warm-up's block
+    del y
+    assert key not in hv.entries
+
+
 def test_adoption_respects_the_memory_fraction() -> None:
     dm = active_backend().device_module
     x = torch.randn(1, 1, 1536, 2048, device="sim")  # 12 MiB: a segment of its own
@@ -300,6 +324,36 @@ def test_every_foreach_twin_computes_the_functional_bits() -> None:
                                                msg=lambda m, n=name: f"{n}: {m}")
                 checked += 1
     assert checked > 300
+
+
+def test_unary_foreach_ops_on_large_tensors_compute_tensor_by_tensor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # one pass per tensor into its new device tensor (no copy, no twin), the CPU's bits
+    from torchport.ops import fastpath
+    copies: list = []
+    copy = fastpath._foreach_copy
+    monkeypatch.setattr(fastpath, "_foreach_copy", lambda *a: copies.append(1) or copy(*a))
+    checked = 0
+    for schema in torch._C._jit_get_all_schemas():
+        name = schema.name.split("::")[1]
+        if not name.startswith("_foreach_") or name.endswith("_") or schema.overload_name:
+            continue
+        op = getattr(getattr(torch.ops.aten, name, None), "default", None)
+        if op is None or fastpath._per_tensor_out(op) is None:
+            continue
+        for dtype in fastpath._TWIN_DTYPES:
+            xs = [(torch.rand(s) + 0.05).to(dtype) for s in [(64, 80), (5, 40, 30), (4100,)]]
+            xs[1] = xs[1].permute(2, 0, 1)  # dense, not contiguous
+            dev = [x.to("sim") for x in xs]
+            want, got = op(xs), op(dev)
+            for g, w in zip(got, want, strict=True):
+                assert (g.device.type, g.dtype, g.shape, g.stride()) == \
+                    ("sim", w.dtype, w.shape, w.stride()), name
+                torch.testing.assert_close(g.cpu(), w, rtol=0, atol=0, equal_nan=True,
+                                           msg=lambda m, n=name: f"{n}: {m}")
+            assert all(torch.equal(d.cpu(), x) for d, x in zip(dev, xs, strict=True))
+            checked += 1
+    assert checked >= 60 and copies == []
 
 
 def test_functional_foreach_errors_are_the_cpus() -> None:

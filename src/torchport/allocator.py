@@ -302,8 +302,7 @@ class DeviceAllocator:
                     return self._hand_out(block, nbytes)
             block = pool.best_fit(stream, size)
             if block is None and self.num_parked:
-                self._unpark_all()
-                block = pool.best_fit(stream, size)
+                block = self._unpark_for(small, stream, size)
             if block is not None and not small and block.size >= size + K_LARGE_BUFFER \
                     and block.size > 2 * size:
                 block = None  # do not carve a small request out of a huge cached block
@@ -314,12 +313,12 @@ class DeviceAllocator:
             self._maybe_split(block, size, pool)
             return self._hand_out(block, nbytes)
 
-    def adopt(self, buffer: torch.Tensor, stream: Any = None) -> Block | None:
-        """A block over ``buffer`` (CPU uint8 memory the caller gives up) made device memory
+    def adopt(self, buffer: torch.UntypedStorage, stream: Any = None) -> Block | None:
+        """A block over ``buffer`` (CPU memory the caller gives up) made device memory
         by the runtime (:meth:`Runtime.adopt_host`), or ``None``. It is its own segment,
         returned to the runtime when freed: results the host computed become device
         tensors without a copy."""
-        nbytes = buffer.numel()
+        nbytes = buffer.nbytes()
         with self.lock:
             self._flush_hot()
             if not self._within_fraction(nbytes):
@@ -460,6 +459,29 @@ class DeviceAllocator:
         for b in blocks:  # one at a time: a parked neighbour merges when its turn comes
             b.parked = False
             self._return_to_pool(b)
+
+    def _unpark_for(self, small: bool, stream: Any, size: int) -> Block | None:
+        """Return parked blocks of one pool and stream to it, one at a time (merging),
+        until a free block of ``size`` bytes exists; that block, or ``None``. The other
+        parked blocks stay parked: the sizes a step repeats keep their O(1) reuse."""
+        sid = id(stream)
+        for key in [k for k in self.parked if k[0] == sid]:
+            lst = self.parked[key]
+            while lst:
+                b = lst[-1]
+                if b.small is not small:
+                    break  # a list holds one size: one pool
+                lst.pop()
+                self.num_parked -= 1
+                b.parked = False
+                self._return_to_pool(b)  # b grows by the free neighbours it merged
+                if b.size >= size:
+                    if not lst:
+                        del self.parked[key]
+                    return (self.small if small else self.large).best_fit(stream, size)
+            if not lst:
+                del self.parked[key]
+        return None
 
     def _record_stream_uses(self, block: Block) -> list[Any]:
         """Hook for stream-aware freeing; set by the stream layer."""

@@ -191,8 +191,7 @@ class Backend:
                 and torch._C._storage_Use_Count(st._cdata) <= 2 \
                 and (cpu.is_contiguous() or tensors.is_non_overlapping_and_dense(cpu)):  # 2: cpu, st
             alloc = self.allocators[index]
-            block = alloc.adopt(torch.empty(0, dtype=torch.uint8).set_(st),
-                                self.current_stream_handle(index))
+            block = alloc.adopt(st, self.current_stream_handle(index))
             if block is not None:
                 return tensors.wrap_block(self.devices[index], alloc, block, n, cpu.dtype,
                                           list(cpu.shape), list(cpu.stride()))

@@ -97,9 +97,9 @@ class Runtime(abc.ABC):
     def mem_get_info(self, index: int) -> tuple[int, int]:
         """``(free_bytes, total_bytes)`` of device ``index``, as ``cudaMemGetInfo``."""
 
-    def adopt_host(self, index: int, buffer: torch.Tensor) -> int | None:
-        """Optional (unified-memory devices): make ``buffer``, a CPU uint8 tensor the caller
-        gives up, device memory without copying; return its device address (then freed
+    def adopt_host(self, index: int, buffer: torch.UntypedStorage) -> int | None:
+        """Optional (unified-memory devices): make ``buffer``, a CPU storage the caller
+        gives up (keep a reference while the memory is in use), device memory without copying; return its device address (then freed
         with :meth:`free`), or ``None``: not supported, or no capacity left. torchport
         uses it for large results the host computed, instead of copying them."""
         return None

@@ -160,10 +160,11 @@ def _list_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.H
     tensors instead (:func:`_foreach_by_twin`)."""
     cpu_call = op._op
     twin = _foreach_twin(op)
+    per_tensor = _per_tensor_out(op)
 
     def body(args: tuple, cargs: list, kwargs: dict) -> Any:
         if twin is not None:
-            outs = _foreach_by_twin(backend, views, twin, args, cargs, kwargs)
+            outs = _foreach_by_twin(backend, views, twin, per_tensor, args, cargs, kwargs)
             if outs is not None:
                 return outs
         inputs = [v for c in cargs if isinstance(c, (Tensor, list))
@@ -199,14 +200,34 @@ def _foreach_twin(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
 
 
 _TWIN_DTYPES = (torch.float32, torch.float64)
+# Average tensor size from which a unary foreach op computes tensor by tensor (one pass
+# over the memory, a call per tensor) instead of copy-then-twin (two passes, two calls).
+_PER_TENSOR_MIN_BYTES = 16 << 10
+
+
+def _per_tensor_out(op: torch._ops.OpOverload) -> Callable[..., Any] | None:
+    """For a unary foreach op (``_foreach_sqrt``), its per-tensor ``out=`` overload
+    (``sqrt.out``) as a CPU call: the CPU's foreach kernel for these applies the per-tensor
+    op to each tensor, so the bits are the same."""
+    name = op._schema.name.split("::")[1]
+    if not name.startswith("_foreach_") or op._overloadname != "default" \
+            or [str(a.type) for a in op._schema.arguments] != ["List[Tensor]"]:
+        return None
+    packet = getattr(torch.ops.aten, name[len("_foreach_"):], None)
+    out = getattr(packet, "out", None) if packet is not None else None
+    if out is None or [(a.name, str(a.type)) for a in out._schema.arguments] != \
+            [("self", "Tensor"), ("out", "Tensor")]:
+        return None
+    return out._handle.redispatch_boxed
 
 
 def _foreach_by_twin(backend: Backend, views: hostviews.HostViews,
-                     twin: torch._ops.OpOverload, args: tuple, cargs: list,
-                     kwargs: dict) -> list[Tensor] | None:
+                     twin: torch._ops.OpOverload, per_tensor: Callable[..., Any] | None,
+                     args: tuple, cargs: list, kwargs: dict) -> list[Tensor] | None:
     """A functional foreach op as a copy of its first list into new device tensors and
     its in-place twin on those: no CPU results to allocate, free and move (an optimizer's
-    ``_foreach_sqrt`` every step). Only where the CPU's results are the first list's
+    ``_foreach_sqrt`` every step); a unary one with large tensors computes each straight
+    into its new tensor with ``per_tensor`` (:func:`_per_tensor_out`). Only where the CPU's results are the first list's
     dtypes and layouts, and its in-place kernels compute the same bits: one dtype,
     float32 or float64 (the CPU's in-place foreach kernels round half and bfloat16
     scalars otherwise), dense tensors, the other lists laid out alike, no complex
@@ -237,8 +258,13 @@ def _foreach_by_twin(backend: Backend, views: hostviews.HostViews,
             for t in first]
     ovs = [views.entry(o)[0] for o in outs]
     try:
-        _foreach_copy(_CPU_KS, ovs, cargs[0])
-        twin._handle.redispatch_boxed(_CPU_KS, ovs, *cargs[1:], **kwargs)
+        if per_tensor is not None and \
+                sum(t.numel() for t in first) * dtype.itemsize >= _PER_TENSOR_MIN_BYTES * len(first):
+            for src, out in zip(cargs[0], ovs, strict=True):
+                per_tensor(_CPU_KS, src, out=out)
+        else:
+            _foreach_copy(_CPU_KS, ovs, cargs[0])
+            twin._handle.redispatch_boxed(_CPU_KS, ovs, *cargs[1:], **kwargs)
     except Exception:  # the functional kernel says what is wrong, in its own words
         return None
     return outs
@@ -530,9 +556,10 @@ def _functional_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoD
 
 
 def _result(r: Tensor, index: int, views: list[Tensor], args: tuple,
-            adopt: Callable[[Tensor, int], Tensor]) -> Tensor:
+            adopt: Callable[[Tensor, int], Tensor], cache: hostviews.HostViews) -> Tensor:
     """A new device tensor with ``r``'s values -- or, when the CPU kernel returned (a
-    view of) an input, the same view of the device input."""
+    view of) an input, the same view of the device input. An adopted ``r`` (the device
+    tensor lies at its address) becomes that tensor's entry in ``cache``."""
     if r.numel():
         ptr = storage_ptr(r)
         for i, v in enumerate(views):
@@ -542,7 +569,10 @@ def _result(r: Tensor, index: int, views: list[Tensor], args: tuple,
                 shift = v.storage_offset() - dev.storage_offset()
                 return _as_strided.redispatch(_CPU_KS, dev, r.shape, r.stride(),
                                               r.storage_offset() - shift)
-    return adopt(r, index)
+    d = adopt(r, index)
+    if r.numel() and d.data_ptr() == r.data_ptr():
+        cache.add(d, (d.data_ptr(), d.dtype, d.shape, d.stride()), view=r)
+    return d
 
 
 def out_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
@@ -689,12 +719,13 @@ class _IntoDevice:
         r = self.cpu_call(*cargs, **kwargs)
         adopt = self.backend.result_to_device
         views = [c for c, a in zip(cargs, args, strict=True) if isinstance(a, Tensor)]
+        cache = self.views
         if isinstance(r, Tensor):
-            return _result(r, index, views, args, adopt)
+            return _result(r, index, views, args, adopt, cache)
         if not isinstance(r, (tuple, list)):
             return r  # a number (``_fused_sdp_choice``)
-        return type(r)(_result(x, index, views, args, adopt) if isinstance(x, Tensor) else x
-                       for x in r)
+        return type(r)(_result(x, index, views, args, adopt, cache) if isinstance(x, Tensor)
+                       else x for x in r)
 
     def outputs(self, index: int, call: Callable[..., Any], specs: list,
                 fast: Callable[..., Any] | None, cargs: list, kwargs: dict) -> tuple:

@@ -53,12 +53,13 @@ class HostViews:
         self._ptrs: list[int] = []
         self._keys: dict[int, list[tuple]] = {}
 
-    def add(self, t: Tensor, key: tuple, plain: bool = True
+    def add(self, t: Tensor, key: tuple, plain: bool = True, view: Tensor | None = None
             ) -> tuple[Tensor, int, torch.device] | None:
         """Make, keep and return the entry of ``t`` under ``key``; ``None`` when ``t`` is
         not a tensor of one of ``devices``, or (``plain``) is a conjugate or negative view
         (the caller's general path decides). The device object in the entry is the one
-        of ``devices``: compare with ``is``."""
+        of ``devices``: compare with ``is``. ``view``: a CPU tensor already aliasing
+        ``t``'s memory in ``t``'s layout (an adopted result), kept instead of a new one."""
         d = t.device
         devices = self.devices
         if d.index is None or d.index >= len(devices) or devices[d.index] != d \
@@ -67,7 +68,8 @@ class HostViews:
         entries = self.entries
         if len(entries) >= _MAX_ENTRIES:
             self.clear()
-        e = entries[key] = (self.to_cpu(t), layout_id(key[1], key[2], key[3]),
+        e = entries[key] = (self.to_cpu(t) if view is None else view,
+                            layout_id(key[1], key[2], key[3]),
                             devices[d.index])
         at = self._keys.get(key[0])
         if at is None:

@@ -60,8 +60,17 @@ def _env_flag(name: str, default: bool = False) -> bool:
 class _Segment:
     base: int  # device address
     nbytes: int
-    buffer: torch.Tensor  # uint8 host storage backing the segment
+    memory: torch.Tensor | torch.UntypedStorage  # host memory backing the segment
     typed: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # views of buffer
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The segment's host memory as a uint8 tensor (made when first needed: an
+        adopted result's storage is mostly never read through it)."""
+        m = self.memory
+        if not isinstance(m, torch.Tensor):
+            m = self.memory = torch.empty(0, dtype=torch.uint8).set_(m)
+        return m
 
 
 @dataclass
@@ -234,13 +243,13 @@ class SimRuntime(Runtime):
             d.segments[base] = _Segment(base, nbytes, buf)
             return base
 
-    def adopt_host(self, index: int, buffer: torch.Tensor) -> int | None:
+    def adopt_host(self, index: int, buffer: torch.UntypedStorage) -> int | None:
         """Host memory becomes device memory (default mode only: strict-mode addresses
         are not host addresses)."""
         if self.strict:
             return None
         d = self._dev(index)
-        nbytes = buffer.numel()
+        nbytes = buffer.nbytes()
         with self._lock:
             if d.used + nbytes > d.capacity:
                 return None
@@ -277,12 +286,12 @@ class SimRuntime(Runtime):
     def _host_ptr(self, index: int, ptr: int, nbytes: int) -> int:
         seg = self._seg_cache.get((index, ptr))
         if seg is not None and nbytes <= seg.base + seg.nbytes - ptr:
-            return seg.buffer.data_ptr() + (ptr - seg.base)
+            return seg.memory.data_ptr() + (ptr - seg.base)
         seg, off = self._locate(index, ptr, nbytes)
         if len(self._seg_cache) > 8192:
             self._seg_cache.clear()
         self._seg_cache[(index, ptr)] = seg
-        return seg.buffer.data_ptr() + off
+        return seg.memory.data_ptr() + off
 
     def host_address(self, ptr: int) -> int:
         if self.strict:
