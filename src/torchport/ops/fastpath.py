@@ -227,11 +227,11 @@ def _foreach_by_twin(backend: Backend, views: hostviews.HostViews,
     """A functional foreach op as a copy of its first list into new device tensors and
     its in-place twin on those: no CPU results to allocate, free and move (an optimizer's
     ``_foreach_sqrt`` every step); a unary one with large tensors computes each straight
-    into its new tensor with ``per_tensor`` (:func:`_per_tensor_out`). Only where the CPU's results are the first list's
-    dtypes and layouts, and its in-place kernels compute the same bits: one dtype,
-    float32 or float64 (the CPU's in-place foreach kernels round half and bfloat16
-    scalars otherwise), dense tensors, the other lists laid out alike, no complex
-    numbers, no single tensor argument; ``None`` otherwise."""
+    into its new tensor with ``per_tensor`` (:func:`_per_tensor_out`). Only where the
+    CPU's results are the first list's dtypes and layouts, and its in-place kernels
+    compute the same bits: one dtype, float32 or float64 (the CPU's in-place foreach
+    kernels round half and bfloat16 scalars otherwise), dense tensors, the other lists
+    laid out alike, no complex numbers, no single tensor argument; ``None`` otherwise."""
     first = args[0]
     if not first:
         return None
