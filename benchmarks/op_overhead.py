@@ -59,6 +59,7 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
         "linear": lambda: torch.nn.functional.linear(a, w),
         "index_select": lambda: a.index_select(0, idx),
         "getitem[idx]": lambda: a[idx],
+        "empty": lambda: torch.empty(8, 8, device=device),
     }
 
 

@@ -153,3 +153,29 @@ def test_item_tolist_repr():
     assert d[0, 0].item() == c[0, 0].item()
     assert d[0].tolist() == c[0].tolist()
     assert "device='sim:0'" in repr(d)
+
+
+def test_repeated_allocations_follow_what_each_call_depends_on():
+    # the second call of a kind of allocation reuses the first one's checks and layout:
+    # the current device, the default dtype, the memory format and the errors still count
+    try:
+        for _ in range(2):
+            assert torch.empty(2, 3, device="sim").device == torch.device("sim", 0)
+            torch.sim.set_device(1)
+            assert torch.empty(2, 3, device="sim").device == torch.device("sim", 1)
+            assert torch.empty_strided((2, 3), (1, 2), device="sim").device.index == 1
+            torch.sim.set_device(0)
+            assert torch.empty(2, 3, device="sim:1").device.index == 1
+            torch.set_default_dtype(torch.float64)
+            assert torch.empty(2, 3, device="sim").dtype == torch.float64
+            torch.set_default_dtype(torch.float32)
+            assert torch.empty(2, 3, device="sim").dtype == torch.float32
+            cl = torch.empty(2, 3, 4, 5, device="sim", memory_format=torch.channels_last)
+            assert cl.stride() == torch.empty(2, 3, 4, 5, memory_format=torch.channels_last).stride()
+            assert torch.empty_strided((2, 3), (1, 2), device="sim").stride() == (1, 2)
+            assert torch.empty(0, 3, device="sim").numel() == 0
+            with pytest.raises(RuntimeError, match="channels_last"):
+                torch.empty(2, 3, device="sim", memory_format=torch.channels_last)
+    finally:
+        torch.sim.set_device(0)
+        torch.set_default_dtype(torch.float32)

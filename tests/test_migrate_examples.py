@@ -12,8 +12,6 @@ from __future__ import annotations
 import ast
 import os
 import runpy
-import signal
-import socket
 import subprocess
 import sys
 import warnings
@@ -23,6 +21,7 @@ import pytest
 import torch
 
 import torchport.sim  # noqa: F401
+from tests.gloo_reference import free_port, run_gloo_reference
 from tests.test_transfer import _save_as_cuda, _values
 from torchport.migrate import migrate_path
 
@@ -58,16 +57,10 @@ def _env(**kw: str) -> dict[str, str]:
     return env
 
 
-def _run(cmd: list[str], cwd: Path, timeout: float = 300, retry_abort: bool = False,
-         **env: str) -> dict[str, str]:
-    """Run an example; ``retry_abort``: PyTorch's own CPU/gloo reference run, whose teardown
-    now and then aborts after a complete run ("terminate called without an active
-    exception", a race of gloo's threads at exit) -- run it again, up to three times."""
-    for _ in range(3 if retry_abort else 1):
-        out = subprocess.run(cmd, cwd=str(cwd), env=_env(**env), capture_output=True,
-                             text=True, timeout=timeout)
-        if out.returncode != -signal.SIGABRT:
-            break
+def _run(cmd: list[str], cwd: Path, timeout: float = 300, **env: str) -> dict[str, str]:
+    """Run a migrated example."""
+    out = subprocess.run(cmd, cwd=str(cwd), env=_env(**env), capture_output=True, text=True,
+                         timeout=timeout)
     assert out.returncode == 0, (cmd, out.stdout[-2000:], out.stderr[-4000:])
     assert "torchport.transfer" not in out.stderr
     return _values(out.stdout)
@@ -116,25 +109,18 @@ def test_migrated_infer_checkpoint(migrated: Path, tmp_path: Path, capsys, monke
     assert float(dev["probs checksum"]) == pytest.approx(float(cpu["probs checksum"]), rel=1e-5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_migrated_ddp_two_ranks(migrated: Path) -> None:
     import torch.distributed as dist
 
     if "simccl" not in dist.Backend.backend_list:
         pytest.skip("no simccl distributed backend")
-    port = str(_free_port())
+    port = str(free_port())
     dev = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                 "--master_addr=127.0.0.1", f"--master_port={port}",
                 str(migrated / "ddp_nccl.py"), "--steps", "6"], migrated, timeout=400,
                OMP_NUM_THREADS="1")
     assert dev["world size"] == "2 backend simccl"
     # CPU reference: the original with gloo, one rank (same data on every rank)
-    cpu = _run([sys.executable, str(EXAMPLES / "ddp_nccl.py"), "--steps", "6", "--cpu"],
-               migrated, retry_abort=True, MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()))
+    cpu = _values(run_gloo_reference(EXAMPLES / "ddp_nccl.py", ["--steps", "6", "--cpu"],
+                                     migrated))
     assert float(dev["params checksum"]) == pytest.approx(float(cpu["params checksum"]), abs=1e-4)

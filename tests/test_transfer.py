@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.gloo_reference import free_port, run_gloo_reference
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "cuda"
 _ORIG_ZEROS = torch.zeros
@@ -417,8 +419,9 @@ def _env(**kw: str) -> dict[str, str]:
     return env
 
 
-def test_env_var_and_ddp_subprocesses(xfer, capsys, argv_path, monkeypatch):
-    """TORCHPORT_TRANSFER=1 and 2-rank DDP over "nccl" need fresh interpreters."""
+def test_env_var_and_ddp_subprocesses():
+    """TORCHPORT_TRANSFER=1 and 2-rank DDP over "nccl" need fresh interpreters; so does the
+    CPU/gloo reference (:mod:`tests.gloo_reference`)."""
     procs = [subprocess.Popen(
         [sys.executable, "-c", "import torch, torchport.sim\n"
          "print(torch.cuda.is_available(), torch.zeros(1, device='cuda:1').device)"],
@@ -428,7 +431,7 @@ def test_env_var_and_ddp_subprocesses(xfer, capsys, argv_path, monkeypatch):
 
     ddp = "simccl" in dist.Backend.backend_list
     if ddp:
-        port = str(29500 + os.getpid() % 1000)
+        port = str(free_port())
         for r in (0, 1):
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "torchport.run", str(EXAMPLES / "ddp_nccl.py"),
@@ -444,8 +447,6 @@ def test_env_var_and_ddp_subprocesses(xfer, capsys, argv_path, monkeypatch):
         pytest.skip("no simccl distributed backend")
     dev = _values(outs[1][0])
     assert dev["world size"] == "2 backend simccl"
-    xfer.disable()
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(29400 + os.getpid() % 100))
-    cpu = _run_example("ddp_nccl.py", ["--steps", "6", "--cpu"], capsys, transfer=False)
+    cpu = _values(run_gloo_reference(EXAMPLES / "ddp_nccl.py", ["--steps", "6", "--cpu"],
+                                      ROOT))
     assert float(dev["params checksum"]) == pytest.approx(float(cpu["params checksum"]), abs=1e-4)

@@ -111,14 +111,39 @@ def _plain_bytes(src: torch.Tensor, dst: torch.Tensor) -> bool:
 def core_kernels(backend: Backend) -> dict[str, Callable[..., Any]]:
     """ATen overload name -> kernel, for the ops torchport implements for every backend."""
 
+    # A kind of allocation (op, size, strides or memory format, dtype, layout, device, the
+    # current device) -> _new_tensor's arguments: the checks and the layout arithmetic
+    # run once per kind, the first time (its errors included)
+    made: dict[tuple, tuple] = {}
+    current = backend.current_device
+
+    def allocate(key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        spec = made.get(key)
+        if spec is not None:
+            return backend._new_tensor(*spec)
+        t = make()
+        if len(made) > 1024:
+            made.clear()
+        made[key] = (t.device.index, list(t.shape), list(t.stride()), t.dtype,
+                     tensors.storage_nbytes(t.shape, t.stride(), t.element_size()))
+        return t
+
+    def kind(device: torch.device | None, dtype: torch.dtype | None) -> tuple:
+        return (torch.get_default_dtype() if dtype is None else dtype, device,
+                current() if device is None or device.index is None else None)
+
     def empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None,
                             memory_format=None):
-        _check_layout(layout)
-        return backend.empty_strided(size, strides_for(size, memory_format), dtype, device)
+        def make() -> torch.Tensor:
+            _check_layout(layout)
+            return backend.empty_strided(size, strides_for(size, memory_format), dtype, device)
+        return allocate((tuple(size), memory_format, layout, *kind(device, dtype)), make)
 
     def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
-        _check_layout(layout)
-        return backend.empty_strided(size, stride, dtype, device)
+        def make() -> torch.Tensor:
+            _check_layout(layout)
+            return backend.empty_strided(size, stride, dtype, device)
+        return allocate((tuple(size), tuple(stride), layout, *kind(device, dtype)), make)
 
     def copy_(self, src, non_blocking=False):
         return copy_between(backend, self, src, non_blocking)
