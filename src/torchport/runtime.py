@@ -99,9 +99,10 @@ class Runtime(abc.ABC):
 
     def adopt_host(self, index: int, buffer: torch.UntypedStorage) -> int | None:
         """Optional (unified-memory devices): make ``buffer``, a CPU storage the caller
-        gives up (keep a reference while the memory is in use), device memory without copying; return its device address (then freed
-        with :meth:`free`), or ``None``: not supported, or no capacity left. torchport
-        uses it for large results the host computed, instead of copying them."""
+        gives up (keep a reference while the memory is in use), device memory without
+        copying; return its device address (then freed with :meth:`free`), or ``None``:
+        not supported, or no capacity left. torchport uses it for large results the host
+        computed, instead of copying them."""
         return None
 
     # ---- copies --------------------------------------------------------------

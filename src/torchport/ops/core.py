@@ -111,39 +111,41 @@ def _plain_bytes(src: torch.Tensor, dst: torch.Tensor) -> bool:
 def core_kernels(backend: Backend) -> dict[str, Callable[..., Any]]:
     """ATen overload name -> kernel, for the ops torchport implements for every backend."""
 
-    # A kind of allocation (op, size, strides or memory format, dtype, layout, device, the
+    # A kind of allocation (size, strides or memory format, dtype, layout, device, the
     # current device) -> _new_tensor's arguments: the checks and the layout arithmetic
-    # run once per kind, the first time (its errors included)
+    # run on its first call only (its errors included)
     made: dict[tuple, tuple] = {}
     current = backend.current_device
+    new_tensor = backend._new_tensor
 
-    def allocate(key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        spec = made.get(key)
-        if spec is not None:
-            return backend._new_tensor(*spec)
-        t = make()
+    def kind(device: torch.device | None, dtype: torch.dtype | None) -> tuple:
+        return (torch.get_default_dtype() if dtype is None else dtype, device,
+                current() if device is None or device.index is None else None)
+
+    def remember(key: tuple, t: torch.Tensor) -> torch.Tensor:
         if len(made) > 1024:
             made.clear()
         made[key] = (t.device.index, list(t.shape), list(t.stride()), t.dtype,
                      tensors.storage_nbytes(t.shape, t.stride(), t.element_size()))
         return t
 
-    def kind(device: torch.device | None, dtype: torch.dtype | None) -> tuple:
-        return (torch.get_default_dtype() if dtype is None else dtype, device,
-                current() if device is None or device.index is None else None)
-
     def empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None,
                             memory_format=None):
-        def make() -> torch.Tensor:
-            _check_layout(layout)
-            return backend.empty_strided(size, strides_for(size, memory_format), dtype, device)
-        return allocate((tuple(size), memory_format, layout, *kind(device, dtype)), make)
+        key = (tuple(size), memory_format, layout, *kind(device, dtype))
+        spec = made.get(key)
+        if spec is not None:
+            return new_tensor(*spec)
+        _check_layout(layout)
+        return remember(key, backend.empty_strided(size, strides_for(size, memory_format),
+                                                   dtype, device))
 
     def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
-        def make() -> torch.Tensor:
-            _check_layout(layout)
-            return backend.empty_strided(size, stride, dtype, device)
-        return allocate((tuple(size), tuple(stride), layout, *kind(device, dtype)), make)
+        key = (tuple(size), tuple(stride), layout, *kind(device, dtype))
+        spec = made.get(key)
+        if spec is not None:
+            return new_tensor(*spec)
+        _check_layout(layout)
+        return remember(key, backend.empty_strided(size, stride, dtype, device))
 
     def copy_(self, src, non_blocking=False):
         return copy_between(backend, self, src, non_blocking)
