@@ -42,3 +42,34 @@ def test_sdpa_rejects_mixed_dtypes_like_cpu() -> None:
     q = torch.randn(1, 1, 4, 8, device="sim")
     with pytest.raises(RuntimeError, match="dtype"):
         F.scaled_dot_product_attention(q, q.double(), q)
+
+
+_CHOICE_CASES = [  # (q, k, v shapes, dtype, mask shape, dropout, causal): flash and math answers
+    ((2, 4, 16, 8), (2, 4, 16, 8), (2, 4, 16, 8), torch.float32, None, 0.0, False),
+    ((2, 4, 16, 8), (2, 4, 16, 8), (2, 4, 16, 8), torch.float32, (16, 16), 0.0, False),
+    ((2, 4, 16, 8), (2, 4, 16, 8), (2, 4, 16, 8), torch.float32, None, 0.5, False),
+    ((2, 4, 16, 8), (2, 4, 16, 8), (2, 4, 16, 8), torch.float64, None, 0.0, True),
+    ((2, 4, 16, 8), (2, 4, 16, 8), (2, 4, 16, 6), torch.float32, None, 0.0, False),
+    ((2, 4, 16, 8), (2, 2, 16, 8), (2, 2, 16, 8), torch.bfloat16, None, 0.0, False),
+    ((2, 4, 0, 8), (2, 4, 0, 8), (2, 4, 0, 8), torch.float32, None, 0.0, False),
+]
+
+
+@pytest.mark.parametrize("case", _CHOICE_CASES)
+def test_fused_sdp_choice_answers_as_on_cpu_from_metadata(case: tuple) -> None:
+    from torchport import ops
+    from torchport.ops import hostviews
+    qs, ks, vs, dtype, mshape, dropout, causal = case
+    cpu = [torch.randn(s).to(dtype) for s in (qs, ks, vs)]
+    mask = torch.randn(mshape).to(dtype) if mshape else None
+    want = torch.ops.aten._fused_sdp_choice(*cpu, mask, dropout, causal)
+    dev = [t.to("sim") for t in cpu]
+    dmask = mask.to("sim") if mask is not None else None
+    for views in hostviews._ALL:
+        views.clear()
+    with ops.record() as rec:
+        got = torch.ops.aten._fused_sdp_choice(*dev, dmask, dropout, causal)
+    assert got == want
+    assert rec.path_of("_fused_sdp_choice") == "native"
+    assert set(rec.ops) == {"_fused_sdp_choice"}
+    assert not any(views.entries for views in hostviews._ALL)  # the memory was never viewed

@@ -40,9 +40,10 @@ MODEL_OPS = [
     # softmax, norms
     "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
     "native_layer_norm", "native_layer_norm_backward",
-    # attention: the same fused kernel as the CPU picks (_fused_sdp_choice answers as on
-    # the CPU), so that a transformer computes the CPU's numbers at the CPU's speed
-    "_fused_sdp_choice", "_scaled_dot_product_flash_attention_for_cpu",
+    # attention: the same fused kernel as the CPU picks (attention.py answers
+    # _fused_sdp_choice as the CPU does), so that a transformer computes the CPU's
+    # numbers at the CPU's speed
+    "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention_for_cpu_backward", "native_batch_norm",
     "native_batch_norm_backward", "_native_batch_norm_legit",
     "_native_batch_norm_legit_no_training", "native_group_norm", "native_group_norm_backward",
