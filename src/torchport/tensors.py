@@ -201,14 +201,18 @@ def swap_storage_blocks(a: torch.UntypedStorage, b: torch.UntypedStorage) -> Non
             watch(st, *owned)
 
 
+_LOOK_UP = object()
+
+
 def wrap_block(device: torch.device, allocator, block, nbytes: int, dtype: torch.dtype,
-               size, stride) -> torch.Tensor:
+               size, stride, header: Header | None | object = _LOOK_UP) -> torch.Tensor:
     """A device tensor over ``nbytes`` of ``block``, returned to ``allocator`` when its
-    storage dies (``block=None``: a zero-byte tensor, no memory)."""
+    storage dies (``block=None``: a zero-byte tensor, no memory). ``header``: the
+    layout's :func:`layout_header`, where the caller keeps it already."""
     if block is None:
         storage = _construct_storage(0, device, 0)
     else:
-        h = layout_header(device.index, dtype, size, stride)
+        h = layout_header(device.index, dtype, size, stride) if header is _LOOK_UP else header
         if h is not None and h[2] == nbytes:
             t = import_header(h, block.ptr)
             if t is not None:

@@ -731,8 +731,13 @@ class _IntoDevice:
                 fast: Callable[..., Any] | None, cargs: list, kwargs: dict) -> tuple:
         """Several results (``max.dim``, ``sort``): new device tensors, ``out=`` into them."""
         b = self.backend
-        outs = tuple(b._new_tensor(index, size, stride, dtype, nbytes)
-                     for nbytes, dtype, size, stride, _, _, _ in specs)
+        alloc = b.allocators[index]
+        stream = b.current_stream_handle(index)
+        device = b.devices[index]
+        wrap = tensors.wrap_block
+        outs = tuple(wrap(device, alloc, alloc.malloc(nbytes, stream) if nbytes else None, nbytes,
+                          dtype, size, stride, headers[index])
+                     for nbytes, dtype, size, stride, _, _, headers in specs)
         for n, o in zip(self.out_names, outs, strict=True):
             kwargs[n] = self.views.entry(o)[0]
         _call_out(call, fast, cargs, kwargs)
