@@ -561,6 +561,53 @@ def test_list_op_results_small_and_large_reach_the_device() -> None:
         assert torch.equal(g.cpu(), x.sqrt())
 
 
+_LIST_OPS = {  # call -> the overload its device kernel runs
+    "x[idx]": (lambda x, i, m: x[i], torch.ops.aten.index.Tensor),
+    "x[:, idx]": (lambda x, i, m: x[:, i], torch.ops.aten.index.Tensor),
+    "x[idx, idx]": (lambda x, i, m: x[i, i.flip(0)], torch.ops.aten.index.Tensor),
+    "cat": (lambda x, i, m: torch.cat([x, x.t(), x], 1), torch.ops.aten.cat.default),
+    "stack": (lambda x, i, m: torch.stack([x, x * 2]), torch.ops.aten.cat.default),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_LIST_OPS))
+def test_list_ops_write_into_new_device_tensors(name: str) -> None:
+    fn, op = _LIST_OPS[name]
+    x = torch.randn(6, 6)
+    i, m = torch.tensor([4, 0, 5]), x > 0
+    xs, is_, ms = x.to("sim"), i.to("sim"), m.to("sim")
+    before = xs.cpu()
+    for _ in range(3):  # the first call plans, the others take the plan
+        got = fn(xs, is_, ms)
+        want = fn(x, i, m)
+        assert got.device.type == "sim" and got.stride() == want.stride()
+        assert torch.equal(got.cpu(), want)
+    assert torch.equal(xs.cpu(), before)
+    assert any(p[0] is not None for p in _plans(op))  # an out= plan, not a CPU result
+
+
+def test_list_ops_with_data_dependent_shapes_compute_on_the_cpu() -> None:
+    x = torch.randn(5, 4)
+    xs = x.to("sim")
+    for _ in range(2):
+        assert torch.equal(xs[xs > 0].cpu(), x[x > 0])
+    index = torch.ops.aten.index.Tensor
+    assert any(v is False for o in _into(index) for v in o.layouts.values())
+
+
+def test_list_op_errors_are_the_cpus_and_free_the_output() -> None:
+    alloc = active_backend().allocators[0]
+    x = torch.randn(4, 3, device="sim")
+    ok, bad = torch.tensor([0, 3], device="sim"), torch.tensor([0, 9], device="sim")
+    x[ok]  # the plan for this layout exists: the error comes from the out= kernel
+    before = len(alloc.active)
+    with pytest.raises(IndexError, match="out of bounds"):
+        x[bad]
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
+        torch.cat([x, torch.randn(4, 5, device="sim")])
+    assert len(alloc.active) == before
+
+
 def test_threads_making_tensors_of_one_layout_get_their_own_blocks() -> None:
     import threading
     b = active_backend()

@@ -54,11 +54,13 @@ def in_place(op: torch._ops.OpOverload) -> bool:
 
 
 def _device_views(args: tuple, kwargs: dict, views: hostviews.HostViews,
-                  bits: bool = True) -> list | None:
+                  bits: bool = True, key: list | None = None) -> list | None:
     """``args`` with every device tensor (also inside tensor lists) replaced by the chip's
     view of it, when all are plain tensors of one device and no keyword argument holds
     a tensor; ``None`` otherwise (the general path's business). ``bits``: conjugate and
-    negative views can reach the op (:func:`_sees_view_bits`), and are refused."""
+    negative views can reach the op (:func:`_sees_view_bits`), and are refused. ``key``:
+    receives what the outputs' layouts can depend on (the tensors' layout ids, the
+    other arguments, floats by type only), as the functional kernel's cache key."""
     entries, add = views.entries, views.add
     device = None
     cargs: list = []
@@ -69,11 +71,18 @@ def _device_views(args: tuple, kwargs: dict, views: hostviews.HostViews,
             items, single = a, False
         else:
             cargs.append(a)
+            if key is not None:
+                t = type(a)
+                key.append(t if t is float else (t, tuple(a) if t is list else a))
             continue
         mapped = []
         for t in items:
             if not isinstance(t, Tensor):
-                return None  # None entries, scalars
+                if t is None and key is not None and not single:  # x[:, idx]: [None, idx]
+                    mapped.append(None)
+                    key.append(None)
+                    continue
+                return None  # None entries elsewhere, scalars
             e = entries.get((t.data_ptr(), t.dtype, t.shape, t.stride()))
             if e is None:
                 e = add(t, (t.data_ptr(), t.dtype, t.shape, t.stride()))
@@ -86,7 +95,11 @@ def _device_views(args: tuple, kwargs: dict, views: hostviews.HostViews,
             if bits and (t.is_conj() or t.is_neg()):
                 return None
             mapped.append(e[0])
+            if key is not None:
+                key.append(e[1])
         cargs.append(mapped[0] if single else mapped)
+        if key is not None and not single:
+            key.append(len(items))  # where the list ends
     if device is None:
         return None
     for v in kwargs.values():
@@ -154,19 +167,22 @@ def _number_in_tensor_slot(args: tuple, slots: list[int]) -> bool:
 def _list_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.HostViews,
                  general: Callable[[tuple, dict], Any],
                  slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
-    """Functional ops taking tensor lists (``cat``, ``index``, ``_foreach_add``): the CPU
-    kernel on the chip's views, its results moved to the device (large ones adopted).
-    A functional foreach op that keeps its first list's layouts computes into new device
-    tensors instead (:func:`_foreach_by_twin`)."""
+    """Functional ops taking tensor lists (``cat``, ``index``, ``_foreach_add``): as the
+    functional kernel does, the ``out=`` overload writing straight into new device
+    tensors, with the outputs' layouts cached by the inputs' layouts (the lists' included);
+    where that cannot be used (a data-dependent shape: ``x[mask]``), the CPU kernel on the
+    chip's views, its results moved to the device (large ones adopted). A functional
+    foreach op that keeps its first list's layouts computes into new device tensors
+    (:func:`_foreach_by_twin`)."""
     cpu_call = op._op
     twin = _foreach_twin(op)
     per_tensor = _per_tensor_out(op)
+    into = _IntoDevice(backend, op, views.to_cpu) if twin is None else None
+    entries = views.entries
+    bits = _sees_view_bits(op)
+    fb = fallback
 
-    def body(args: tuple, cargs: list, kwargs: dict) -> Any:
-        if twin is not None:
-            outs = _foreach_by_twin(backend, views, twin, per_tensor, args, cargs, kwargs)
-            if outs is not None:
-                return outs
+    def compute(args: tuple, cargs: list, kwargs: dict) -> Any:
         inputs = [v for c in cargs if isinstance(c, (Tensor, list))
                   for v in (c if isinstance(c, list) else (c,))]
         r = cpu_call(*cargs, **kwargs)
@@ -178,7 +194,55 @@ def _list_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.H
         moved = _results_to_device(backend, views, results, index)
         return moved[0] if isinstance(r, Tensor) else type(r)(moved)
 
-    return _on_views(op, views, general, slow, body)
+    if into is None or into.out is None:
+        def body(args: tuple, cargs: list, kwargs: dict) -> Any:
+            if twin is not None:
+                outs = _foreach_by_twin(backend, views, twin, per_tensor, args, cargs, kwargs)
+                if outs is not None:
+                    return outs
+            return compute(args, cargs, kwargs)
+        return _on_views(op, views, general, slow, body)
+
+    layouts = into.layouts
+    out_name = into.out_names[0] if into.single else None
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if slow is not None and fb.SLOW:
+            return slow(args, kwargs)
+        key: list = []
+        cargs = _device_views(args, kwargs, views, bits, key)
+        if cargs is None:
+            return general(args, kwargs)
+        index = next(t for t in hostexec._iter_tensors(args, kwargs)).device.index
+        for k, v in kwargs.items():
+            key.append((k, float) if type(v) is float else (k, type(v), v))
+        try:
+            plan = layouts.get(tuple(key))
+        except TypeError:  # an unhashable argument
+            return compute(args, cargs, kwargs)
+        if plan is None:
+            try:  # no meta kernel, a data-dependent shape: compute on the CPU from now on
+                derive.output_specs(op, args, kwargs)
+            except Exception:
+                layouts[tuple(key)] = False
+                return compute(args, cargs, kwargs)
+            return into.first_call(tuple(key), index, args, cargs, kwargs)
+        if plan is False:
+            return compute(args, cargs, kwargs)
+        call, specs, fast = plan
+        if out_name is None:
+            return into.outputs(index, call, specs, fast, cargs, kwargs)
+        nbytes, dtype, size, stride, _, _, headers = specs[0]
+        alloc = backend.allocators[index]
+        block = alloc.malloc(nbytes, backend.current_stream_handle(index)) if nbytes else None
+        r = tensors.wrap_block(backend.devices[index], alloc, block, nbytes, dtype, size,
+                               stride, headers[index])
+        e = entries.get((r.data_ptr(), dtype, r.shape, r.stride()))
+        kwargs[out_name] = e[0] if e is not None else views.entry(r)[0]
+        _call_out(call, fast, cargs, kwargs)
+        return r
+
+    return kernel
 
 
 _foreach_copy = torch.ops.aten._foreach_copy_.default._handle.redispatch_boxed
