@@ -216,17 +216,20 @@ def _list_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.H
         index = next(t for t in hostexec._iter_tensors(args, kwargs)).device.index
         for k, v in kwargs.items():
             key.append((k, float) if type(v) is float else (k, type(v), v))
+        layout_key = tuple(key)
         try:
-            plan = layouts.get(tuple(key))
+            plan = layouts.get(layout_key)
         except TypeError:  # an unhashable argument
             return compute(args, cargs, kwargs)
         if plan is None:
             try:  # no meta kernel, a data-dependent shape: compute on the CPU from now on
                 derive.output_specs(op, args, kwargs)
             except Exception:
-                layouts[tuple(key)] = False
+                if len(layouts) > 4096:
+                    layouts.clear()
+                layouts[layout_key] = False
                 return compute(args, cargs, kwargs)
-            return into.first_call(tuple(key), index, args, cargs, kwargs)
+            return into.first_call(layout_key, index, args, cargs, kwargs)
         if plan is False:
             return compute(args, cargs, kwargs)
         call, specs, fast = plan
