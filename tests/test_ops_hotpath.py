@@ -608,6 +608,44 @@ def test_list_op_errors_are_the_cpus_and_free_the_output() -> None:
     assert len(alloc.active) == before
 
 
+def _general_calls(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Ops that reach the general path from now on (each makes a ``HostCall``)."""
+    from torchport.ops import hostexec
+    seen: list = []
+
+    class Counting(hostexec.HostCall):
+        def __init__(self, backend, op, *rest) -> None:
+            seen.append(op)
+            super().__init__(backend, op, *rest)
+    monkeypatch.setattr(hostexec, "HostCall", Counting)
+    return seen
+
+
+def test_index_put_takes_the_in_place_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(6, 5)
+    i, j, v = torch.tensor([4, 0, 4]), torch.tensor([1, 3]), torch.randn(6, 2)
+    general = _general_calls(monkeypatch)
+    xs, i_s, j_s, vs = (t.to("sim") for t in (x, i, j, v))
+    forms = [  # setitem forms, index_put_ with None entries and with accumulation
+        lambda a, i, j, v: a.__setitem__((slice(None), j), v),
+        lambda a, i, j, v: a.__setitem__(i, v[:5, 0]),
+        lambda a, i, j, v: a.__setitem__(a > 0, 0.5),
+        lambda a, i, j, v: a.index_put_((i,), v[:5, 1], accumulate=True),
+        lambda a, i, j, v: torch.ops.aten.index_put_(a, [None, j], v, True),
+    ]
+    for form in forms:
+        want, got = x.clone(), xs.clone()
+        form(want, i, j, v)
+        form(got, i_s, j_s, vs)
+        assert torch.equal(got.cpu(), want)
+    assert general == []
+    got = xs.clone()
+    got[i] = 2.0  # CPU indices next to a device tensor, as CUDA allows: the general path
+    want = x.clone()
+    want[i] = 2.0
+    assert torch.equal(got.cpu(), want) and general
+
+
 def test_threads_making_tensors_of_one_layout_get_their_own_blocks() -> None:
     import threading
     b = active_backend()

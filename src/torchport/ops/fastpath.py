@@ -44,13 +44,14 @@ def qualifies(op: torch._ops.OpOverload, lists: bool = False, random: bool = Fal
 
 
 def in_place(op: torch._ops.OpOverload) -> bool:
-    """An in-place op (``add_``, ``_foreach_mul_``): it writes its first argument (a
-    tensor or a list of them) and returns it or nothing; no resize, no randomness."""
+    """An in-place op (``add_``, ``_foreach_mul_``, ``index_put_``): it writes its first
+    argument (a tensor or a list of them) and returns it or nothing; no resize, no
+    randomness. (``index_put_`` with CPU indices, which CUDA accepts, reaches the general
+    path: the fast one takes tensors of the device only.)"""
     p = plan_for(op)
     first = p.arg_names[0] if p.arg_names else None
     return (op._schema.name.endswith("_") and p.write_args == (first,) and not p.random
-            and not p.has_device_arg and not p.mixed_device_ok
-            and all(a == first for a in p.return_alias))
+            and not p.has_device_arg and all(a == first for a in p.return_alias))
 
 
 def _device_views(args: tuple, kwargs: dict, views: hostviews.HostViews,
@@ -78,9 +79,10 @@ def _device_views(args: tuple, kwargs: dict, views: hostviews.HostViews,
         mapped = []
         for t in items:
             if not isinstance(t, Tensor):
-                if t is None and key is not None and not single:  # x[:, idx]: [None, idx]
+                if t is None and not single:  # an index list: x[:, idx] is [None, idx]
                     mapped.append(None)
-                    key.append(None)
+                    if key is not None:
+                        key.append(None)
                     continue
                 return None  # None entries elsewhere, scalars
             e = entries.get((t.data_ptr(), t.dtype, t.shape, t.stride()))
