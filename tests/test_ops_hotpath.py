@@ -646,6 +646,23 @@ def test_index_put_takes_the_in_place_kernel(monkeypatch: pytest.MonkeyPatch) ->
     assert torch.equal(got.cpu(), want) and general
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32, torch.bool])
+def test_whole_tensor_sum_is_the_dim_overload_as_on_cuda(dtype: torch.dtype) -> None:
+    from torchport import ops
+    x = (torch.randn(5, 7) * 3).to(dtype)
+    xs = x.to("sim")
+    with ops.record() as rec:
+        got = xs.sum()
+    assert set(rec.ops) == {"sum.dim_IntList"}  # PyTorch's composite, then a real out= kernel
+    assert got.dtype == x.sum().dtype and torch.equal(got.cpu(), x.sum())
+    if dtype.is_floating_point:
+        g = xs.clone().requires_grad_()
+        out = g.sum()
+        assert type(out.grad_fn).__name__ == "SumBackward0"
+        out.backward()
+        assert torch.equal(g.grad.cpu(), torch.ones_like(x))
+
+
 def test_threads_making_tensors_of_one_layout_get_their_own_blocks() -> None:
     import threading
     b = active_backend()

@@ -30,8 +30,10 @@ MODEL_OPS = [
     "threshold_backward", "gelu_backward", "silu_backward", "leaky_relu_backward",
     "elu_backward", "hardtanh_backward", "softplus_backward", "hardswish_backward",
     "hardsigmoid_backward", "mish_backward", "logit_backward",
-    # reductions
-    "sum", "mean", "prod", "amax", "amin", "max", "min", "argmax", "argmin", "var", "std",
+    # reductions (sum.default, the whole-tensor sum, is a PyTorch composite calling
+    # sum.dim_IntList: left to it, x.sum() reaches the device as sum.dim_IntList, whose
+    # out= is a real CPU kernel, as on CUDA; sum.default's own out= is a generated copy)
+    "sum.dim_IntList", "sum.IntList_out", "mean", "prod", "amax", "amin", "max", "min", "argmax", "argmin", "var", "std",
     "var_mean", "std_mean", "logsumexp", "norm", "linalg_vector_norm", "all", "any",
     "cumsum", "cumprod", "sort", "topk", "count_nonzero",
     # linear algebra, convolution
