@@ -33,8 +33,8 @@ MODEL_OPS = [
     # reductions (sum.default, the whole-tensor sum, is a PyTorch composite calling
     # sum.dim_IntList: left to it, x.sum() reaches the device as sum.dim_IntList, whose
     # out= is a real CPU kernel, as on CUDA; sum.default's own out= is a generated copy)
-    "sum.dim_IntList", "sum.IntList_out", "mean", "prod", "amax", "amin", "max", "min", "argmax", "argmin", "var", "std",
-    "var_mean", "std_mean", "logsumexp", "norm", "linalg_vector_norm", "all", "any",
+    "sum.dim_IntList", "sum.IntList_out", "mean", "prod", "amax", "amin", "max", "min",
+    "argmax", "argmin", "var", "std", "var_mean", "std_mean", "logsumexp", "norm", "linalg_vector_norm", "all", "any",
     "cumsum", "cumprod", "sort", "topk", "count_nonzero",
     # linear algebra, convolution
     "mm", "bmm", "addmm", "addmv", "mv", "dot", "baddbmm", "addbmm", "convolution",
