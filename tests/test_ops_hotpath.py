@@ -533,6 +533,47 @@ def test_factory_ops_match_cpu_on_the_named_device(index: int) -> None:
     assert torch.scalar_tensor(3, device=dev).item() == 3.0
 
 
+def test_fill_factories_are_one_allocation_and_one_fill(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ones_like & co. are PyTorch composites entering the device three times (empty_like,
+    # fill_); once the composite has shown a layout, later calls allocate it and fill the
+    # chip's view of it themselves
+    from torchport.ops import fastpath
+    fills: list = []
+    real = fastpath._fill_boxed
+    monkeypatch.setattr(fastpath, "_fill_boxed", lambda *a: (fills.append(a[2]), real(*a))[1])
+    x = torch.randn(4, 6).t()  # strides (1, 4): *_like keeps them
+    cases = [
+        (lambda t: torch.zeros_like(t), 0.0),
+        (lambda t: torch.ones_like(t, dtype=torch.float64), 1.0),
+        (lambda t: torch.full_like(t, 2.5), 2.5),
+        (lambda t: torch.full_like(t.to(torch.int64), 2**40), 2**40),
+        (lambda t: torch.ones_like(t, dtype=torch.bool), 1.0),
+        (lambda t: torch.full_like(t, 1 + 2j, dtype=torch.complex64), 1 + 2j),
+        (lambda t: torch.zeros_like(t, memory_format=torch.contiguous_format), 0.0),
+        (lambda t: t.new_zeros((3, 2)), 0.0),
+        (lambda t: t.new_ones((2, 0, 3)), None),  # no bytes: nothing to fill
+        (lambda t: t.new_full((5,), 7, dtype=torch.int32), 7),
+    ]
+    for index in (0, 1):
+        xd = x.to(f"sim:{index}")
+        for make, value in cases:
+            for call in range(3):
+                fills.clear()
+                got, want = make(xd), make(x)
+                assert got.device == xd.device and got.dtype == want.dtype
+                assert got.stride() == want.stride() and torch.equal(got.cpu(), want)
+                if call:  # the first one may be the composite's (the device's own fill_)
+                    assert fills == ([] if value is None else [value])
+    # the CPU's fill_ errors, the block freed
+    alloc = active_backend().allocators[0]
+    u = torch.zeros(3, dtype=torch.uint8, device="sim")
+    before = len(alloc.active)
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="cannot be converted to type uint8_t"):
+            torch.full_like(u, 300)
+    assert len(alloc.active) == before
+
+
 def test_factory_op_naming_another_device() -> None:
     x = torch.randn(3, device="sim:0")
     y = torch.zeros_like(x, device="sim:1")

@@ -377,12 +377,14 @@ def factory(op: torch._ops.OpOverload) -> bool:
         and not own(name, "CPU")
 
 
-def _factory_kernel(op: torch._ops.OpOverload, general: Callable[[tuple, dict], Any],
+def _factory_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.HostViews,
+                    general: Callable[[tuple, dict], Any],
                     slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
     """Factory ops run PyTorch's composite kernel: the backend's own ``empty`` on the
     device the call names (or its tensor argument is on), then ``fill_``/``zero_``/
     ``arange.out`` there -- as CUDA does: no host result, no copy, a cached block. Pinned
-    memory takes the general path."""
+    memory takes the general path. The fill composites (:data:`_FILLS`) learn their
+    results' layouts from it, then make them in one Python entry instead of three."""
     redispatch = op._handle.redispatch_boxed
     fb = fallback
 
@@ -393,7 +395,65 @@ def _factory_kernel(op: torch._ops.OpOverload, general: Callable[[tuple, dict], 
             return general(args, kwargs)
         return redispatch(_CPU_KS, *args, **kwargs)
 
-    return kernel
+    name = op._schema.name.split("::")[1]
+    if name not in _FILLS or backend.runtime.asynchronous:
+        return kernel
+    fill = _FILLS[name]
+    value_at = [a.name for a in op._schema.arguments].index("fill_value") if fill is None \
+        else None
+    entries, add_view = views.entries, views.add
+    # (input's layout id, arguments) -> (nbytes, dtype, size, stride, header per device),
+    # or False where the composite's result is not a plain new tensor of the input's device
+    layouts: dict[tuple, Any] = {}
+
+    def fill_kernel(*args: Any, **kwargs: Any) -> Any:
+        if slow is not None and fb.SLOW:
+            return slow(args, kwargs)
+        x = args[0]
+        e = entries.get((x.data_ptr(), x.dtype, x.shape, x.stride()))
+        if e is None:
+            e = add_view(x, (x.data_ptr(), x.dtype, x.shape, x.stride()))
+        if e is None or kwargs.get("device") is not None or kwargs.get("pin_memory"):
+            return kernel(*args, **kwargs)  # "sim" names the current device: no cache
+        key = (e[1], *[(type(a), tuple(a) if type(a) is list else a) for a in args[1:]],
+               *kwargs.items())
+        try:
+            hit = layouts.get(key)
+        except TypeError:  # an unhashable argument
+            return kernel(*args, **kwargs)
+        index = e[2].index
+        if hit is None:
+            r = kernel(*args, **kwargs)
+            ok = isinstance(r, Tensor) and r.device == e[2] and r.layout == torch.strided \
+                and r.storage_offset() == 0 and not (r.is_conj() or r.is_neg())
+            if len(layouts) > 4096:
+                layouts.clear()
+            layouts[key] = (tensors.storage_nbytes(r.shape, r.stride(), r.element_size()),
+                            r.dtype, list(r.shape), list(r.stride()),
+                            [tensors.layout_header(d.index, r.dtype, r.shape, r.stride())
+                             for d in backend.devices]) if ok else False
+            return r
+        if hit is False:
+            return kernel(*args, **kwargs)
+        nbytes, dtype, size, stride, headers = hit
+        alloc = backend.allocators[index]
+        block = alloc.malloc(nbytes, backend.current_stream_handle(index)) if nbytes else None
+        r = tensors.wrap_block(e[2], alloc, block, nbytes, dtype, size, stride, headers[index])
+        if nbytes:
+            v = views.entry(r)[0]
+            _fill_boxed(_CPU_KS, v, fill if fill is not None else
+                        args[value_at] if len(args) > value_at else kwargs["fill_value"])
+        return r
+
+    return fill_kernel
+
+
+# Factory composites that are one allocation and one fill (PyTorch's kernels call
+# ``empty_like``/``empty`` on the device, then ``fill_``/``zero_``: three Python entries):
+# the value each fills with, ``None`` for their ``fill_value`` argument.
+_FILLS: dict[str, float | None] = {"ones_like": 1.0, "zeros_like": 0.0, "full_like": None,
+                                   "new_ones": 1.0, "new_zeros": 0.0, "new_full": None}
+_fill_boxed = torch.ops.aten.fill_.Scalar._handle.redispatch_boxed
 
 
 def _takes_tensor_lists(op: torch._ops.OpOverload) -> bool:
@@ -424,7 +484,8 @@ def host_kernel(backend: Backend, op: torch._ops.OpOverload, to_cpu: Callable[[T
         return _inplace_kernel(backend, op, hostviews.for_to_cpu(to_cpu, backend.devices),
                                general, slow)
     if factory(op):
-        return _factory_kernel(op, general, slow)
+        return _factory_kernel(backend, op, hostviews.for_to_cpu(to_cpu, backend.devices),
+                               general, slow)
     if random_functional(op) and not asynchronous:
         return _random_kernel(backend, op, _IntoDevice(backend, op, to_cpu), general, slow)
     if not qualifies(op):
