@@ -8,6 +8,10 @@ per step, and the ratio is the median of the ratios of back-to-back sim/CPU run 
 with the same ATen CPU kernels), small-batch ones by the per-op host cost.
 
     .venv/bin/python benchmarks/models.py [--repeat 5] [--steps 10] [--only mlp-large]
+
+``--python-floor`` adds a reference: the CPU step inside an empty ``TorchDispatchMode``
+(one Python call per ATen op, nothing else), timed in the same alternation; its ratio to
+the CPU is what a Python layer between PyTorch and the kernels costs by itself.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchport.sim  # noqa: F401
 
@@ -80,8 +85,16 @@ CASES = [
 ]
 
 
-def make_step(case: Case, device: str) -> Callable[[], float]:
-    """One training step of ``case`` on ``device`` (same seed, so same model and data)."""
+class _EmptyMode(TorchDispatchMode):
+    """Every ATen op through one Python call that only runs it."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        return func(*args, **(kwargs or {}))
+
+
+def make_step(case: Case, device: str, python_floor: bool = False) -> Callable[[], float]:
+    """One training step of ``case`` on ``device`` (same seed, so same model and data);
+    ``python_floor``: inside an empty ``TorchDispatchMode``."""
     torch.manual_seed(0)
     model = case.make_model().to(device)
     x, y = (t.to(device) for t in case.make_batch())
@@ -95,28 +108,36 @@ def make_step(case: Case, device: str) -> Callable[[], float]:
         opt.step()
         return loss.item()
 
-    return step
+    def step_in_mode() -> float:
+        with _EmptyMode():
+            return step()
+
+    return step_in_mode if python_floor else step
 
 
-def time_case(case: Case, steps: int, repeat: int) -> tuple[float, float, float]:
-    """Median seconds per training step on sim and on CPU, and the median of the
-    sim/CPU ratios of back-to-back run pairs. The pairs alternate their order, so that
-    a noisy neighbour or a clock change hits both sides of a ratio alike."""
+def time_case(case: Case, steps: int, repeat: int, python_floor: bool = False
+              ) -> dict[str, tuple[float, float]]:
+    """Per side (``sim``, ``cpu``, and ``floor`` if asked), the median seconds per
+    training step and the median of its ratios to the CPU over back-to-back runs. The
+    runs alternate their order, so that a noisy neighbour or a clock change hits both
+    sides of a ratio alike."""
     fns = {d: make_step(case, d) for d in ("sim", "cpu")}
+    if python_floor:
+        fns["floor"] = make_step(case, "cpu", python_floor=True)
     runs: dict[str, list[float]] = {d: [] for d in fns}
     for fn in fns.values():
         for _ in range(3):
             fn()
+    order = list(fns)
     for i in range(repeat):
-        for d in (("sim", "cpu") if i % 2 == 0 else ("cpu", "sim")):
+        for d in (order if i % 2 == 0 else order[::-1]):
             fn = fns[d]
             t0 = time.perf_counter()
             for _ in range(steps):
                 fn()
             runs[d].append((time.perf_counter() - t0) / steps)
-    ratios = [s / c for s, c in zip(runs["sim"], runs["cpu"], strict=True)]
-    return statistics.median(runs["sim"]), statistics.median(runs["cpu"]), \
-        statistics.median(ratios)
+    return {d: (statistics.median(r), statistics.median(
+        [a / c for a, c in zip(r, runs["cpu"], strict=True)])) for d, r in runs.items()}
 
 
 def main() -> None:
@@ -125,19 +146,27 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--only", default=None, help="run the cases whose name contains this")
+    p.add_argument("--python-floor", action="store_true",
+                   help="also time the CPU step inside an empty TorchDispatchMode")
     args = p.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
           f"{args.repeat} runs x {args.steps} steps; sim memory "
           f"{'strict' if torchport.sim.runtime.strict else 'host-addressable'}")
-    print(f"{'model':<20}{'batch':>7}{'sim ms':>10}{'cpu ms':>10}{'ratio':>8}{'target':>8}")
+    floor = (f"{'floor ms':>10}{'floor':>8}" if args.python_floor else "")
+    print(f"{'model':<20}{'batch':>7}{'sim ms':>10}{'cpu ms':>10}{'ratio':>8}{'target':>8}"
+          + floor)
     for case in CASES:
         if args.only and args.only not in case.name:
             continue
-        ts, tc, ratio = time_case(case, args.steps, args.repeat)
+        t = time_case(case, args.steps, args.repeat, args.python_floor)
         target = 1.10 if case.batch == "large" else 2.0
-        print(f"{case.name:<20}{case.batch:>7}{ts * 1e3:>10.2f}{tc * 1e3:>10.2f}"
-              f"{ratio:>8.2f}{target:>8.2f}")
+        (ts, ratio), (tc, _) = t["sim"], t["cpu"]
+        line = (f"{case.name:<20}{case.batch:>7}{ts * 1e3:>10.2f}{tc * 1e3:>10.2f}"
+                f"{ratio:>8.2f}{target:>8.2f}")
+        if "floor" in t:
+            line += f"{t['floor'][0] * 1e3:>10.2f}{t['floor'][1]:>8.2f}"
+        print(line)
 
 
 if __name__ == "__main__":
