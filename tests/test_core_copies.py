@@ -46,6 +46,26 @@ def test_non_contiguous_source_and_destination():
     assert torch.equal(out, c.t())
 
 
+def test_to_keeps_the_dimension_order_of_a_tensor_with_gaps():
+    # preserve_format on a tensor that is not dense: dense strides in its own order of
+    # dimensions (PyTorch's infer_dense_strides), as the CPU's and CUDA's .to() give
+    base = torch.randn(2, 3, 4, 5)
+    views = [lambda t: t.reshape(-1)[:8].as_strided((2, 2, 1), (2, 4, 1)),
+             lambda t: t.reshape(6, 20)[:3, :4].t()[::2],
+             lambda t: t.contiguous(memory_format=torch.channels_last)[:, :, ::2],
+             lambda t: t.permute(3, 0, 2, 1)[::2]]
+    for view in views:
+        x = view(base)
+        want = x.to(torch.float64).stride()  # the CPU's own _to_copy
+        for d in (x.to("sim"), x.to("sim:1", torch.float64)):
+            assert d.stride() == want and torch.equal(d.cpu(), x.to(d.dtype))
+        dv = view(base.to("sim"))  # the same view on the device
+        for moved in (dv.cpu(), dv.to(torch.float64), dv.to("sim:1"), dv.clone()):
+            assert moved.stride() == want and torch.equal(moved.cpu(), x.to(moved.dtype))
+    x = views[1](base)
+    assert x.to("sim", memory_format=torch.contiguous_format).is_contiguous()
+
+
 def test_across_device_indices():
     c = torch.randn(3, 5)
     d0 = c.to("sim:0")

@@ -37,6 +37,16 @@ def strides_for(size, memory_format: torch.memory_format | None) -> list[int]:
     return tensors.contiguous_strides(size)
 
 
+def preserved_strides(t: torch.Tensor) -> list[int]:
+    """Strides of a copy of ``t`` in ``preserve_format`` (``.to()``, ``clone``): ``t``'s own
+    when non-overlapping and dense, else dense ones in ``t``'s order of dimensions -- what
+    PyTorch's ``empty_like`` computes (``infer_dense_strides``), asked of a meta tensor."""
+    if tensors.is_non_overlapping_and_dense(t):
+        return list(t.stride())
+    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return list(torch.empty_like(meta).stride())
+
+
 def copy_between(backend: Backend, dst: torch.Tensor, src: torch.Tensor,
                  non_blocking: bool = False) -> torch.Tensor:
     """``dst.copy_(src)`` where either side is a device tensor."""
@@ -186,16 +196,12 @@ def core_kernels(backend: Backend) -> dict[str, Callable[..., Any]]:
         _check_layout(layout)
         dtype = dtype or self.dtype
         device = torch.device(device) if device is not None else self.device
-        keep = memory_format in (None, torch.preserve_format) and \
-            tensors.is_non_overlapping_and_dense(self)
+        stride = preserved_strides(self) if memory_format in (None, torch.preserve_format) \
+            else strides_for(self.shape, memory_format)
         if device.type == backend.name:
-            out = (backend.empty_strided(self.shape, self.stride(), dtype, device) if keep else
-                   backend.empty_strided(self.shape, strides_for(self.shape, memory_format),
-                                         dtype, device))
+            out = backend.empty_strided(self.shape, stride, dtype, device)
         else:
-            out = (torch.empty_strided(self.shape, self.stride(), dtype=dtype, device=device)
-                   if keep else torch.empty(self.shape, dtype=dtype, device=device,
-                                            memory_format=memory_format or torch.contiguous_format))
+            out = torch.empty_strided(self.shape, stride, dtype=dtype, device=device)
         return copy_between(backend, out, self, non_blocking)
 
     def local_scalar_dense(self):
