@@ -84,6 +84,25 @@ def test_resize_grows_and_keeps_data():
     assert torch.equal(d.cpu(), torch.arange(2.0))
 
 
+def test_resize_and_set_grow_the_shared_storage_in_place():
+    # as on CUDA (and the CPU): the storage itself grows, so every tensor on it sees the
+    # new memory, and set_ past the storage's end grows it too
+    before = torch.sim.memory_allocated()
+    for dev in ("cpu", "sim"):
+        x = torch.arange(1.0, 5.0, device=dev).view(2, 2)
+        view = x.view(4)
+        x.resize_(3, 3)
+        x.fill_(7)
+        assert view.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        assert view.untyped_storage().nbytes() == 36 and view.tolist() == [7.0] * 4
+        y = torch.arange(1.0, 5.0, device=dev)
+        e = torch.empty(0, device=dev).set_(y.untyped_storage(), 2, (3,), (1,))
+        e.fill_(9)
+        assert y.untyped_storage().nbytes() == 20 and y.tolist() == [1.0, 2.0, 9.0, 9.0]
+        del x, view, y, e
+    assert torch.sim.memory_allocated() == before  # the outgrown blocks went back too
+
+
 def test_set_storage_and_tensor():
     c = _cpu()
     d = c.to("sim")

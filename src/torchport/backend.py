@@ -32,6 +32,14 @@ class BackendError(RuntimeError):
     """A backend cannot be registered or used as asked."""
 
 
+def grow_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Grow a device storage to at least ``nbytes`` in place (its device's
+    ``UntypedStorage.resize_``, :mod:`torchport.storage`), as a tensor's ``resize_`` or
+    ``set_`` past the storage's end does on CUDA."""
+    if nbytes > storage.nbytes():
+        storage.resize_(nbytes)
+
+
 def parse_visible_devices(text: str | None, count: int) -> list[int]:
     """``TORCHPORT_VISIBLE_DEVICES`` -> physical indices, like ``CUDA_VISIBLE_DEVICES``:
     a comma list of indices; the list stops at the first invalid entry."""
@@ -226,18 +234,13 @@ class Backend:
         tensors.write_from_host(self, dev, cpu.expand(dev.shape), stream)
 
     def resize_device_tensor(self, t: torch.Tensor, size, stride) -> None:
-        """``resize_`` semantics: grow the storage when needed, keeping its bytes."""
+        """``resize_`` semantics: grow the storage when needed, keeping its bytes -- in
+        place, as CUDA does, so that every tensor sharing it sees the new memory."""
         size, stride = list(size), list(stride)
-        need = tensors.storage_nbytes(size, stride, t.element_size(), t.storage_offset())
-        storage = t.untyped_storage()
-        if need > storage.nbytes():
-            index = t.device.index
-            grown = self.empty_strided([need], [1], torch.uint8, index).untyped_storage()
-            if storage.nbytes():
-                p = self.phys(index)
-                self.runtime.copy_d2d(p, grown.data_ptr(), p, storage.data_ptr(), storage.nbytes())
-            storage = grown
-        _set_storage.redispatch(_CPU_KS, t, storage, t.storage_offset(), size, stride)
+        grow_storage(t.untyped_storage(), tensors.storage_nbytes(
+            size, stride, t.element_size(), t.storage_offset()))
+        _set_storage.redispatch(_CPU_KS, t, t.untyped_storage(), t.storage_offset(), size,
+                                stride)
 
     def add_kernels(self, ks: Any) -> list[str]:
         """Add a :class:`~torchport.ops.KernelSet` (also after registration); returns the
