@@ -66,6 +66,25 @@ def test_to_keeps_the_dimension_order_of_a_tensor_with_gaps():
     assert x.to("sim", memory_format=torch.contiguous_format).is_contiguous()
 
 
+def test_copy_between_overlapping_views_is_refused_as_on_cpu():
+    # ATen refuses a copy whose source and destination share only some memory (or share
+    # it in another layout); a full, same-layout overlap and disjoint views are fine
+    cases = [lambda x: x[1:].copy_(x[:-1]), lambda x: x.view(2, 2).t().copy_(x.view(2, 2)),
+             lambda x: x[:3].copy_(x[2:3]), lambda x: x.copy_(x), lambda x: x[2:].copy_(x[:2]),
+             lambda x: x[1:].copy_(x[:1]), lambda x: x[1:].copy_(x[:-1].double())]
+    def outcome(case, dev: str) -> object:
+        x = torch.arange(4.0, device=dev)
+        try:
+            case(x)
+        except RuntimeError as e:
+            return str(e)
+        return x.tolist()
+    outcomes = [(outcome(case, "sim"), outcome(case, "cpu")) for case in cases]
+    assert all(got == want for got, want in outcomes)
+    assert ["refer to a single memory location" in str(o) for o, _ in outcomes] == \
+        [True, True, True, False, False, False, False]
+
+
 def test_across_device_indices():
     c = torch.randn(3, 5)
     d0 = c.to("sim:0")

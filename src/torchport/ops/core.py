@@ -52,6 +52,8 @@ def copy_between(backend: Backend, dst: torch.Tensor, src: torch.Tensor,
                  non_blocking: bool = False) -> torch.Tensor:
     """``dst.copy_(src)`` where either side is a device tensor."""
     name = backend.name
+    if src.device == dst.device:
+        _assert_no_partial_overlap(dst, src)
     if src.shape != dst.shape:
         src = src.expand(dst.shape)
     if dst.numel() == 0:
@@ -85,6 +87,26 @@ def copy_between(backend: Backend, dst: torch.Tensor, src: torch.Tensor,
                            f"go through the CPU")
     dst.copy_(_host_values(backend, src))
     return dst
+
+
+def _assert_no_partial_overlap(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """ATen's check before a copy (TensorIterator's): ``dst`` and ``src`` may share memory
+    fully (one layout) or not at all. The host's views of two device tensors are separate
+    CPU storages, so the CPU's own check cannot see it; it is made on the device tensors
+    (``get_overlap_status``: dense layouts only, as ATen's)."""
+    if dst.numel() == 0 or src.numel() == 0 \
+            or dst.untyped_storage().data_ptr() != src.untyped_storage().data_ptr() \
+            or not (tensors.is_non_overlapping_and_dense(dst)
+                    and tensors.is_non_overlapping_and_dense(src)):
+        return
+    d0, s0 = dst.data_ptr(), src.data_ptr()
+    d1, s1 = d0 + dst.numel() * dst.element_size(), s0 + src.numel() * src.element_size()
+    if (d0, d1) == (s0, s1) and dst.stride() == src.stride():
+        return  # the same elements in the same layout
+    if d0 < s1 and s0 < d1:
+        raise RuntimeError("unsupported operation: some elements of the input tensor and the "
+                           "written-to tensor refer to a single memory location. Please clone() "
+                           "the tensor before performing the operation.")
 
 
 def _host_view(backend: Backend, t: torch.Tensor) -> torch.Tensor:
