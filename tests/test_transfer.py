@@ -125,6 +125,13 @@ def test_tensor_methods(xfer):
     assert x.cuda().is_cuda and not x.is_cuda
     torch.cuda.set_device(1)
     assert x.cuda().device == torch.device("sim:1")
+    # a device without an index is the current one, as on CUDA (Tensor.to asks the C++
+    # device guard, whose Python version answers 0)
+    for spec in ("cuda", torch.device("cuda"), "sim"):
+        assert x.to(spec).device == torch.device("sim:1")
+        assert x.to(device=spec, dtype=torch.float64).device == torch.device("sim:1")
+        assert torch.nn.Linear(2, 2).to(spec).weight.device == torch.device("sim:1")
+    assert x.to("cuda:0").device == torch.device("sim:0")
     assert x.pin_memory().is_pinned() in (True, False)
     assert torch.equal(x.pin_memory(), x)
 

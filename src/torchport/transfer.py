@@ -133,6 +133,32 @@ def _device_all(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _device_to(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``Tensor.to``: as :func:`_device_all`, and a device without an index becomes
+    the current one. ``Tensor.to`` resolves that index through the C++ device guard, which
+    answers 0 for a Python backend (PyTorch 2.13), where CUDA answers its current device."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _map_args(args, kwargs)
+        args = tuple(_with_index(a) for a in args)
+        if "device" in kwargs:
+            kwargs["device"] = _with_index(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    wrapper.__torchport_original__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _with_index(d: Any) -> Any:
+    """The backend's device without an index -> the current device; anything else unchanged."""
+    b = _S.backend
+    if (d == b.name if isinstance(d, str) else type(d) is _RealDevice and d.type == b.name
+            and d.index is None):
+        return _RealDevice(b.name, b.current_device())
+    return d
+
+
 def _warn_once(api: str, message: str) -> None:
     if api not in _S.warned:
         _S.warned.add(api)
@@ -531,7 +557,8 @@ def _install(b: Backend) -> None:
     copyreg.pickle(_RealDevice, _reduce_device)
     for name in _factory_names():
         p(torch, name, _device_kw(getattr(torch, name)))
-    for name in ("to", "new_empty", "new_empty_strided", "new_full", "new_ones", "new_zeros",
+    p(T, "to", _device_to(T.to))
+    for name in ("new_empty", "new_empty_strided", "new_full", "new_ones", "new_zeros",
                  "new_tensor"):
         p(T, name, _device_all(getattr(T, name)))
     p(T, "cuda", _tensor_cuda)
