@@ -18,6 +18,7 @@ import torch
 from torchport import tensors
 from torchport.allocator import DeviceAllocator
 from torchport.runtime import Runtime
+from torchport.storage import resize_storage
 
 _ACTIVE: Backend | None = None
 # Host-computed results at least this large are adopted as device memory where the
@@ -30,14 +31,6 @@ DEFAULT_SEED = 67280421310721  # CUDA's default generator seed
 
 class BackendError(RuntimeError):
     """A backend cannot be registered or used as asked."""
-
-
-def grow_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
-    """Grow a device storage to at least ``nbytes`` in place (its device's
-    ``UntypedStorage.resize_``, :mod:`torchport.storage`), as a tensor's ``resize_`` or
-    ``set_`` past the storage's end does on CUDA."""
-    if nbytes > storage.nbytes():
-        storage.resize_(nbytes)
 
 
 def parse_visible_devices(text: str | None, count: int) -> list[int]:
@@ -233,11 +226,17 @@ class Backend:
         stream = self.current_stream_handle(dev.device.index) if non_blocking else None
         tensors.write_from_host(self, dev, cpu.expand(dev.shape), stream)
 
+    def grow_storage(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Grow a device storage to at least ``nbytes`` in place, as a tensor's ``resize_``
+        or ``set_`` past the storage's end does on CUDA."""
+        if nbytes > storage.nbytes():
+            resize_storage(self, storage, nbytes)
+
     def resize_device_tensor(self, t: torch.Tensor, size, stride) -> None:
         """``resize_`` semantics: grow the storage when needed, keeping its bytes -- in
         place, as CUDA does, so that every tensor sharing it sees the new memory."""
         size, stride = list(size), list(stride)
-        grow_storage(t.untyped_storage(), tensors.storage_nbytes(
+        self.grow_storage(t.untyped_storage(), tensors.storage_nbytes(
             size, stride, t.element_size(), t.storage_offset()))
         _set_storage.redispatch(_CPU_KS, t, t.untyped_storage(), t.storage_offset(), size,
                                 stride)

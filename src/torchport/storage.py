@@ -38,27 +38,33 @@ def install_storage_resize(backend: Backend) -> None:
     def resize_(self: Any, size: int) -> Any:
         if self.device.type != name:
             return _C_RESIZE(self, size)
-        n, old = int(size), self.nbytes()
-        if n < 0:
-            raise RuntimeError(f"resize_: size must be non-negative, got {n}")
-        if n == old:
-            return self
-        index = self.device.index
-        if backend.runtime.asynchronous:
-            backend.synchronize(index)  # queued kernels may still read or write the old block
-        fresh = backend.empty_strided([n], [1], torch.uint8, index).untyped_storage()
-        keep = min(n, old)
-        if keep:
-            p = backend.phys(index)
-            backend.runtime.copy_d2d(p, fresh.data_ptr(), p, self.data_ptr(), keep)
-        if old and n:  # _swap_data_ptr_ needs equal sizes or one empty side: empty self first
-            empty = backend.empty_strided([0], [1], torch.uint8, index).untyped_storage()
-            tensors.swap_storage_blocks(self, empty)
-        tensors.swap_storage_blocks(self, fresh)
+        resize_storage(backend, self, int(size))
         return self
 
     resize_.__doc__ = _C_RESIZE.__doc__
     torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+
+
+def resize_storage(backend: Backend, storage: torch.UntypedStorage, n: int) -> None:
+    """Resize a device storage to ``n`` bytes in place, keeping the bytes both sizes hold:
+    every tensor on it sees the new memory."""
+    old = storage.nbytes()
+    if n < 0:
+        raise RuntimeError(f"resize_: size must be non-negative, got {n}")
+    if n == old:
+        return
+    index = storage.device.index
+    if backend.runtime.asynchronous:
+        backend.synchronize(index)  # queued kernels may still read or write the old block
+    fresh = backend.empty_strided([n], [1], torch.uint8, index).untyped_storage()
+    keep = min(n, old)
+    if keep:
+        p = backend.phys(index)
+        backend.runtime.copy_d2d(p, fresh.data_ptr(), p, storage.data_ptr(), keep)
+    if old and n:  # _swap_data_ptr_ needs equal sizes or one empty side: empty it first
+        empty = backend.empty_strided([0], [1], torch.uint8, index).untyped_storage()
+        tensors.swap_storage_blocks(storage, empty)
+    tensors.swap_storage_blocks(storage, fresh)
 
 
 @device_module.extend

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport import tensors
-from torchport.backend import grow_storage
 from torchport.ops import hostviews
 
 if TYPE_CHECKING:
@@ -201,8 +200,8 @@ def core_kernels(backend: Backend) -> dict[str, Callable[..., Any]]:
         if stride is None:
             stride = tensors.contiguous_strides(size)
         _check_same_device(backend, self, source.device)
-        grow_storage(source, tensors.storage_nbytes(size, stride, self.element_size(),
-                                                    storage_offset))
+        backend.grow_storage(source, tensors.storage_nbytes(size, stride, self.element_size(),
+                                                            storage_offset))
         return _set_storage.redispatch(_CPU_KS, self, source, storage_offset, size, stride)
 
     def set_tensor(self, source):
