@@ -9,7 +9,7 @@ Each mode runs in a fresh process (the runtime reads its settings at start):
   launch completes before returning, as when debugging.
 
 The loop is plain PyTorch on ``sim`` tensors (``torch.tanh(c @ b)``): the kernel
-layer allocates each result from the meta kernel's layout and queues the
+layer allocates each result in the CPU kernel's layout (learned once) and queues the
 computation on the current stream through ``Runtime.launch``.
 
 Usage: ``python benchmarks/async_overlap.py [--n 1024] [--iters 20]``

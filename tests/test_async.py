@@ -51,6 +51,28 @@ def test_kernels_are_queued_and_results_match_cpu():
     assert "ok" in out
 
 
+def test_queued_results_have_the_cpu_kernels_strides():
+    # The meta kernel of x + 1, x of shape (1, 4) and strides (1, 1), says (4, 1); the CPU
+    # kernel keeps (1, 1). The queued op must give the CPU's layout without waiting.
+    out = run("""
+        cases = [torch.arange(4.).as_strided((1, 4), (1, 1)),
+                 torch.arange(6.).as_strided((3, 1, 2), (2, 7, 1)),
+                 torch.arange(12.).view(3, 4).t(), torch.ones(2, 1, 3)[:, :, ::2]]
+        for x in cases:
+            d = x.to("sim")
+            for _ in range(2):                  # the first call with a layout, then a later one
+                close_gate()
+                ys = [d + 1, torch.exp(d), d * d, torch.sigmoid(d)]
+                assert not torch.sim.current_stream().query()   # queued behind the gate
+                gate.set()
+                for y, want in zip(ys, [x + 1, torch.exp(x), x * x, torch.sigmoid(x)]):
+                    assert y.stride() == want.stride(), (x.stride(), y.stride(), want.stride())
+                    assert torch.equal(y.cpu(), want)
+        print("ok")
+    """)
+    assert "ok" in out
+
+
 def test_host_reads_wait_for_queued_work():
     out = run("""
         x = torch.zeros(1000, device="sim")

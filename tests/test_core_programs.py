@@ -15,10 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import torchport.sim
-
 Pair = tuple[torch.Tensor, torch.Tensor]  # (cpu, device)
-_ASYNC = torchport.sim.runtime.asynchronous
 
 
 class _Program:
@@ -109,19 +106,8 @@ class _Program:
         for step in range(steps):
             self.rng.choice(kinds)()
             for c, d in self.pool:
-                assert (d.shape, _strides(d), d.dtype) == (c.shape, _strides(c), c.dtype), step
+                assert (d.shape, d.stride(), d.dtype) == (c.shape, c.stride(), c.dtype), step
                 assert torch.equal(d.cpu(), c), step
-
-
-def _strides(t: torch.Tensor) -> tuple:
-    # An asynchronous sim takes a new tensor's layout from the meta kernel, whose strides
-    # for dimensions of size 1 can differ from the CPU kernel's (x + 1 for x of shape
-    # (1, 4), strides (1, 1): the CPU keeps (1, 1), the meta kernel says (4, 1)); no
-    # element's address depends on them. The synchronous sim checks its layouts against
-    # the CPU's and matches them all.
-    if _ASYNC:
-        return tuple(st for n, st in zip(t.shape, t.stride(), strict=True) if n != 1)
-    return t.stride()
 
 
 @pytest.mark.parametrize("seed", range(8))

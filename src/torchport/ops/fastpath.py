@@ -875,30 +875,19 @@ class _IntoDevice:
         _call_out(call, fast, cargs, kwargs)
         return outs
 
-    def _outputs(self, index: int, args: tuple, kwargs: dict) -> tuple[Any, list] | None:
-        """New device tensors shaped as the meta kernel says, or ``None``."""
-        try:
-            specs = derive.output_specs(self.op, args, kwargs)
-        except Exception:  # no meta kernel, a data-dependent shape, a non-tensor result
-            return None
+    def launch(self, index: int, specs: list, args: tuple, kwargs: dict, rt: Any, phys: int,
+               stream: Any, label: str) -> Any:
+        """New device tensors laid out as ``specs`` say, the computation into them queued
+        on ``stream``; returns them."""
         b = self.backend
         outs = [b.empty_strided(shape, stride, dtype, index) for shape, stride, dtype in specs]
-        return (outs[0] if self.single else tuple(outs)), outs
-
-    def launch(self, index: int, args: tuple, kwargs: dict, rt: Any, phys: int, stream: Any,
-               label: str) -> Any:
-        """Queue the computation on ``stream``; the results, or ``None`` (not launchable)."""
-        made = self._outputs(index, args, kwargs)
-        if made is None:
-            return None
-        result, outs = made
         to_cpu = self.to_cpu
         cargs = [to_cpu(a) if isinstance(a, Tensor) else a for a in args]
         ckw = {k: to_cpu(v) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
         ckw.update({n: to_cpu(o) for n, o in zip(self.out_names, outs, strict=True)})
         out = self.out
         rt.launch(phys, stream, lambda: out(*cargs, **ckw), label)
-        return result
+        return outs[0] if self.single else tuple(outs)
 
 
 def _call_out(call: Callable[..., Any], fast: Callable[..., Any] | None, cargs: list,
@@ -984,11 +973,18 @@ def _launching_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoDe
                       general: Callable[[tuple, dict], Any],
                       slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
     """Asynchronous runtimes: allocate the results now (layout from the meta kernel),
-    queue the computation on the current stream, return before it ran."""
+    queue the computation on the current stream, return before it ran.
+
+    The results' layouts are the CPU kernel's: the first call with each layout of the
+    inputs runs the CPU kernel on zeros laid out as the inputs, next to the meta kernel
+    (whose strides for dimensions of size 1, say, can differ), without waiting for the
+    stream. Where the meta kernel cannot say (a data-dependent shape), the host computes
+    the op now (``general``)."""
     fb = fallback
     name = backend.name
     rt = backend.runtime
     label = str(op)
+    layouts: dict[tuple, list | None] = {}  # inputs' layout key -> results' specs
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if slow is not None and fb.SLOW:
@@ -1002,9 +998,56 @@ def _launching_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoDe
                 device = a.device
         if device is None or into.out is None:
             return general(args, kwargs)
+        key = (tuple(map(_layout_of, args)), tuple((k, _layout_of(v)) for k, v in kwargs.items()))
+        try:
+            specs = layouts.get(key, False)
+        except TypeError:  # an unhashable argument
+            specs = _result_specs(op, args, kwargs)
+        else:
+            if specs is False:
+                if len(layouts) > 4096:
+                    layouts.clear()
+                specs = layouts[key] = _result_specs(op, args, kwargs)
+        if specs is None:
+            return general(args, kwargs)
         index = device.index
-        launched = into.launch(index, args, kwargs, rt, backend.visible[index],
-                               backend.current_stream_handle(index), label)
-        return general(args, kwargs) if launched is None else launched
+        return into.launch(index, specs, args, kwargs, rt, backend.visible[index],
+                           backend.current_stream_handle(index), label)
 
     return kernel
+
+
+def _layout_of(v: Any) -> Any:
+    """What of an argument can decide a result's layout: a float's value never does."""
+    if isinstance(v, Tensor):
+        return (v.dtype, v.shape, v.stride())
+    t = type(v)
+    return t if t is float else (t, tuple(v) if t is list else v)
+
+
+def _result_specs(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list | None:
+    """The CPU kernel's (shape, strides, dtype) of each result for inputs of these
+    layouts, or ``None`` where the meta kernel cannot say. Asked of the CPU kernel on
+    zeros laid out as the inputs (values never decide a layout; data-dependent shapes
+    fail on the meta kernel first); inputs it refuses as zeros leave the meta kernel's
+    word."""
+    try:
+        specs = derive.output_specs(op, args, kwargs)
+    except Exception:  # no meta kernel, a data-dependent shape, a bad input
+        return None
+
+    def zeros(v: Any) -> Any:
+        if not isinstance(v, Tensor):
+            return v
+        n = tensors.storage_nbytes(v.shape, v.stride(), v.element_size()) // v.element_size()
+        return torch.zeros(n, dtype=v.dtype).as_strided(v.shape, v.stride())
+
+    got: list = []
+    try:
+        _warnings_of(lambda: got.append(op._op(*map(zeros, args),
+                                               **{k: zeros(v) for k, v in kwargs.items()})))
+    except Exception:
+        return specs
+    results = [got[0]] if isinstance(got[0], Tensor) else list(got[0])
+    cpu = [(tuple(x.shape), x.stride(), x.dtype) for x in results]
+    return cpu if [(s, d) for s, _, d in cpu] == [(tuple(s), d) for s, _, d in specs] else specs
