@@ -1,5 +1,6 @@
 """torch.sim mirrors torch.cuda; registration; visible devices (issue 2, items 3, 9)."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -48,6 +49,46 @@ def test_current_device_and_context_managers():
         assert torch.zeros(1, device="sim").device.index == 1
     finally:
         torch.sim.set_device(0)
+
+
+def test_a_device_without_an_index_is_the_current_device():
+    # PyTorch resolves "sim" for these through the C++ device guard, whose Python version
+    # answers 0; CUDA's answers the current device, which every one of them must give.
+    x = torch.arange(3.0)
+    makers = {
+        "Tensor.to(str)": lambda: x.to("sim"),
+        "Tensor.to(device)": lambda: x.to(torch.device("sim")),
+        "Tensor.to(device=)": lambda: x.to(device="sim", dtype=torch.float64),
+        "Module.to": lambda: torch.nn.Linear(3, 3).to("sim").weight,
+        "new_tensor": lambda: x.new_tensor([0.0, 1.0, 2.0], device="sim"),
+        "tensor": lambda: torch.tensor([0.0, 1.0, 2.0], device="sim"),
+        "as_tensor": lambda: torch.as_tensor(x, device="sim"),
+        "asarray": lambda: torch.asarray([0.0, 1.0, 2.0], device="sim"),
+        "empty": lambda: torch.empty(3, device="sim"),
+    }
+    for current in (1, 0):
+        torch.sim.set_device(current)
+        try:
+            for name, make in makers.items():
+                assert make().device == torch.device("sim", current), name
+            for default in ("block", "set_default_device"):  # the device PyTorch adds
+                ctx = torch.device("sim") if default == "block" else contextlib.nullcontext()
+                if default == "set_default_device":
+                    torch.set_default_device("sim")
+                try:
+                    with ctx:
+                        for made in (torch.tensor([1.0]), torch.as_tensor([1.0]),
+                                     torch.ones(1)):
+                            assert made.device == torch.device("sim", current), default
+                finally:
+                    torch.set_default_device(None)
+            assert torch.tensor([1.0]).device.type == "cpu"
+            on = torch.ones(2, device=f"sim:{current}")
+            assert on.to("sim") is on  # already there: no copy
+            assert x.to("sim:0").device.index == 0  # an explicit index is kept
+            assert torch.equal(x.to("sim").cpu(), x)
+        finally:
+            torch.sim.set_device(0)
 
 
 def test_properties():

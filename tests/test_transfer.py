@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "cuda"
 _ORIG_ZEROS = torch.zeros
 _ORIG_CUDA_AVAILABLE = torch.cuda.is_available
+_ORIG_TO, _ORIG_TENSOR = torch.Tensor.to, torch.tensor  # the backend's (torchport.device_index)
 
 
 @pytest.fixture
@@ -317,7 +318,8 @@ def test_disable_restores_everything(xfer):
     xfer.disable()
     assert torch.device is torch._C.device
     assert torch.zeros is _ORIG_ZEROS and torch.cuda.is_available is _ORIG_CUDA_AVAILABLE
-    assert "to" not in vars(torch.Tensor) and "cuda" not in vars(torch.Tensor)
+    assert torch.Tensor.to is _ORIG_TO and torch.tensor is _ORIG_TENSOR
+    assert "cuda" not in vars(torch.Tensor)
     assert "is_cuda" not in vars(torch.Tensor)
     assert torch.autocast is torch.amp.autocast_mode.autocast
     assert torch._C.device not in copyreg.dispatch_table

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from torchport import tensors
+from torchport import device_index, tensors
 from torchport.allocator import DeviceAllocator
 from torchport.runtime import Runtime
 from torchport.storage import resize_storage
@@ -283,6 +283,7 @@ class Backend:
                 unsupported_dtype=list(self.runtime.unsupported_dtypes))
             registry.install(self)
             serialization.install(self)
+            device_index.install(self.name, self.current_device)
             # The Python device guard reports one device; the autograd engine's per-device
             # threads would assert on index >= 1 (see DESIGN-NOTES).
             torch.autograd.set_multithreading_enabled(False)

@@ -100,11 +100,10 @@ def _map_type(device_type: Any) -> Any:
     return _name() if device_type == "cuda" else device_type
 
 
-def _map_args(args: tuple[Any, ...], kwargs: dict[str, Any],
-              map_one: Callable[[Any], Any] = map_device) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    args = tuple(map_one(a) if isinstance(a, str | _RealDevice) else a for a in args)
+def _map_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    args = tuple(map_device(a) if isinstance(a, str | _RealDevice) else a for a in args)
     if "device" in kwargs:
-        kwargs["device"] = map_one(kwargs["device"])
+        kwargs["device"] = map_device(kwargs["device"])
     return args, kwargs
 
 
@@ -122,29 +121,16 @@ def _device_kw(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _device_all(fn: Callable[..., Any], map_one: Callable[[Any], Any] = map_device
-                ) -> Callable[..., Any]:
+def _device_all(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a function that may take the device positionally (``Tensor.to``, ...)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _map_args(args, kwargs, map_one)
+        args, kwargs = _map_args(args, kwargs)
         return fn(*args, **kwargs)
 
     wrapper.__torchport_original__ = fn  # type: ignore[attr-defined]
     return wrapper
-
-
-def _map_with_index(d: Any) -> Any:
-    """:func:`map_device`, and the backend's device without an index -> the current one.
-    For ``Tensor.to``, which resolves that index through the C++ device guard: it answers
-    0 for a Python backend (PyTorch 2.13), where CUDA answers its current device."""
-    d = map_device(d)
-    b = _S.backend
-    if (d == b.name if isinstance(d, str) else type(d) is _RealDevice and d.type == b.name
-            and d.index is None):
-        return _RealDevice(b.name, b.current_device())
-    return d
 
 
 def _warn_once(api: str, message: str) -> None:
@@ -545,8 +531,7 @@ def _install(b: Backend) -> None:
     copyreg.pickle(_RealDevice, _reduce_device)
     for name in _factory_names():
         p(torch, name, _device_kw(getattr(torch, name)))
-    p(T, "to", _device_all(T.to, _map_with_index))
-    for name in ("new_empty", "new_empty_strided", "new_full", "new_ones", "new_zeros",
+    for name in ("to", "new_empty", "new_empty_strided", "new_full", "new_ones", "new_zeros",
                  "new_tensor"):
         p(T, name, _device_all(getattr(T, name)))
     p(T, "cuda", _tensor_cuda)
