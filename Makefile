@@ -26,16 +26,17 @@ test: $(STAMP)
 		tests/test_sim_core_opset.py tests/test_sim_attention.py tests/test_ops_hotpath.py
 	TORCHPORT_SIM_ASYNC=1 $(BIN)/python -m pytest -q tests/test_core_*.py tests/test_streams.py
 
-# Every OpInfo of PyTorch's op_db, sim vs CPU, in both sim memory modes: default
-# (reports/conformance.{json,md}) and TORCHPORT_SIM_STRICT=1 (reports/conformance-strict.*).
-# Both runs always execute; the target fails if either has a failure. The full
-# run takes 3-4 minutes on 2 cores (one worker per core; up to 10 on a loaded machine), the
-# strict one about as long.
+# Every OpInfo of PyTorch's op_db, sim vs CPU, in both sim memory modes, default
+# (reports/conformance.{json,md}) and TORCHPORT_SIM_STRICT=1 (reports/conformance-strict.*),
+# and with kernels queued on stream workers, TORCHPORT_SIM_ASYNC=1
+# (reports/conformance-async.*). All runs always execute; the target fails if any has a
+# failure. Each takes 3-7 minutes on 2 cores (one worker per core).
 CONFORMANCE_ARGS ?= --full --max-samples 5 --op-timeout 120 --quiet
 conformance: $(STAMP)
 	rc=0; \
 	$(BIN)/python -m tests.conformance.run $(CONFORMANCE_ARGS) || rc=1; \
 	$(BIN)/python -m tests.conformance.run $(CONFORMANCE_ARGS) --strict || rc=1; \
+	$(BIN)/python -m tests.conformance.run $(CONFORMANCE_ARGS) --async || rc=1; \
 	exit $$rc
 
 # Medians and ratios against native CPU in the same run (figures in the README).

@@ -14,9 +14,11 @@ as "known" with their reason, counted apart from passes and failures.
     python -m tests.conformance.run --full          # every OpInfo (long)
     python -m tests.conformance.run --ops 'add|mul' --dtypes float32,int64 --max-samples 4
     python -m tests.conformance.run --strict        # TORCHPORT_SIM_STRICT=1 (device-only memory)
+    python -m tests.conformance.run --async         # TORCHPORT_SIM_ASYNC=1 (queued kernels)
 
 Writes ``reports/conformance.{json,md}`` (``reports/conformance-strict.{json,md}``
-with ``--strict``; ``--out``/``--name`` change that). The work runs
+with ``--strict``, ``conformance-async`` with ``--async``; ``--out``/``--name`` change
+that). The work runs
 in worker processes (``--jobs``): a crash or hang of one op costs that op, not
 the run. Exit status: 0 when nothing failed.
 """
@@ -516,6 +518,8 @@ def _run_workers(args: argparse.Namespace, keys: list[str],
     env.pop("TORCHPORT_OP_STATS", None)
     if args.strict:
         env["TORCHPORT_SIM_STRICT"] = "1"
+    if args.asynchronous:
+        env["TORCHPORT_SIM_ASYNC"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     jobs = max(1, min(args.jobs, len(keys)))
     chunks = [keys[i::jobs] for i in range(jobs)]
@@ -693,6 +697,8 @@ def write_reports(results: list[dict[str, Any]], out_dir: Path, meta: dict[str, 
     dts = meta["dtypes"]
     mode = ("TORCHPORT_SIM_STRICT=1 (device memory not host-addressable: every byte "
             "through the runtime)" if meta["strict"] else "default (host-addressable memory)")
+    if meta.get("asynchronous"):
+        mode += ", TORCHPORT_SIM_ASYNC=1 (kernels queued on stream workers)"
     lines = ["# torchport conformance: sim vs CPU over PyTorch's OpInfo database", "",
              f"Command: `{meta['command']}`  ", f"PyTorch {meta['torch']}, sim memory: {mode}, "
              f"dtypes: {', '.join(dts)}, max samples per OpInfo and dtype: "
@@ -859,12 +865,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-samples", type=int, default=None, help="samples per OpInfo and dtype")
     p.add_argument("--strict", action="store_true", help="TORCHPORT_SIM_STRICT=1 (device-only "
                    "memory)")
+    p.add_argument("--async", dest="asynchronous", action="store_true",
+                   help="TORCHPORT_SIM_ASYNC=1 (kernels queued on stream workers)")
     p.add_argument("--no-grad", action="store_true", help="skip the gradient checks")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     p.add_argument("--op-timeout", type=float, default=600.0, help="seconds per OpInfo")
     p.add_argument("--out", default=str(ROOT / "reports"), help="report directory")
     p.add_argument("--name", help="report file name without extension (default: conformance, "
-                   "conformance-strict with --strict)")
+                   "conformance-strict with --strict, conformance-async with --async)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-ids", help=argparse.SUPPRESS)
@@ -881,7 +889,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if a.max_samples is None:
             a.max_samples = SUBSET_MAX_SAMPLES
     a.dtypes = a.dtypes or list(DEFAULT_DTYPES)
-    a.name = a.name or ("conformance-strict" if a.strict else "conformance")
+    a.name = a.name or "-".join(["conformance"] + ["strict"] * a.strict
+                                + ["async"] * a.asynchronous)
     import torch
     for d in a.dtypes:
         if not isinstance(getattr(torch, d, None), torch.dtype):
@@ -903,7 +912,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def meta(done: bool) -> dict[str, Any]:
         return {"command": "python -m tests.conformance.run " + " ".join(
             sys.argv[1:] if argv is None else argv), "torch": torch.__version__,
-            "strict": args.strict, "dtypes": args.dtypes, "max_samples": args.max_samples,
+            "strict": args.strict, "asynchronous": args.asynchronous, "dtypes": args.dtypes, "max_samples": args.max_samples,
             "ops": args.ops if args.ops != SUBSET else "subset", "jobs": args.jobs,
             "seconds": time.perf_counter() - t0, "complete": done,
             "opinfos_selected": len(keys)}

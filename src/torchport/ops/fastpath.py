@@ -12,6 +12,7 @@ handles the whole schema.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -972,14 +973,14 @@ def _sync_devices(backend: Backend, args: tuple, kwargs: dict) -> None:
 def _launching_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoDevice,
                       general: Callable[[tuple, dict], Any],
                       slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
-    """Asynchronous runtimes: allocate the results now (layout from the meta kernel),
-    queue the computation on the current stream, return before it ran.
+    """Asynchronous runtimes: allocate the results now, queue the computation on the
+    current stream, return before it ran.
 
-    The results' layouts are the CPU kernel's: the first call with each layout of the
-    inputs runs the CPU kernel on zeros laid out as the inputs, next to the meta kernel
-    (whose strides for dimensions of size 1, say, can differ), without waiting for the
-    stream. Where the meta kernel cannot say (a data-dependent shape), the host computes
-    the op now (``general``)."""
+    The results' layouts are the CPU kernel's, and the ``out=`` overload is trusted only
+    where it computes into them as they are: the first call with each layout of the
+    inputs tries both on stand-ins (:func:`_launch_specs`; a meta kernel's strides for
+    dimensions of size 1, or its dtypes, can differ from the CPU's). Where that fails,
+    the host computes the op now (``general``)."""
     fb = fallback
     name = backend.name
     rt = backend.runtime
@@ -1002,12 +1003,12 @@ def _launching_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoDe
         try:
             specs = layouts.get(key, False)
         except TypeError:  # an unhashable argument
-            specs = _result_specs(op, args, kwargs)
+            specs = _launch_specs(into, args, kwargs)
         else:
             if specs is False:
                 if len(layouts) > 4096:
                     layouts.clear()
-                specs = layouts[key] = _result_specs(op, args, kwargs)
+                specs = layouts[key] = _launch_specs(into, args, kwargs)
         if specs is None:
             return general(args, kwargs)
         index = device.index
@@ -1025,29 +1026,56 @@ def _layout_of(v: Any) -> Any:
     return t if t is float else (t, tuple(v) if t is list else v)
 
 
-def _result_specs(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list | None:
-    """The CPU kernel's (shape, strides, dtype) of each result for inputs of these
-    layouts, or ``None`` where the meta kernel cannot say. Asked of the CPU kernel on
-    zeros laid out as the inputs (values never decide a layout; data-dependent shapes
-    fail on the meta kernel first); inputs it refuses as zeros leave the meta kernel's
-    word."""
+def _launch_specs(into: _IntoDevice, args: tuple, kwargs: dict) -> list | None:
+    """(shape, strides, dtype) of each result the CPU kernel gives for inputs laid out as
+    ``args`` and ``kwargs``, or ``None`` where a launch cannot be trusted: the meta
+    kernel cannot say (a data-dependent shape), or the ``out=`` overload fails, warns or
+    resizes its outputs (some CPU kernels stage a larger result in ``out``). Asked
+    without waiting for the stream, of stand-ins in the inputs' layouts (values never
+    decide a layout): zeros, or ones where zeros are refused (an integer division)."""
+    op = into.op
     try:
-        specs = derive.output_specs(op, args, kwargs)
+        derive.output_specs(op, args, kwargs)
     except Exception:  # no meta kernel, a data-dependent shape, a bad input
         return None
+    for value in (0, 1):
+        stand_ins = _StandIns(value)
+        sargs = [stand_ins(a) for a in args]
+        skw = {k: stand_ins(v) for k, v in kwargs.items()}
+        got: list = []
+        try:
+            if _warnings_of(functools.partial(_append_call, got, op._op, sargs, skw)):
+                return None
+        except Exception:
+            continue  # refused as these values: try the next
+        results = [got[0]] if isinstance(got[0], Tensor) else list(got[0])
+        specs = [(tuple(x.shape), x.stride(), x.dtype) for x in results]
+        outs = [torch.empty_strided(sh, st, dtype=dt) for sh, st, dt in specs]
+        skw.update(zip(into.out_names, outs, strict=True))
+        try:
+            if _warnings_of(functools.partial(_append_call, [], into.out, sargs, skw)):
+                return None
+        except Exception:
+            return None
+        if any((tuple(o.shape), o.stride()) != (sh, st)
+               for o, (sh, st, _) in zip(outs, specs, strict=True)):
+            return None
+        return specs
+    return None
 
-    def zeros(v: Any) -> Any:
+
+class _StandIns:
+    """CPU tensors filled with one value, each in the layout of the tensor it stands for."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __call__(self, v: Any) -> Any:
         if not isinstance(v, Tensor):
             return v
         n = tensors.storage_nbytes(v.shape, v.stride(), v.element_size()) // v.element_size()
-        return torch.zeros(n, dtype=v.dtype).as_strided(v.shape, v.stride())
+        return torch.full((n,), self.value, dtype=v.dtype).as_strided(v.shape, v.stride())
 
-    got: list = []
-    try:
-        _warnings_of(lambda: got.append(op._op(*map(zeros, args),
-                                               **{k: zeros(v) for k, v in kwargs.items()})))
-    except Exception:
-        return specs
-    results = [got[0]] if isinstance(got[0], Tensor) else list(got[0])
-    cpu = [(tuple(x.shape), x.stride(), x.dtype) for x in results]
-    return cpu if [(s, d) for s, _, d in cpu] == [(tuple(s), d) for s, _, d in specs] else specs
+
+def _append_call(into: list, fn: Callable[..., Any], args: list, kwargs: dict) -> None:
+    into.append(fn(*args, **kwargs))
