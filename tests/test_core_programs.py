@@ -113,3 +113,64 @@ class _Program:
 @pytest.mark.parametrize("seed", range(8))
 def test_random_programs_match_the_cpu(seed: int) -> None:
     _Program(seed).run(300)
+
+
+def _graph(seed: int, device: str) -> tuple[list, torch.Tensor, list]:
+    """A random differentiable program on ``device``: the layout and grad_fn of each step
+    (or its error), the loss, and the leaves' gradients."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    leaves = [torch.randn(shape, generator=g).to(device).requires_grad_()
+              for shape in ((4, 6), (6,), (4, 1))]
+    pool = list(leaves)
+    trace: list = []
+
+    def in_place_on_a_view(a: torch.Tensor) -> torch.Tensor:
+        r = a.clone()
+        (r.view(-1)[:2] if r.is_contiguous() else r[..., :1]).mul_(2)  # CopySlices
+        return r
+
+    def assign(a: torch.Tensor) -> torch.Tensor:
+        r = a * 1
+        r[..., 0] = rng.choice(pool).sum()
+        return r
+
+    steps: list[Callable[[torch.Tensor], torch.Tensor]] = [
+        lambda a: a * rng.choice(pool),
+        torch.tanh,
+        lambda a: a.t() if a.dim() == 2 else a.unsqueeze(0),
+        lambda a: a[..., ::2] if a.shape[-1] > 1 else a.squeeze(-1),
+        in_place_on_a_view,
+        lambda a: a.sum(-1, keepdim=True),
+        lambda a: torch.relu(a) + a.exp(),
+        assign,
+        lambda a: a.reshape(-1)[:3].unsqueeze(1) * a.reshape(-1)[-3:].unsqueeze(0),
+        lambda a: torch.cat([a.reshape(-1), rng.choice(pool).reshape(-1)]),
+        lambda a: a.detach() * a,
+        lambda a: torch.where(a > 0, a, a * 0.5),
+        lambda a: (a * 1).transpose(0, -1).contiguous() if a.dim() > 1 else a.flip(0),
+        lambda a: torch.nn.functional.softmax(a.reshape(-1), 0),
+    ]
+    for _ in range(rng.randrange(3, 12)):
+        step, a = rng.choice(steps), rng.choice(pool)
+        try:
+            r = step(a)
+        except RuntimeError as e:  # broadcasting mismatches: the CPU's error too
+            trace.append(str(e).split("\n")[0])
+            continue
+        pool.append(r)
+        trace.append((r.shape, r.stride(), type(r.grad_fn).__name__))
+    loss = sum((t ** 2).sum() for t in pool[-3:])
+    loss.backward()
+    return trace, loss.detach().cpu(), [x.grad.cpu() for x in leaves if x.grad is not None]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_differentiable_programs_match_the_cpu(seed: int) -> None:
+    # Views of non-leaf tensors changed in place (autograd's CopySlices), index assignment,
+    # detach, broadcasting: every step's layout and grad_fn, the loss and the gradients
+    # must be the CPU's, bit for bit.
+    (ct, cl, cg), (dt, dl, dg) = _graph(seed, "cpu"), _graph(seed, "sim")
+    assert dt == ct
+    assert torch.equal(dl, cl)
+    assert len(dg) == len(cg) and all(torch.equal(d, c) for d, c in zip(dg, cg, strict=True))
