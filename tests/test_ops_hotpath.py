@@ -130,6 +130,32 @@ def test_large_host_results_are_adopted_not_copied() -> None:
     assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64, torch.bool])
+def test_relu_computes_through_clamp_min_into_the_device_tensor(dtype: torch.dtype) -> None:
+    # ATen's relu is clamp_min(x, 0) after refusing bool; relu.out is generated (the
+    # functional kernel, then a copy). The device computes through clamp_min.out into a
+    # block of the caching allocator: no CPU result to copy, or to adopt when large.
+    b = active_backend()
+    for shape in [(3, 5), (2, 1024, 160)]:  # the second is 1.25 MiB in float32
+        x = (torch.randn(shape) * 3).to(dtype) if dtype != torch.bool else torch.rand(shape) > 0.5
+        if dtype.is_floating_point:
+            x.view(-1)[:2] = torch.tensor([float("nan"), -0.0])
+        xs = x.to("sim")
+        for i in range(3):  # the first call of a layout is a trial
+            if dtype == torch.bool:
+                with pytest.raises(RuntimeError, match="Boolean inputs not supported for relu"):
+                    torch.relu(xs)
+                continue
+            segments = b.allocators[0].num_device_alloc
+            y = torch.relu(xs)
+            want = torch.relu(x)
+            assert (y.dtype, y.shape, y.stride()) == (want.dtype, want.shape, want.stride())
+            assert torch.equal(y.cpu().view(torch.uint8), want.view(torch.uint8))  # bits
+            assert not b.allocators[0].active[y.data_ptr()].adopted
+            assert i == 0 or b.allocators[0].num_device_alloc == segments  # a cached block
+            del y  # its block serves the next call
+
+
 def test_an_adopted_result_is_its_own_host_view_until_it_dies(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # the CPU result that became device memory is already the chip's view of it: the op

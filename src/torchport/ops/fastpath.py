@@ -760,9 +760,23 @@ class _IntoDevice:
             self.out_copies = False
         self.cpu_call = op._op
         self.number_slots = number_slots(op)
-        # Used where a trial shows it reaches ``self.out`` and no mode could see it.
+        # Used where a trial shows it reaches ``self.computes_with`` and no mode could see it.
+        self.computes_with = self.out
         self.binding = python_binding(self.out) if self.out is not None and op is not _CLONE \
             else None
+        same = _SAME_AS.get(op)
+        if same is not None and self.out_copies:
+            self._compute_with(*same)
+
+    def _compute_with(self, out_op: torch._ops.OpOverload, extra: tuple) -> None:
+        """Compute through ``out_op`` (a real ``out=`` kernel) with ``extra`` trailing
+        arguments: what the CPU's functional kernel itself calls (:data:`_SAME_AS`)."""
+        boxed = out_op._handle.redispatch_boxed
+        binding = python_binding(out_op)
+        self.out_call = lambda ks, *a, **k: boxed(ks, *a, *extra, **k)
+        self.binding = None if binding is None else lambda *a, **k: binding(*a, *extra, **k)
+        self.computes_with = out_op
+        self.out_copies = False
 
     def first_call(self, key: tuple, index: int, args: tuple, cargs: list,
                    kwargs: dict) -> Any:
@@ -844,7 +858,7 @@ class _IntoDevice:
                 return False
         except Exception:
             return False
-        return seen.ops == [self.out] and all(
+        return seen.ops == [self.computes_with] and all(
             _same_bits(m, self.views.entry(o)[0]) for m, o in zip(mine, outs, strict=True))
 
     def compute(self, index: int, args: tuple, cargs: list, kwargs: dict) -> Any:
@@ -953,6 +967,11 @@ def _warnings_of(fn: Callable[[], Any]) -> list:
 
 
 _CLONE = torch.ops.aten.clone.default
+# Functional ops whose CPU kernel is another op with fixed trailing arguments, that op
+# having a real out= kernel where theirs is generated (a copy): computed through it, into
+# the device tensors, with the same bits. ATen's Activation.cpp: relu is clamp_min(x, 0)
+# after refusing bool, which the trial against relu's own kernel keeps.
+_SAME_AS = {torch.ops.aten.relu.default: (torch.ops.aten.clamp_min.out, (0,))}
 _copy_boxed = torch.ops.aten.copy_.default._handle.redispatch_boxed
 
 
