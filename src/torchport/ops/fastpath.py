@@ -12,7 +12,6 @@ handles the whole schema.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -1020,14 +1019,13 @@ def _launching_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoDe
             return general(args, kwargs)
         key = (tuple(map(_layout_of, args)), tuple((k, _layout_of(v)) for k, v in kwargs.items()))
         try:
-            specs = layouts.get(key, False)
+            specs = layouts[key]
+        except KeyError:
+            if len(layouts) > 4096:
+                layouts.clear()
+            specs = layouts[key] = _launch_specs(into, args, kwargs)
         except TypeError:  # an unhashable argument
             specs = _launch_specs(into, args, kwargs)
-        else:
-            if specs is False:
-                if len(layouts) > 4096:
-                    layouts.clear()
-                specs = layouts[key] = _launch_specs(into, args, kwargs)
         if specs is None:
             return general(args, kwargs)
         index = device.index
@@ -1052,49 +1050,47 @@ def _launch_specs(into: _IntoDevice, args: tuple, kwargs: dict) -> list | None:
     resizes its outputs (some CPU kernels stage a larger result in ``out``). Asked
     without waiting for the stream, of stand-ins in the inputs' layouts (values never
     decide a layout): zeros, or ones where zeros are refused (an integer division)."""
-    op = into.op
     try:
-        derive.output_specs(op, args, kwargs)
+        derive.output_specs(into.op, args, kwargs)
     except Exception:  # no meta kernel, a data-dependent shape, a bad input
         return None
     for value in (0, 1):
-        stand_ins = _StandIns(value)
-        sargs = [stand_ins(a) for a in args]
-        skw = {k: stand_ins(v) for k, v in kwargs.items()}
-        got: list = []
-        try:
-            if _warnings_of(functools.partial(_append_call, got, op._op, sargs, skw)):
-                return None
-        except Exception:
-            continue  # refused as these values: try the next
-        results = [got[0]] if isinstance(got[0], Tensor) else list(got[0])
-        specs = [(tuple(x.shape), x.stride(), x.dtype) for x in results]
-        outs = [torch.empty_strided(sh, st, dtype=dt) for sh, st, dt in specs]
-        skw.update(zip(into.out_names, outs, strict=True))
-        try:
-            if _warnings_of(functools.partial(_append_call, [], into.out, sargs, skw)):
-                return None
-        except Exception:
-            return None
-        if any((tuple(o.shape), o.stride()) != (sh, st)
-               for o, (sh, st, _) in zip(outs, specs, strict=True)):
-            return None
-        return specs
+        specs = _specs_on_stand_ins(into, args, kwargs, value)
+        if specs is not _REFUSED:
+            return specs
     return None
 
 
-class _StandIns:
-    """CPU tensors filled with one value, each in the layout of the tensor it stands for."""
+_REFUSED = object()
 
-    def __init__(self, value: int) -> None:
-        self.value = value
 
-    def __call__(self, v: Any) -> Any:
+def _specs_on_stand_ins(into: _IntoDevice, args: tuple, kwargs: dict, value: int) -> Any:
+    """:func:`_launch_specs` asked of stand-ins filled with ``value``; ``_REFUSED`` when
+    the functional CPU kernel raises on them."""
+    def stand_in(v: Any) -> Any:
         if not isinstance(v, Tensor):
             return v
         n = tensors.storage_nbytes(v.shape, v.stride(), v.element_size()) // v.element_size()
-        return torch.full((n,), self.value, dtype=v.dtype).as_strided(v.shape, v.stride())
+        return torch.full((n,), value, dtype=v.dtype).as_strided(v.shape, v.stride())
 
-
-def _append_call(into: list, fn: Callable[..., Any], args: list, kwargs: dict) -> None:
-    into.append(fn(*args, **kwargs))
+    sargs = [stand_in(a) for a in args]
+    skw = {k: stand_in(v) for k, v in kwargs.items()}
+    got: list = []
+    try:
+        if _warnings_of(lambda: got.append(into.op._op(*sargs, **skw))):
+            return None
+    except Exception:
+        return _REFUSED
+    results = [got[0]] if isinstance(got[0], Tensor) else list(got[0])
+    specs = [(tuple(x.shape), x.stride(), x.dtype) for x in results]
+    outs = [torch.empty_strided(sh, st, dtype=dt) for sh, st, dt in specs]
+    skw.update(zip(into.out_names, outs, strict=True))
+    try:
+        if _warnings_of(lambda: into.out(*sargs, **skw)):
+            return None
+    except Exception:
+        return None
+    if any((tuple(o.shape), o.stride()) != (sh, st)
+           for o, (sh, st, _) in zip(outs, specs, strict=True)):
+        return None
+    return specs
