@@ -93,6 +93,68 @@ def test_deferred_statistics_are_exact(sizes: list[int]) -> None:
     assert stats["allocated_bytes.all.peak"] == peak
 
 
+def _expected_stats(events: list[tuple[int, int, bool, int]]) -> dict[str, int]:
+    """``torch.cuda.memory_stats`` counters of allocations (``allocation``, ``active``,
+    their bytes, the requested bytes) for a sequence of ``(+1 or -1, block size, small
+    pool?, requested bytes)`` events, counted one event at a time."""
+    out: dict[str, int] = {}
+    for pools in (("all", "small_pool"), ("all", "large_pool")):
+        for pool in pools:
+            for name in ("allocation", "active", "allocated_bytes", "active_bytes",
+                         "requested_bytes"):
+                for metric in ("current", "peak", "allocated", "freed"):
+                    out.setdefault(f"{name}.{pool}.{metric}", 0)
+    for sign, size, small, requested in events:
+        for pool in ("all", "small_pool" if small else "large_pool"):
+            for name, n in (("allocation", 1), ("active", 1), ("allocated_bytes", size),
+                            ("active_bytes", size), ("requested_bytes", requested)):
+                k = f"{name}.{pool}."
+                out[k + "current"] += sign * n
+                out[k + ("allocated" if sign > 0 else "freed")] += n
+                out[k + "peak"] = max(out[k + "peak"], out[k + "current"])
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_statistics_of_mixed_small_and_large_blocks_are_exact(seed: int) -> None:
+    # small and large blocks interleaved, most of them reused from the exact-size lists
+    # (the hot path, whose statistics are deferred); read only now and then
+    g = torch.Generator().manual_seed(seed)
+    sizes = [100, 512, 4096, 300_000, 1 << 20, (1 << 20) + 1, 3 << 20, (8 << 20) - 7]
+    dm = active_backend().device_module
+    alloc = active_backend().allocators[0]
+    dm.synchronize()
+    warm = [torch.empty(n, dtype=torch.uint8, device="sim") for n in sizes for _ in range(3)]
+    del warm
+    dm.reset_peak_memory_stats()
+    dm.reset_accumulated_memory_stats()
+    before = dm.memory_stats()
+    events: list[tuple[int, int, bool, int]] = []
+    live: list[tuple[torch.Tensor, int, bool, int]] = []
+    for step in range(600):
+        if live and torch.rand(1, generator=g).item() < 0.45:
+            t, size, small, n = live.pop(int(torch.randint(len(live), (1,), generator=g)))
+            del t
+            events.append((-1, size, small, n))
+        else:
+            n = sizes[int(torch.randint(len(sizes), (1,), generator=g))]
+            t = torch.empty(n, dtype=torch.uint8, device="sim")
+            block = alloc.active[t.data_ptr()]
+            live.append((t, block.size, block.small, n))
+            events.append((1, block.size, block.small, n))
+        if step % 97 == 0:
+            dm.memory_allocated()  # a reader flushes the deferred counts
+    t = None
+    while live:
+        size, small, n = live.pop()[1:]
+        events.append((-1, size, small, n))
+    stats = dm.memory_stats()
+    for k, v in _expected_stats(events).items():
+        # counted from the start's counts (the peaks were reset to them)
+        start = before[k.rsplit(".", 1)[0] + ".current"] if k.endswith((".current", ".peak")) else 0
+        assert stats[k] == start + v, k
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_first_call_of_a_layout_runs_the_op_once(training: bool) -> None:
     # native_batch_norm writes its running statistics without saying so in its schema;

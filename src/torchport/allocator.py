@@ -160,6 +160,7 @@ class DeviceAllocator:
         self.event_query: Callable[[Any], bool] | None = None
         self.record_free_events: Callable[[list[Any]], list[Any]] | None = None
         self.event_release: Callable[[Any], None] | None = None
+        self._hot_small = True  # the pool the deferred counts below belong to
         self.reset_stats()
 
     # ---- statistics ------------------------------------------------------------
@@ -178,12 +179,13 @@ class DeviceAllocator:
         self.num_device_free = 0
         self._reset_hot()
 
-    # The hot path (a parked small block handed out or parked again) only counts, in
-    # the fields below, what its mallocs and frees add up to since the last flush, and
-    # the highest net count/bytes/requested bytes reached; every other path and every
+    # The hot path (a parked block handed out or parked again) only counts, in the
+    # fields below, what its mallocs and frees add up to since the last flush, and the
+    # highest net count/bytes/requested bytes reached; every other path and every
     # reader flushes first, so the statistics stay exact (peaks included: within a
     # window only the hot path moves them, so a window's peak is its start plus the
-    # highest net it reached).
+    # highest net it reached). A window holds one pool's blocks (``_hot_small``): a block
+    # of the other pool flushes it first, so that each pool's peak is exact too.
     def _reset_hot(self) -> None:
         self._hm = self._hbm = self._hrm = 0  # mallocs: count, bytes, requested bytes
         self._hf = self._hbf = self._hrf = 0  # frees
@@ -197,7 +199,7 @@ class DeviceAllocator:
                  (("requested_bytes",), self._hrm, self._hrf, self._pr))
         for names, up, down, peak in moves:
             for name in names:
-                for pool in ("all", "small_pool"):
+                for pool in ("all", "small_pool" if self._hot_small else "large_pool"):
                     st = self.stats[(name, pool)]
                     st.peak = max(st.peak, st.current + peak)
                     st.current += up - down
@@ -264,11 +266,14 @@ class DeviceAllocator:
         """A block of at least ``nbytes``; raises ``torch.OutOfMemoryError``."""
         size = K_MIN_BLOCK if nbytes < K_MIN_BLOCK else \
             (nbytes + K_MIN_BLOCK - 1) // K_MIN_BLOCK * K_MIN_BLOCK
-        if self.num_parked and size <= K_SMALL_SIZE:  # the hot path: an exact-size reuse
+        if self.num_parked:  # the hot path: an exact-size reuse
             with self.lock:
                 ready = self.parked.get((id(stream), size))
                 if ready and not self.pending_free:
                     block = ready.pop()
+                    if block.small is not self._hot_small:
+                        self._flush_hot()
+                        self._hot_small = block.small
                     block.parked = False
                     block.allocated = True
                     block.requested = nbytes
@@ -416,9 +421,12 @@ class DeviceAllocator:
             return
         with self.lock:
             block = self.active.pop(ptr)
-            if block.small and self.num_parked < _MAX_PARKED \
+            if self.num_parked < _MAX_PARKED and not block.adopted \
                     and not (block.stream_uses and self.event_query is not None):
                 # the hot path: park it for an exact-size reuse (statistics deferred)
+                if block.small is not self._hot_small:
+                    self._flush_hot()
+                    self._hot_small = block.small
                 block.allocated = False
                 self._hf += 1
                 self._hbf += block.size
