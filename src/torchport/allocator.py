@@ -207,6 +207,11 @@ class DeviceAllocator:
                     st.freed += down
         self._reset_hot()
 
+    def _switch_hot(self, small: bool) -> None:
+        """Start a window of the other pool's blocks (flushing the current one)."""
+        self._flush_hot()
+        self._hot_small = small
+
     def stat(self, name: str, pool: str = "all") -> _Stat:
         """One statistic (``torch.cuda.memory_stats`` naming), up to date."""
         with self.lock:
@@ -272,8 +277,7 @@ class DeviceAllocator:
                 if ready and not self.pending_free:
                     block = ready.pop()
                     if block.small is not self._hot_small:
-                        self._flush_hot()
-                        self._hot_small = block.small
+                        self._switch_hot(block.small)
                     block.parked = False
                     block.allocated = True
                     block.requested = nbytes
@@ -425,8 +429,7 @@ class DeviceAllocator:
                     and not (block.stream_uses and self.event_query is not None):
                 # the hot path: park it for an exact-size reuse (statistics deferred)
                 if block.small is not self._hot_small:
-                    self._flush_hot()
-                    self._hot_small = block.small
+                    self._switch_hot(block.small)
                 block.allocated = False
                 self._hf += 1
                 self._hbf += block.size
