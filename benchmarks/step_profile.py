@@ -109,7 +109,6 @@ def _short(symbol: str) -> str:
     return symbol[:100]
 
 
-
 def _by(prof: collections.Counter, thread: str, level: int) -> collections.Counter:
     agg: collections.Counter = collections.Counter()
     for key, ms in prof.items():

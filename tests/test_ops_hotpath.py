@@ -97,13 +97,11 @@ def _expected_stats(events: list[tuple[int, int, bool, int]]) -> dict[str, int]:
     """``torch.cuda.memory_stats`` counters of allocations (``allocation``, ``active``,
     their bytes, the requested bytes) for a sequence of ``(+1 or -1, block size, small
     pool?, requested bytes)`` events, counted one event at a time."""
-    out: dict[str, int] = {}
-    for pools in (("all", "small_pool"), ("all", "large_pool")):
-        for pool in pools:
-            for name in ("allocation", "active", "allocated_bytes", "active_bytes",
-                         "requested_bytes"):
-                for metric in ("current", "peak", "allocated", "freed"):
-                    out.setdefault(f"{name}.{pool}.{metric}", 0)
+    out = {f"{name}.{pool}.{metric}": 0
+           for pool in ("all", "small_pool", "large_pool")
+           for name in ("allocation", "active", "allocated_bytes", "active_bytes",
+                        "requested_bytes")
+           for metric in ("current", "peak", "allocated", "freed")}
     for sign, size, small, requested in events:
         for pool in ("all", "small_pool" if small else "large_pool"):
             for name, n in (("allocation", 1), ("active", 1), ("allocated_bytes", size),
