@@ -31,6 +31,24 @@ def test_out_argument_receives_result_and_resizes():
     assert torch.equal(vals.cpu(), c.max(1).values) and torch.equal(idx.cpu(), c.max(1).indices)
 
 
+@pytest.mark.parametrize("op", [torch.add, torch.special.xlog1py, torch.atan2])
+def test_out_that_is_also_an_input_is_checked_as_on_cpu(op):
+    """The CPU kernel sees ``out`` and the input it also is as one tensor: an ``out``
+    that would have to grow raises CPU's error and keeps its values."""
+    a, b = torch.arange(3.0) + 1, torch.ones(2, 3) * 2
+    with pytest.raises(RuntimeError) as cpu_error:
+        op(b, a, out=a)
+    da = a.to("sim")
+    with pytest.raises(RuntimeError) as error:
+        op(b.to("sim"), da, out=da)
+    assert str(error.value) == str(cpu_error.value)
+    assert da.shape == (3,) and torch.equal(da.cpu(), a)
+    c = a.clone()
+    op(c, a, out=a)  # aliasing at the result's shape: the values CPU gives
+    op(da.clone(), da, out=da)
+    assert torch.equal(da.cpu(), a)
+
+
 def test_out_argument_with_strides_kept():
     c = torch.randn(4, 4)
     d = c.to("sim")

@@ -78,6 +78,24 @@ def test_out_is_resized_to_the_meta_result(hypot_calls):
     assert out.shape == (2, 3) and torch.equal(out.cpu(), torch.hypot(a, a))
 
 
+def test_out_that_is_also_an_input_is_checked_as_on_cpu(hypot_calls):
+    """The meta kernel sees ``out`` and the input as one tensor: CPU's error, nothing
+    resized, even after the same shapes were seen without aliasing (cached specs)."""
+    calls, _ = hypot_calls
+    a, b = torch.arange(3.0), torch.ones(2, 3)
+    with pytest.raises(RuntimeError) as cpu_error:
+        torch.hypot(b, a, out=a)
+    da, db = a.to("sim"), b.to("sim")
+    torch.hypot(db, da, out=torch.empty(3, device="sim"))  # same shapes, no aliasing
+    calls.clear()
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape") as error:
+        torch.hypot(db, da, out=da)
+    assert str(error.value) == str(cpu_error.value)
+    assert calls == [] and da.shape == (3,) and torch.equal(da.cpu(), a)
+    torch.hypot(da, da, out=da)  # aliasing at the broadcast shape is fine
+    assert torch.equal(da.cpu(), torch.hypot(a, a))
+
+
 def test_other_dtypes_decline_to_the_next_path(hypot_calls):
     calls, _ = hypot_calls
     a = torch.randn(3).half()

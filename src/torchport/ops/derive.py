@@ -120,11 +120,31 @@ def output_specs(op: OpOverload, args: tuple, kwargs: dict) -> list[Spec]:
     return specs
 
 
+def check_outs_not_inputs_to_resize(op: OpOverload, args: tuple, kwargs: dict) -> None:
+    """CPU's rule (TensorIterator's): an ``out=`` that is also an input of the call
+    cannot be resized, its values would be gone before they are read. Nothing is
+    written when it raises."""
+    names = out_names(op)
+    inputs = [v for v in args if isinstance(v, Tensor)]
+    inputs += [v for k, v in kwargs.items() if k not in names and isinstance(v, Tensor)]
+    if not any(kwargs.get(n) is v for n in names for v in inputs):
+        return
+    with warnings.catch_warnings():  # the meta kernel's resize warning: an error here
+        warnings.simplefilter("ignore")
+        specs = output_specs(op, args, kwargs)
+    for name, (shape, _, _) in zip(names, specs, strict=True):
+        out = kwargs[name]
+        if tuple(out.shape) != shape and any(out is v for v in inputs):
+            raise RuntimeError(f"output with shape {list(out.shape)} doesn't match the "
+                               f"broadcast shape {list(shape)}")
+
+
 def out_kernel(backend: Backend, out_op: OpOverload, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``out_op`` itself: the outputs resized to the meta result before ``fn`` runs."""
     names = out_names(out_op)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
+        check_outs_not_inputs_to_resize(out_op, args, kwargs)
         specs = output_specs(out_op, args, kwargs)
         for name, (shape, stride, _) in zip(names, specs, strict=True):
             out = kwargs[name]

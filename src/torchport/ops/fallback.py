@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport.ops import hooks, hostexec, paths, stats
+from torchport.ops import derive, hooks, hostexec, paths, stats
 from torchport.ops.plan import plan_for
 
 if TYPE_CHECKING:
@@ -254,8 +254,10 @@ def _run_decomposition(op: Any, d: Callable[..., Any], args: tuple, kwargs: dict
 
     Some ``.out`` decompositions (those wrapped to compute in a wider dtype) fill a
     converted copy of ``out`` and return a new tensor; copy it where the schema says."""
-    r = d(*args, **kwargs)
     plan = plan_for(op)
+    if plan.write_args:  # the decompositions' out= wrapper would resize an input
+        derive.check_outs_not_inputs_to_resize(op, args, kwargs)
+    r = d(*args, **kwargs)
     if not plan.write_args:
         return r
     if plan.num_returns == 1:

@@ -108,7 +108,7 @@ class HostCall:
     ``zero_copy`` says whether ``to_cpu`` aliases device memory (then in-place
     writes land directly); otherwise written arguments are copied back."""
 
-    __slots__ = ("backend", "op", "plan", "index", "to_cpu", "zero_copy", "views")
+    __slots__ = ("backend", "op", "plan", "index", "to_cpu", "zero_copy", "views", "seen")
 
     def __init__(self, backend: Backend, op: Any, plan: OpPlan, index: int | None,
                  to_cpu: Callable[[Tensor], Tensor], zero_copy: bool) -> None:
@@ -119,14 +119,21 @@ class HostCall:
         self.to_cpu = to_cpu
         self.zero_copy = zero_copy
         self.views: list[tuple[Tensor, Tensor]] = []  # (device, cpu) pairs
+        # One CPU tensor per device tensor: the CPU kernel sees an argument passed twice
+        # (``out=`` that is also an input) as one tensor, and checks it as CUDA's does.
+        self.seen: dict[int, Tensor] = {}
 
-    def _map(self, v: Any, write: bool = False) -> Any:
+    def _map(self, v: Any) -> Any:
         if isinstance(v, Tensor):
             if v.device.type != self.backend.name:
                 return v
-            if write and self.plan.is_inplace_or_out and v.numel() == 0:
+            c = self.seen.get(id(v))
+            if c is not None:
+                return c
+            if v.numel() == 0 and self.plan.is_inplace_or_out:
                 # An empty out= grows on CPU, then on device; an empty in-place
-                # argument keeps its shape (rand_like of a (0, 5, 0) tensor).
+                # argument keeps its shape (rand_like of a (0, 5, 0) tensor). No data
+                # to read: where it is also an input, the same stand-in serves.
                 c = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
             else:
                 c = self.to_cpu(v)
@@ -136,9 +143,10 @@ class HostCall:
                 if v.is_neg():
                     c = torch._neg_view(c)
             self.views.append((v, c))
+            self.seen[id(v)] = c
             return c
         if isinstance(v, (list, tuple)) and v and any(isinstance(x, Tensor) for x in v):
-            return type(v)(self._map(x, write) for x in v)
+            return type(v)(self._map(x) for x in v)
         if isinstance(v, torch.device) and v.type == self.backend.name:
             return _CPU
         if isinstance(v, str) and v.startswith(self.backend.name):
@@ -147,11 +155,8 @@ class HostCall:
 
     def run(self, args: tuple, kwargs: dict) -> Any:
         plan = self.plan
-        writes = plan.write_args
-        names = plan.arg_names
-        cargs = [self._map(a, names[i] in writes if i < len(names) else False)
-                 for i, a in enumerate(args)]
-        ckw = {k: self._map(v, k in writes) for k, v in kwargs.items()}
+        cargs = [self._map(a) for a in args]
+        ckw = {k: self._map(v) for k, v in kwargs.items()}
         if plan.has_device_arg and "pin_memory" in ckw:
             ckw["pin_memory"] = None
         if plan.random:
