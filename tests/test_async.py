@@ -51,6 +51,31 @@ def test_kernels_are_queued_and_results_match_cpu():
     assert "ok" in out
 
 
+def test_queued_kernels_write_results_made_in_inference_mode():
+    # Found by running the migrated inference example asynchronously: the results of ops
+    # called in torch.inference_mode() are inference tensors, and so are the host views
+    # the worker writes; the worker runs outside the caller's mode.
+    out = run("""
+        x, w = torch.randn(16, 32), torch.randn(8, 32)
+        dx, dw = x.to("sim"), w.to("sim")
+        with torch.inference_mode():
+            close_gate()
+            y = torch.nn.functional.linear(dx, dw, dw[:, 0])  # addmm, queued
+            z = torch.relu(y) * 2
+            gate.set()
+            assert y.is_inference() and z.is_inference()
+            torch.sim.synchronize()
+        want = torch.relu(torch.nn.functional.linear(x, w, w[:, 0])) * 2
+        assert torch.equal(z.cpu(), want)
+        dx.mul_(3)                                 # outside the mode: plain tensors again
+        r = (dx * dx).sum()
+        x3 = x * 3
+        assert not r.is_inference() and torch.equal(r.cpu(), (x3 * x3).sum())
+        print("ok")
+    """)
+    assert "ok" in out
+
+
 def test_queued_results_have_the_cpu_kernels_strides():
     # The meta kernel of x + 1, x of shape (1, 4) and strides (1, 1), says (4, 1); the CPU
     # kernel keeps (1, 1). The queued op must give the CPU's layout without waiting.
