@@ -14,6 +14,11 @@ import torchport.sim  # noqa: F401
 from torchport.backend import active_backend
 from torchport.ops import hostviews
 
+# Checks of the synchronous path's own machinery (its caches, plans and adoptions); an
+# asynchronous runtime queues kernels instead, checked in tests/test_async.py.
+sync_path = pytest.mark.skipif(active_backend().runtime.asynchronous,
+                               reason="the synchronous path's machinery; asynchronous "
+                                      "runtimes queue kernels (tests/test_async.py)")
 
 def test_scalar_type_is_part_of_the_layout_key() -> None:
     i = torch.arange(6, device="sim")
@@ -48,6 +53,7 @@ def test_neighbours_untouched_by_a_staging_kernel() -> None:
     assert torch.equal(guard.cpu(), torch.full((128,), 7.0))
 
 
+@sync_path
 def test_views_dropped_when_segments_go_back() -> None:
     b = active_backend()
     x = torch.randn(3 << 20, device="sim")  # 12 MiB: a segment of its own
@@ -168,6 +174,7 @@ def test_first_call_of_a_layout_runs_the_op_once(training: bool) -> None:
         assert torch.equal(dev[3].cpu(), rm) and torch.equal(dev[4].cpu(), rv)
 
 
+@sync_path
 def test_large_host_results_are_adopted_not_copied() -> None:
     # convolution.out is generated (the functional kernel, then a copy): a large result of
     # the CPU kernel becomes device memory as it is, its own segment, freed with it
@@ -216,6 +223,7 @@ def test_relu_computes_through_clamp_min_into_the_device_tensor(dtype: torch.dty
             del y  # its block serves the next call
 
 
+@sync_path
 def test_an_adopted_result_is_its_own_host_view_until_it_dies(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # the CPU result that became device memory is already the chip's view of it: the op
@@ -337,6 +345,7 @@ _FOREACH_CALLS = {
 }
 
 
+@sync_path
 @pytest.mark.parametrize("name", list(_FOREACH_CALLS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 def test_functional_foreach_ops_keep_cpu_layouts_and_bits(name: str, dtype: torch.dtype,
@@ -546,6 +555,7 @@ def _plans(op: torch._ops.OpOverload) -> list:
     return [v for o in _into(op) for v in o.layouts.values() if v]
 
 
+@sync_path
 def test_python_binding_is_used_once_it_agrees() -> None:
     a, b = torch.randn(6, 2), torch.randn(6, 2)
     for _ in range(2):
@@ -553,6 +563,7 @@ def test_python_binding_is_used_once_it_agrees() -> None:
     assert any(p[2] is torch._C._VariableFunctions.sub for p in _plans(torch.ops.aten.sub.Tensor))
 
 
+@sync_path
 def test_a_binding_computing_other_bits_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     for into in _into(torch.ops.aten.atan2.default):  # its out= binding replaced by sub's
         into.layouts.clear()
@@ -564,6 +575,7 @@ def test_a_binding_computing_other_bits_is_refused(monkeypatch: pytest.MonkeyPat
     assert all(p[2] is None for p in _plans(torch.ops.aten.atan2.default))
 
 
+@sync_path
 @pytest.mark.parametrize("kind", ["function", "dispatch"])
 def test_modes_active_inside_kernels_never_see_their_cpu_calls(kind: str) -> None:
     from torch.overrides import TorchFunctionMode
@@ -619,6 +631,7 @@ def test_factory_ops_match_cpu_on_the_named_device(index: int) -> None:
     assert torch.scalar_tensor(3, device=dev).item() == 3.0
 
 
+@sync_path
 def test_fill_factories_are_one_allocation_and_one_fill(monkeypatch: pytest.MonkeyPatch) -> None:
     # ones_like & co. are PyTorch composites entering the device three times (empty_like,
     # fill_); once the composite has shown a layout, later calls allocate it and fill the
@@ -697,6 +710,7 @@ _LIST_OPS = {  # call -> the overload its device kernel runs
 }
 
 
+@sync_path
 @pytest.mark.parametrize("name", sorted(_LIST_OPS))
 def test_list_ops_write_into_new_device_tensors(name: str) -> None:
     fn, op = _LIST_OPS[name]
@@ -713,6 +727,7 @@ def test_list_ops_write_into_new_device_tensors(name: str) -> None:
     assert any(p[0] is not None for p in _plans(op))  # an out= plan, not a CPU result
 
 
+@sync_path
 def test_list_ops_with_data_dependent_shapes_compute_on_the_cpu() -> None:
     x = torch.randn(5, 4)
     xs = x.to("sim")
@@ -748,6 +763,7 @@ def _general_calls(monkeypatch: pytest.MonkeyPatch) -> list:
     return seen
 
 
+@sync_path
 def test_index_put_takes_the_in_place_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(6, 5)
     i, j, v = torch.tensor([4, 0, 4]), torch.tensor([1, 3]), torch.randn(6, 2)
@@ -816,6 +832,7 @@ def test_threads_making_tensors_of_one_layout_get_their_own_blocks() -> None:
     assert len(alloc.active) == before
 
 
+@sync_path
 @pytest.mark.parametrize("train", [True, False])
 def test_random_functional_ops_draw_once_from_the_device_generator(train: bool) -> None:
     # native_dropout takes the fast path: its first call of a layout (no out= trial) and the
