@@ -172,6 +172,46 @@ def test_held_large_blocks_merge_before_the_pool_grows():
     assert torch.sim.memory_stats()["segment.large_pool.current"] == 0
 
 
+def test_small_requests_repeating_each_step_keep_their_blocks():
+    """A step asking for four 512 KiB blocks, then one of 1 MiB: the second request gets a
+    segment of its own rather than taking the held 512 KiB blocks apart, so every later
+    step reuses the same blocks (exact-size, same addresses) and the cache stops growing."""
+    _fresh()
+
+    def step() -> list[int]:
+        quarter = [torch.empty(512 << 10, dtype=torch.uint8, device="sim") for _ in range(4)]
+        ptrs = [t.data_ptr() for t in quarter]
+        del quarter
+        half = torch.empty(1 << 20, dtype=torch.uint8, device="sim")
+        return ptrs + [half.data_ptr()]
+
+    before = torch.sim.memory_reserved()
+    step()
+    first, reserved = step(), torch.sim.memory_reserved()
+    for _ in range(3):
+        assert step() == first
+    assert torch.sim.memory_reserved() == reserved <= before + 2 * (2 << 20)  # two segments
+
+
+def test_small_requests_take_held_blocks_apart_when_the_device_has_no_room():
+    _fresh()
+    total = torch.sim.get_device_properties(1).total_memory
+    quarter = [torch.empty(512 << 10, dtype=torch.uint8, device="sim:1") for _ in range(4)]
+    reserved = torch.sim.memory_reserved(1)
+    del quarter  # held for exact-size reuse; no room for another 2 MiB segment:
+    torch.sim.set_per_process_memory_fraction((reserved + (1 << 20)) / total, 1)
+    alloc = active_backend().allocators[1]
+    try:
+        retries = alloc.num_alloc_retries  # (memory_stats() would merge the held blocks)
+        half = torch.empty(1 << 20, dtype=torch.uint8, device="sim:1")  # from two of them
+        assert alloc.num_alloc_retries == retries  # no cache flush was needed
+        assert torch.sim.memory_reserved(1) == reserved
+        del half
+    finally:
+        torch.sim.set_per_process_memory_fraction(1.0, 1)
+    torch.sim.empty_cache()
+
+
 def test_a_merge_for_one_request_leaves_the_other_sizes_held():
     _fresh()
     alloc = active_backend().allocators[0]

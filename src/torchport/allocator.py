@@ -310,13 +310,20 @@ class DeviceAllocator:
                     self.num_parked -= 1
                     return self._hand_out(block, nbytes)
             block = pool.best_fit(stream, size)
+            fresh = None
             if block is None and self.num_parked:
-                block = self._unpark_for(small, stream, size)
+                if small:
+                    # A new 2 MiB segment while the device has room: the parked blocks are
+                    # sizes the step asks for again, and taking them apart would make them
+                    # miss next time, a churn of slow allocations every step.
+                    fresh = self._new_segment(size, small, stream, nbytes, retry=False)
+                if fresh is None:
+                    block = self._unpark_for(small, stream, size)
             if block is not None and not small and block.size >= size + K_LARGE_BUFFER \
                     and block.size > 2 * size:
                 block = None  # do not carve a small request out of a huge cached block
             if block is None:
-                block = self._new_segment(size, small, stream, nbytes)
+                block = fresh or self._new_segment(size, small, stream, nbytes)
             else:
                 pool.remove(block)
             self._maybe_split(block, size, pool)
@@ -381,9 +388,14 @@ class DeviceAllocator:
             return None
         return self.runtime.malloc(self.phys, seg_size)
 
-    def _new_segment(self, size: int, small: bool, stream: Any, requested: int) -> Block:
+    def _new_segment(self, size: int, small: bool, stream: Any, requested: int,
+                     retry: bool = True) -> Block | None:
+        """A new segment for a ``size`` request; without room, ``retry`` frees the cache
+        and tries again, then raises ``torch.OutOfMemoryError`` (else: ``None``)."""
         seg_size = _segment_size(size)
         ptr = self._device_malloc(seg_size)
+        if ptr is None and not retry:
+            return None
         if ptr is None:
             self.num_alloc_retries += 1
             self.runtime.synchronize(self.phys)
@@ -450,7 +462,8 @@ class DeviceAllocator:
     def _park(self, block: Block) -> None:
         """Hold a free block, unmerged, for a request of its exact size (a training step
         asks for the same sizes every step: O(1), and the same addresses, whose host views
-        are cached). Parked blocks are merged back before the pools would grow."""
+        are cached). Parked large blocks are merged back before the large pool would grow;
+        small ones only when the device has no room for a new 2 MiB segment."""
         block.parked = True
         key = (id(block.stream), block.size)
         lst = self.parked.get(key)
