@@ -12,11 +12,16 @@ with the same ATen CPU kernels), small-batch ones by the per-op host cost.
 ``--python-floor`` adds a reference: the CPU step inside an empty ``TorchDispatchMode``
 (one Python call per ATen op, nothing else), timed in the same alternation; its ratio to
 the CPU is what a Python layer between PyTorch and the kernels costs by itself.
+
+``--allocator`` prints, instead of times, each case's allocations a step that missed the
+caching allocator's exact-size reuse (its slow path) after warm-up, and the memory it then
+holds: counts, not times, so they do not move with this kind of machine's speed.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -27,6 +32,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchport.sim  # noqa: F401
+from torchport.backend import active_backend
 
 
 @dataclass
@@ -140,6 +146,39 @@ def time_case(case: Case, steps: int, repeat: int, python_floor: bool = False
         [a / c for a, c in zip(r, runs["cpu"], strict=True)])) for d, r in runs.items()}
 
 
+def slow_allocations(case: Case, steps: int) -> tuple[float, int]:
+    """(allocations a step through the allocator's slow path, bytes reserved) for the sim
+    step of ``case``, after five warm-up steps, starting from an empty cache."""
+    gc.collect()
+    torch.sim.empty_cache()
+    alloc = active_backend().allocators[0]
+    step = make_step(case, "sim")
+    for _ in range(5):
+        step()
+    calls = 0
+    slow = alloc._malloc
+
+    def counted(*args: object) -> object:
+        nonlocal calls
+        calls += 1
+        return slow(*args)
+    alloc._malloc = counted
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        del alloc._malloc
+    return calls / steps, torch.sim.memory_reserved()
+
+
+def print_allocations(steps: int, only: str | None) -> None:
+    print(f"{'model':<20}{'slow allocs/step':>18}{'reserved MiB':>14}")
+    for case in CASES:
+        if not only or only in case.name:
+            n, reserved = slow_allocations(case, steps)
+            print(f"{case.name:<20}{n:>18.1f}{reserved / 2**20:>14.1f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -148,7 +187,12 @@ def main() -> None:
     p.add_argument("--only", default=None, help="run the cases whose name contains this")
     p.add_argument("--python-floor", action="store_true",
                    help="also time the CPU step inside an empty TorchDispatchMode")
+    p.add_argument("--allocator", action="store_true",
+                   help="print slow-path allocations per step instead of times")
     args = p.parse_args()
+    if args.allocator:
+        print_allocations(args.steps, args.only)
+        return
     torch.set_num_threads(torch.get_num_threads())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
           f"{args.repeat} runs x {args.steps} steps; sim memory "
