@@ -13,6 +13,11 @@ import torchport.sim  # noqa: F401  (registers the device)
 
 STRICT = os.environ.get("TORCHPORT_SIM_STRICT", "") not in ("", "0")
 
+# The sim chip's zero-copy view of its memory, in both memory modes: what a test's own
+# host kernels compute on (``Backend.to_host`` copies where memory is device-only).
+chip_view = next(d.to_cpu for ks in torchport.sim.BACKEND.kernel_sets for d in ks.decls
+                 if d.kind == "host")
+
 
 @pytest.fixture
 def sim_backend():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torchport.ops as ops
+from tests.conftest import chip_view
 from torchport.ops import fallback, registry, stats
 from torchport.ops.fallback import FallbackWarning
 
@@ -148,7 +149,7 @@ def test_decline_takes_decomposition_then_fallback():
 
 def test_declared_dtypes_decline_others():
     b = _sim()
-    decl = ops.KernelDecl("neg", None, b.to_host, frozenset({torch.float32}))
+    decl = ops.KernelDecl("neg", None, chip_view, frozenset({torch.float32}))
     k = registry._host_kernel(b, A.neg.default, "neg", decl, fallback.Route("neg"))
     x32 = torch.randn(3, device="sim")
     x64 = x32.double()
