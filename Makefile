@@ -17,14 +17,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/train_cnn.py
 
-# The whole suite on default (host-addressable) sim memory; then the core tests and the
-# conformance subset with device-only memory (TORCHPORT_SIM_STRICT=1), where every byte must
-# go through the runtime; then the core tests, the hot path's, the migrated examples and the
+# The whole suite on default (host-addressable) sim memory; then the core tests, the op
+# layer's and the conformance subset with device-only memory (TORCHPORT_SIM_STRICT=1), where
+# every byte must go through the runtime; then the core tests, the hot path's, the migrated examples and the
 # conformance subset with asynchronous streams (TORCHPORT_SIM_ASYNC=1).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 tests
 	TORCHPORT_SIM_STRICT=1 $(BIN)/python -m pytest -q tests/test_core_*.py tests/conformance \
-		tests/test_sim_core_opset.py tests/test_sim_attention.py tests/test_ops_hotpath.py
+		tests/test_sim_core_opset.py tests/test_sim_attention.py tests/test_ops_hotpath.py \
+		tests/test_ops_derive.py tests/test_ops_layer.py
 	TORCHPORT_SIM_ASYNC=1 $(BIN)/python -m pytest -q tests/test_core_*.py tests/test_streams.py \
 		tests/test_ops_hotpath.py tests/test_migrate_examples.py \
 		tests/conformance
