@@ -13,6 +13,9 @@ with the same ATen CPU kernels), small-batch ones by the per-op host cost.
 (one Python call per ATen op, nothing else), timed in the same alternation; its ratio to
 the CPU is what a Python layer between PyTorch and the kernels costs by itself.
 
+``--python-views`` adds the sim step with the Python view kernels instead of PyTorch's C++
+ones (``torchport.ops.native_views``), switched in this process, in the same alternation.
+
 ``--allocator`` prints, instead of times, each case's allocations a step that missed the
 caching allocator's exact-size reuse (its slow path) after warm-up, and the memory it then
 holds: counts, not times, so they do not move with this kind of machine's speed.
@@ -121,27 +124,37 @@ def make_step(case: Case, device: str, python_floor: bool = False) -> Callable[[
     return step_in_mode if python_floor else step
 
 
-def time_case(case: Case, steps: int, repeat: int, python_floor: bool = False
-              ) -> dict[str, tuple[float, float]]:
-    """Per side (``sim``, ``cpu``, and ``floor`` if asked), the median seconds per
+def time_case(case: Case, steps: int, repeat: int, python_floor: bool = False,
+              python_views: bool = False) -> dict[str, tuple[float, float]]:
+    """Per side (``sim``, ``cpu``, and ``floor`` and ``pyviews`` if asked), the median seconds per
     training step and the median of its ratios to the CPU over back-to-back runs. The
     runs alternate their order, so that a noisy neighbour or a clock change hits both
     sides of a ratio alike."""
     fns = {d: make_step(case, d) for d in ("sim", "cpu")}
     if python_floor:
         fns["floor"] = make_step(case, "cpu", python_floor=True)
+    views = active_backend().view_kernels
+    if python_views:
+        fns["pyviews"] = fns["sim"]  # the same model and memory, its views through Python
+    def run(d: str, n: int) -> float:
+        """Seconds per step of ``n`` steps of side ``d``."""
+        if d == "pyviews":
+            views.use(False)
+        try:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fns[d]()
+            return (time.perf_counter() - t0) / n
+        finally:
+            views.use(True)
+
     runs: dict[str, list[float]] = {d: [] for d in fns}
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
+    for d in fns:
+        run(d, 3)
     order = list(fns)
     for i in range(repeat):
         for d in (order if i % 2 == 0 else order[::-1]):
-            fn = fns[d]
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                fn()
-            runs[d].append((time.perf_counter() - t0) / steps)
+            runs[d].append(run(d, steps))
     return {d: (statistics.median(r), statistics.median(
         [a / c for a, c in zip(r, runs["cpu"], strict=True)])) for d, r in runs.items()}
 
@@ -187,6 +200,8 @@ def main() -> None:
     p.add_argument("--only", default=None, help="run the cases whose name contains this")
     p.add_argument("--python-floor", action="store_true",
                    help="also time the CPU step inside an empty TorchDispatchMode")
+    p.add_argument("--python-views", action="store_true",
+                   help="also time the sim step with the Python view kernels")
     p.add_argument("--allocator", action="store_true",
                    help="print slow-path allocations per step instead of times")
     args = p.parse_args()
@@ -197,19 +212,22 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
           f"{args.repeat} runs x {args.steps} steps; sim memory "
           f"{'strict' if torchport.sim.runtime.strict else 'host-addressable'}")
-    floor = (f"{'floor ms':>10}{'floor':>8}" if args.python_floor else "")
+    extra = (f"{'floor ms':>10}{'floor':>8}" if args.python_floor else "") + (
+        f"{'pyviews ms':>12}{'pyviews':>9}" if args.python_views else "")
     print(f"{'model':<20}{'batch':>7}{'sim ms':>10}{'cpu ms':>10}{'ratio':>8}{'target':>8}"
-          + floor)
+          + extra)
     for case in CASES:
         if args.only and args.only not in case.name:
             continue
-        t = time_case(case, args.steps, args.repeat, args.python_floor)
+        t = time_case(case, args.steps, args.repeat, args.python_floor, args.python_views)
         target = 1.10 if case.batch == "large" else 2.0
         (ts, ratio), (tc, _) = t["sim"], t["cpu"]
         line = (f"{case.name:<20}{case.batch:>7}{ts * 1e3:>10.2f}{tc * 1e3:>10.2f}"
                 f"{ratio:>8.2f}{target:>8.2f}")
         if "floor" in t:
             line += f"{t['floor'][0] * 1e3:>10.2f}{t['floor'][1]:>8.2f}"
+        if "pyviews" in t:
+            line += f"{t['pyviews'][0] * 1e3:>12.2f}{t['pyviews'][1]:>9.2f}"
         print(line)
 
 

@@ -70,6 +70,8 @@ class Backend:
         self.device_module: Any = None
         self.registered = False
         self._libs: list[torch.library.Library] = []
+        from torchport.ops.native_views import ViewKernels
+        self.view_kernels = ViewKernels()  # C++ view kernels, or the Python ones
         self._keep_alive: list[tuple[int, Any, Any]] = []
 
     # ---- devices ------------------------------------------------------------

@@ -28,6 +28,8 @@ KNOWN_VARIABLES: dict[str, tuple[str | None, str]] = {
     "TORCHPORT_FALLBACK_WARN": ("1", "0: no warning when an op falls back"),
     "TORCHPORT_FORCE_FALLBACK_OPS": (None, "regexes of overloads forced to the CPU"),
     "TORCHPORT_OP_STATS": ("0", "1: print op statistics at exit"),
+    "TORCHPORT_NATIVE_VIEWS": ("1", "0: Python view kernels, not C++"),
+    "TORCHPORT_CACHE_DIR": (None, "C++ view kernels' build folder"),
     "TORCHPORT_AUTOCOMPARE": (None, "op regexes checked against CPU (autocompare)"),
     "TORCHPORT_AUTOCOMPARE_RAISE": ("0", "1: autocompare mismatches raise"),
     "TORCHPORT_DUMP_OPS": ("0", "op dump level 0-3"),

@@ -65,9 +65,20 @@ _WARN = os.environ.get("TORCHPORT_FALLBACK_WARN", "1") != "0"
 _WARNED: set[str] = set()
 
 
+_SLOW_LISTENERS: list[Callable[[bool], None]] = []
+
+
+def on_slow_change(fn: Callable[[bool], None]) -> None:
+    """Call ``fn(SLOW)`` whenever the flag changes."""
+    _SLOW_LISTENERS.append(fn)
+
+
 def _refresh_slow() -> None:
     global SLOW
-    SLOW = bool(_PATTERNS) or stats.ENABLED or hooks.ACTIVE
+    was, SLOW = SLOW, bool(_PATTERNS) or stats.ENABLED or hooks.ACTIVE
+    if SLOW != was:
+        for fn in _SLOW_LISTENERS:
+            fn(SLOW)
 
 
 stats.on_change(_refresh_slow)

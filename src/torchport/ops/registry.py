@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport.ops import core, derive, fallback, fastpath, hostexec, paths
+from torchport.ops import core, derive, fallback, fastpath, hostexec, native_views, paths
+from torchport.ops.plan import plan_for
 
 if TYPE_CHECKING:
     from torchport.backend import Backend
@@ -178,6 +179,7 @@ def install(backend: Backend) -> None:
     fb = torch.library.Library("_", "IMPL")
     backend._libs.append(fb)
     fb.fallback(fallback.make_fallback(backend), "PrivateUse1", with_keyset=True)
+    native_views.install(backend)
 
 
 def overload_name(op: torch._ops.OpOverload) -> str:
@@ -237,7 +239,10 @@ def install_kernel_set(backend: Backend, ks: KernelSet, lib: torch.library.Libra
                 if d.dtypes is not None:
                     fn = _dtype_checked(op, fn, d.dtypes)
                 fn = _wrap(backend, op, oname, fn, route)
-            lib.impl(oname, fn, "PrivateUse1")
+            if d.kind == "host" and plan_for(op).is_view and native_views.switchable(op):
+                backend.view_kernels.add(oname, fn)  # or PyTorch's C++ kernels serve
+            else:
+                lib.impl(oname, fn, "PrivateUse1")
             taken.add(oname)
             _NATIVE[oname] = d
             done.append(oname)

@@ -1,0 +1,98 @@
+"""View ops served by PyTorch's C++ view kernels, and by the Python ones when asked."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torchport import ops
+from torchport.backend import active_backend
+from torchport.ops import native_views
+
+pytestmark = pytest.mark.skipif(native_views.load() is None and native_views.wanted(),
+                                reason=f"no C++ view kernels here: {native_views.UNAVAILABLE}")
+
+
+def _privateuse1_kernel(name: str) -> str:
+    table = torch._C._dispatch_dump_table(name).splitlines()
+    return next(line for line in table if line.startswith("PrivateUse1:"))
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_cpp_kernels_serve_every_op_they_name():
+    assert active_backend().view_kernels.native
+    assert native_views.load().torchport_native_views_enable() == len(native_views.OPS)
+    for name in native_views.OPS:
+        assert "native_views.cpp" in _privateuse1_kernel(f"aten::{name}"), name
+    # the composite views run PyTorch's composite kernel, not a Python one
+    assert "CompositeExplicitAutograd" in _privateuse1_kernel("aten::select.int")
+
+
+def test_views_match_the_cpu_and_share_memory():
+    c = torch.randn(4, 6, 2, dtype=torch.complex64)
+    d = c.to("sim")
+    cases = [lambda t: t.t() if t.dim() == 2 else t.permute(2, 0, 1), lambda t: t[1:3, ::2],
+             lambda t: t.view(8, 6), lambda t: t.unfold(1, 2, 2), torch.view_as_real,
+             lambda t: t.select(1, 3).unsqueeze(0).expand(3, 4, 2),
+             lambda t: t.as_strided((3, 3), (2, 5), 1), lambda t: t.diagonal(0, 0, 1)]
+    for f in cases:
+        v, w = f(d), f(c)
+        assert v.device == d.device and v.shape == w.shape and v.stride() == w.stride()
+        assert v.storage_offset() == w.storage_offset()
+        assert v.untyped_storage().data_ptr() == d.untyped_storage().data_ptr()
+        assert torch.equal(v.cpu(), w)
+    with pytest.raises(RuntimeError) as cpu_error:
+        c.view(5, 5)
+    with pytest.raises(RuntimeError) as error:
+        d.view(5, 5)
+    assert str(error.value) == str(cpu_error.value)
+
+
+def test_python_kernels_serve_while_ops_are_recorded():
+    views = active_backend().view_kernels
+    x = torch.randn(4, 6, device="sim")
+    with ops.record() as rec:
+        assert not views.native
+        assert "native_views.cpp" not in _privateuse1_kernel("aten::view")
+        y = x.t()[1:3].reshape(8)
+    assert views.native and "native_views.cpp" in _privateuse1_kernel("aten::view")
+    assert {"slice.Tensor", "as_strided"} <= set(rec.ops)
+    assert torch.equal(y.cpu(), x.cpu().t()[1:3].reshape(8))
+
+
+def test_switched_off_by_the_environment():
+    r = _run("import torch, torchport.sim\n"
+             "from torchport.backend import active_backend\n"
+             "assert not active_backend().view_kernels.native\n"
+             "x = torch.arange(6., device='sim')\n"
+             "assert torch.equal(x.view(2, 3).t().cpu(), torch.arange(6.).view(2, 3).t())\n"
+             "print('ok')", TORCHPORT_NATIVE_VIEWS="0")
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+    assert "compiling" not in r.stderr and "NativeViewsWarning" not in r.stderr
+
+
+def test_without_a_compiler_the_python_kernels_serve(tmp_path):
+    code = ("import warnings, torch\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import torchport.sim\n"
+            "from torchport.backend import active_backend\n"
+            "assert not active_backend().view_kernels.native\n"
+            "x = torch.arange(6., device='sim')\n"
+            "assert torch.equal(x.view(2, 3)[1].cpu(), torch.arange(3., 6.))\n"
+            "print([str(w.message) for w in seen if 'C++ view kernels' in str(w.message)])")
+    env = {"TORCHPORT_CACHE_DIR": str(tmp_path), "CXX": str(tmp_path / "no-such-compiler")}
+    first = _run(code, **env)
+    assert first.returncode == 0, first.stderr
+    assert "unavailable" in first.stdout and "compiling" in first.stderr
+    again = _run(code, **env)  # the failure is remembered: no second attempt
+    assert again.returncode == 0 and "unavailable" in again.stdout, again.stderr
+    assert "compiling" not in again.stderr
