@@ -96,3 +96,28 @@ def test_without_a_compiler_the_python_kernels_serve(tmp_path):
     again = _run(code, **env)  # the failure is remembered: no second attempt
     assert again.returncode == 0 and "unavailable" in again.stdout, again.stderr
     assert "compiling" not in again.stderr
+
+
+def test_a_backends_own_view_kernel_is_never_overridden():
+    r = _run("import torch\n"
+             "from torchport import ops\n"
+             "from torchport.backend import Backend\n"
+             "from torchport.backends.sim import SimRuntime\n"
+             "calls = []\n"
+             "ks = ops.KernelSet('own-view')\n"
+             "@ks.kernel('view')\n"
+             "def view(x, size):\n"
+             "    calls.append(tuple(size))\n"
+             "    return torch.ops.aten.view.default.redispatch(\n"
+             "        torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), x, size)\n"
+             "b = Backend('npu', SimRuntime(), [ks]).register()\n"
+             "assert not b.view_kernels.native\n"
+             "x = torch.arange(6., device='npu')\n"
+             "with ops.record():\n"
+             "    pass\n"
+             "assert not b.view_kernels.native\n"
+             "assert torch.equal(x.view(2, 3)[1].cpu(), torch.arange(3., 6.))\n"
+             "assert calls == [(2, 3)], calls\n"
+             "print('ok')", TORCHPORT_FALLBACK_WARN="0")
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+    assert "Overriding a previously registered kernel" not in r.stderr

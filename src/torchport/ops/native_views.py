@@ -135,6 +135,12 @@ class ViewKernels:
         self.python: dict[str, Any] = {}  # overload name -> Python kernel
         self._registered: torch.library.Library | None = None  # the Python ones, while serving
         self.native = False
+        self.vendor_owned = False  # the backend has its own kernel for one of OPS
+
+    def give_way(self) -> None:
+        """A kernel set brings its own kernel for one of :data:`OPS`: C++ no longer serves."""
+        self.vendor_owned = True
+        self.use(False)
 
     def add(self, name: str, kernel: Any) -> None:
         self.python[name] = kernel
@@ -143,7 +149,7 @@ class ViewKernels:
 
     def use(self, native: bool) -> None:
         """Serve views from C++ (where it could be loaded) or from the Python kernels."""
-        cpp = load() if native and wanted() else None
+        cpp = load() if native and wanted() and not self.vendor_owned else None
         if cpp is not None:
             if self._registered is not None:
                 self._registered._destroy()

@@ -242,6 +242,8 @@ def install_kernel_set(backend: Backend, ks: KernelSet, lib: torch.library.Libra
             if d.kind == "host" and plan_for(op).is_view and native_views.switchable(op):
                 backend.view_kernels.add(oname, fn)  # or PyTorch's C++ kernels serve
             else:
+                if oname in native_views.OPS:  # the vendor's own view kernel serves
+                    backend.view_kernels.give_way()
                 lib.impl(oname, fn, "PrivateUse1")
             taken.add(oname)
             _NATIVE[oname] = d
