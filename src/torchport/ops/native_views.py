@@ -10,9 +10,9 @@ then run PyTorch's composite kernels, all without Python.
 
 The library is compiled once per torch and Python version (``$CXX``, default ``c++``,
 with the headers in the torch wheel) into ``TORCHPORT_CACHE_DIR`` (default
-``~/.cache/torchport``); ``make`` builds it at set-up, so that no test process has to. Without a C++
-compiler, or with ``TORCHPORT_NATIVE_VIEWS=0``, the Python view kernels serve, with
-the same results. While op statistics record, ops are forced to the CPU or a tool
+``~/.cache/torchport``); ``make`` builds it at set-up, so that no test process has to.
+Without a C++ compiler, or with ``TORCHPORT_NATIVE_VIEWS=0``, the Python view kernels
+serve, with the same results. While op statistics record, ops are forced to the CPU or a tool
 intercepts ops (``fallback.SLOW``) the Python kernels serve too, so that views are
 counted and seen like every other op.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shlex
 import subprocess
 import sys
 import warnings
@@ -80,7 +81,7 @@ def build() -> Path:
     from torch.utils import cpp_extension
 
     partial = where / f"{name}.{os.getpid()}.tmp"
-    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++20", "-shared", "-fPIC",
+    cmd = [*shlex.split(os.environ.get("CXX", "c++")), "-O2", "-std=c++20", "-shared", "-fPIC",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
            *(f"-isystem{p}" for p in cpp_extension.include_paths()), str(_SOURCE),
            *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu",
