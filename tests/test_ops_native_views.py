@@ -68,13 +68,17 @@ def test_python_kernels_serve_while_ops_are_recorded():
     assert torch.equal(y.cpu(), x.cpu().t()[1:3].reshape(8))
 
 
+def _python_views_serve(backend: str = "active_backend()", device: str = "sim") -> str:
+    """Code that checks, in a child process, that the Python view kernels serve, right."""
+    return (f"assert not {backend}.view_kernels.native\n"
+            f"x = torch.arange(6., device='{device}')\n"
+            "assert torch.equal(x.view(2, 3)[1].cpu(), torch.arange(3., 6.))\n")
+
+
 def test_switched_off_by_the_environment():
     r = _run("import torch, torchport.sim\n"
              "from torchport.backend import active_backend\n"
-             "assert not active_backend().view_kernels.native\n"
-             "x = torch.arange(6., device='sim')\n"
-             "assert torch.equal(x.view(2, 3).t().cpu(), torch.arange(6.).view(2, 3).t())\n"
-             "print('ok')", TORCHPORT_NATIVE_VIEWS="0")
+             + _python_views_serve() + "print('ok')", TORCHPORT_NATIVE_VIEWS="0")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
     assert "compiling" not in r.stderr and "NativeViewsWarning" not in r.stderr
 
@@ -85,9 +89,7 @@ def test_without_a_compiler_the_python_kernels_serve(tmp_path):
             "    warnings.simplefilter('always')\n"
             "    import torchport.sim\n"
             "from torchport.backend import active_backend\n"
-            "assert not active_backend().view_kernels.native\n"
-            "x = torch.arange(6., device='sim')\n"
-            "assert torch.equal(x.view(2, 3)[1].cpu(), torch.arange(3., 6.))\n"
+            + _python_views_serve() +
             "print([str(w.message) for w in seen if 'C++ view kernels' in str(w.message)])")
     env = {"TORCHPORT_CACHE_DIR": str(tmp_path), "CXX": str(tmp_path / "no-such-compiler")}
     first = _run(code, **env)
@@ -111,12 +113,9 @@ def test_a_backends_own_view_kernel_is_never_overridden():
              "    return torch.ops.aten.view.default.redispatch(\n"
              "        torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), x, size)\n"
              "b = Backend('npu', SimRuntime(), [ks]).register()\n"
-             "assert not b.view_kernels.native\n"
-             "x = torch.arange(6., device='npu')\n"
              "with ops.record():\n"
              "    pass\n"
-             "assert not b.view_kernels.native\n"
-             "assert torch.equal(x.view(2, 3)[1].cpu(), torch.arange(3., 6.))\n"
+             + _python_views_serve("b", "npu") +
              "assert calls == [(2, 3)], calls\n"
              "print('ok')", TORCHPORT_FALLBACK_WARN="0")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
