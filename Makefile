@@ -20,8 +20,8 @@ demo: $(STAMP)
 
 # The whole suite on default (host-addressable) sim memory; then the core tests, the op
 # layer's and the conformance subset with device-only memory (TORCHPORT_SIM_STRICT=1), where
-# every byte must go through the runtime; then the core tests, the hot path's, the migrated examples and the
-# conformance subset with asynchronous streams (TORCHPORT_SIM_ASYNC=1).
+# every byte must go through the runtime; then the core tests, the hot path's, the migrated
+# examples and the conformance subset with asynchronous streams (TORCHPORT_SIM_ASYNC=1).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 tests
 	TORCHPORT_SIM_STRICT=1 $(BIN)/python -m pytest -q tests/test_core_*.py tests/conformance \

@@ -126,25 +126,30 @@ def make_step(case: Case, device: str, python_floor: bool = False) -> Callable[[
 
 def time_case(case: Case, steps: int, repeat: int, python_floor: bool = False,
               python_views: bool = False) -> dict[str, tuple[float, float]]:
-    """Per side (``sim``, ``cpu``, and ``floor`` and ``pyviews`` if asked), the median seconds per
-    training step and the median of its ratios to the CPU over back-to-back runs. The
-    runs alternate their order, so that a noisy neighbour or a clock change hits both
-    sides of a ratio alike."""
+    """Per side (``sim``, ``cpu``, and ``floor`` and ``pyviews`` if asked), the median
+    seconds per training step and the median of its ratios to the CPU over back-to-back
+    runs. The runs alternate their order, so that a noisy neighbour or a clock change hits
+    both sides of a ratio alike."""
     fns = {d: make_step(case, d) for d in ("sim", "cpu")}
     if python_floor:
         fns["floor"] = make_step(case, "cpu", python_floor=True)
     views = active_backend().view_kernels
     if python_views:
         fns["pyviews"] = fns["sim"]  # the same model and memory, its views through Python
+
+    def timed(d: str, n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fns[d]()
+        return (time.perf_counter() - t0) / n
+
     def run(d: str, n: int) -> float:
         """Seconds per step of ``n`` steps of side ``d``."""
-        if d == "pyviews":
-            views.use(False)
+        if d != "pyviews":
+            return timed(d, n)
+        views.use(False)
         try:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fns[d]()
-            return (time.perf_counter() - t0) / n
+            return timed(d, n)
         finally:
             views.use(True)
 

@@ -12,8 +12,8 @@ The library is compiled once per torch and Python version (``$CXX``, default ``c
 with the headers in the torch wheel) into ``TORCHPORT_CACHE_DIR`` (default
 ``~/.cache/torchport``); ``make`` builds it at set-up, so that no test process has to.
 Without a C++ compiler, or with ``TORCHPORT_NATIVE_VIEWS=0``, the Python view kernels
-serve, with the same results. While op statistics record, ops are forced to the CPU or a tool
-intercepts ops (``fallback.SLOW``) the Python kernels serve too, so that views are
+serve, with the same results. While op statistics record, ops are forced to the CPU or a
+tool intercepts ops (``fallback.SLOW``) the Python kernels serve too, so that views are
 counted and seen like every other op.
 """
 
