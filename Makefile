@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test]'
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
-	$(BIN)/python -c "from torchport.ops import native_views as v; v.load()"  # C++ view kernels
+	$(BIN)/python -c "from torchport import native; native.load()"  # views, device guard
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from torchport import ops
+from tests.test_native import python_views_serve, run_child
+from torchport import native, ops
 from torchport.backend import active_backend
 from torchport.ops import native_views
 
-pytestmark = pytest.mark.skipif(native_views.load() is None and native_views.wanted(),
-                                reason=f"no C++ view kernels here: {native_views.UNAVAILABLE}")
+pytestmark = pytest.mark.skipif(native.load() is None,
+                                reason=f"no C++ library here: {native.UNAVAILABLE or 'off'}")
 
 
 def _privateuse1_kernel(name: str) -> str:
@@ -22,14 +19,9 @@ def _privateuse1_kernel(name: str) -> str:
     return next(line for line in table if line.startswith("PrivateUse1:"))
 
 
-def _run(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=300)
-
-
 def test_the_cpp_kernels_serve_every_op_they_name():
     assert active_backend().view_kernels.native
-    assert native_views.load().torchport_native_views_enable() == len(native_views.OPS)
+    assert native.load().torchport_native_views_enable() == len(native_views.OPS)
     for name in native_views.OPS:
         assert "native_views.cpp" in _privateuse1_kernel(f"aten::{name}"), name
     # the composite views run PyTorch's composite kernel, not a Python one
@@ -68,40 +60,8 @@ def test_python_kernels_serve_while_ops_are_recorded():
     assert torch.equal(y.cpu(), x.cpu().t()[1:3].reshape(8))
 
 
-def _python_views_serve(backend: str = "active_backend()", device: str = "sim") -> str:
-    """Code that checks, in a child process, that the Python view kernels serve, right."""
-    return (f"assert not {backend}.view_kernels.native\n"
-            f"x = torch.arange(6., device='{device}')\n"
-            "assert torch.equal(x.view(2, 3)[1].cpu(), torch.arange(3., 6.))\n")
-
-
-def test_switched_off_by_the_environment():
-    r = _run("import torch, torchport.sim\n"
-             "from torchport.backend import active_backend\n"
-             + _python_views_serve() + "print('ok')", TORCHPORT_NATIVE_VIEWS="0")
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
-    assert "compiling" not in r.stderr and "NativeViewsWarning" not in r.stderr
-
-
-def test_without_a_compiler_the_python_kernels_serve(tmp_path):
-    code = ("import warnings, torch\n"
-            "with warnings.catch_warnings(record=True) as seen:\n"
-            "    warnings.simplefilter('always')\n"
-            "    import torchport.sim\n"
-            "from torchport.backend import active_backend\n"
-            + _python_views_serve() +
-            "print([str(w.message) for w in seen if 'C++ view kernels' in str(w.message)])")
-    env = {"TORCHPORT_CACHE_DIR": str(tmp_path), "CXX": str(tmp_path / "no-such-compiler")}
-    first = _run(code, **env)
-    assert first.returncode == 0, first.stderr
-    assert "unavailable" in first.stdout and "compiling" in first.stderr
-    again = _run(code, **env)  # the failure is remembered: no second attempt
-    assert again.returncode == 0 and "unavailable" in again.stdout, again.stderr
-    assert "compiling" not in again.stderr
-
-
 def test_a_backends_own_view_kernel_is_never_overridden():
-    r = _run("import torch\n"
+    r = run_child("import torch\n"
              "from torchport import ops\n"
              "from torchport.backend import Backend\n"
              "from torchport.backends.sim import SimRuntime\n"
@@ -115,7 +75,7 @@ def test_a_backends_own_view_kernel_is_never_overridden():
              "b = Backend('npu', SimRuntime(), [ks]).register()\n"
              "with ops.record():\n"
              "    pass\n"
-             + _python_views_serve("b", "npu") +
+             + python_views_serve("b", "npu") +
              "assert calls == [(2, 3)], calls\n"
              "print('ok')", TORCHPORT_FALLBACK_WARN="0")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from torchport import device_index, tensors
+from torchport import device_index, native, tensors
 from torchport.allocator import DeviceAllocator
 from torchport.runtime import Runtime
 from torchport.storage import resize_storage
@@ -280,6 +280,7 @@ class Backend:
             torch.utils.backend_registration._setup_privateuseone_for_python_backend(
                 self.name, backend_module=self.device_module, hook=_Hooks(self),
                 device_guard=_Guard())
+            native.use_guard()  # the same guard in C++, where the library loads
             torch.utils.generate_methods_for_privateuse1_backend(
                 for_tensor=False, for_module=False, for_packed_sequence=False, for_storage=True,
                 unsupported_dtype=list(self.runtime.unsupported_dtypes))
@@ -322,5 +323,7 @@ _PRIVATE_USE1 = torch._C._autograd.DeviceType.PrivateUse1
 
 
 class _Guard(torch._C._acc.DeviceGuard):
+    """PyTorch's Python-backend guard; ``native_guard.cpp`` replaces it where it can."""
+
     def type_(self):  # called from C++ by autograd for every node on the device: kept minimal
         return _PRIVATE_USE1

@@ -1,0 +1,127 @@
+"""torchport's optional C++: what must not enter Python on every op, with a Python twin.
+
+A Python backend pays a Python entry for each kernel PyTorch asks it for, and a training
+step's large kernels evict the interpreter from the caches in between, so each entry costs
+several times its warm price. Two kinds of entry need no Python at all, and are compiled
+here into one small library:
+
+* the view ops (``ops/native_views.cpp``, switched by :mod:`torchport.ops.native_views`):
+  PyTorch's own C++ view kernels, registered for the device;
+* the device guard (``native_guard.cpp``): PyTorch's Python-backend guard enters Python
+  from every method, several times per op (the autograd engine, stream guards); this one
+  answers the same from C++.
+
+The library is compiled once per source, torch and Python version (``$CXX``, default
+``c++``, with the headers in the torch wheel) into ``TORCHPORT_CACHE_DIR`` (default
+``~/.cache/torchport``); ``make`` builds it at set-up, so that no test process has to.
+Without a C++ compiler (one :class:`NativeCodeWarning` says why), or with
+``TORCHPORT_NATIVE=0``, the Python twins serve, with the same results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shlex
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "ops" / "native_views.cpp", _HERE / "native_guard.cpp")
+_cpp: ctypes.CDLL | None = None
+_tried = False
+UNAVAILABLE = ""  # why the library could not be built or loaded, when it could not
+
+
+class NativeCodeWarning(RuntimeWarning):
+    """The C++ library is unavailable; views and the device guard take the Python path."""
+
+
+def wanted() -> bool:
+    return os.environ.get("TORCHPORT_NATIVE", "1") != "0"
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("TORCHPORT_CACHE_DIR")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "torchport"
+
+
+def _name() -> str:
+    """The library's name: a new build for every source, torch or Python version."""
+    h = hashlib.sha256()
+    for source in SOURCES:
+        h.update(source.read_bytes())
+    h.update(f"{torch.__version__} {sys.version} {torch._C._GLIBCXX_USE_CXX11_ABI}".encode())
+    return f"torchport_native_{h.hexdigest()[:16]}"
+
+
+def build() -> Path:
+    """Compile the library (if not built yet); its path. Raises where it cannot."""
+    name = _name()
+    where = _cache_dir() / name
+    path = where / f"{name}.so"
+    if path.exists():
+        return path
+    failed = where / "FAILED"
+    if failed.exists():  # one attempt per version: a broken toolchain costs no more time
+        raise RuntimeError(failed.read_text())
+    where.mkdir(parents=True, exist_ok=True)
+    print(f"torchport: compiling the C++ library into {where} (once)", file=sys.stderr)
+    from torch.utils import cpp_extension
+
+    partial = where / f"{name}.{os.getpid()}.tmp"
+    cmd = [*shlex.split(os.environ.get("CXX", "c++")), "-O2", "-std=c++20", "-shared", "-fPIC",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           *(f"-isystem{p}" for p in cpp_extension.include_paths()), *map(str, SOURCES),
+           *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu",
+           "-o", str(partial)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:  # no compiler
+        done = subprocess.CompletedProcess(cmd, 1, "", str(e))
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        failed.write_text(f"{cmd[0]} failed: {lines[-1] if lines else done.returncode} "
+                          f"(remove {where} to try again)")
+        raise RuntimeError(failed.read_text())
+    os.replace(partial, path)  # atomic: a process building at the same time is harmless
+    return path
+
+
+def load() -> ctypes.CDLL | None:
+    """The library, built if needed; ``None`` where it is not wanted or cannot be built
+    (then the reason is in :data:`UNAVAILABLE`). Tried once per process."""
+    global _cpp, _tried, UNAVAILABLE
+    if not wanted():
+        return None
+    if _tried:
+        return _cpp
+    _tried = True
+    try:
+        _cpp = ctypes.CDLL(str(build()))
+    except Exception as e:  # no compiler, a failed build: the Python twins serve
+        UNAVAILABLE = f"{type(e).__name__}: {e}"
+        warnings.warn(f"torchport: the C++ library is unavailable ({UNAVAILABLE}); view ops "
+                      f"and the device guard take the Python path (slower; "
+                      f"TORCHPORT_NATIVE=0 silences this)", NativeCodeWarning, stacklevel=2)
+    return _cpp
+
+
+def loaded() -> ctypes.CDLL | None:
+    """The library if this process has loaded it (never builds)."""
+    return _cpp
+
+
+def use_guard() -> bool:
+    """Replace PyTorch's Python device guard of PrivateUse1 by the C++ one, where the
+    library loads; whether it did."""
+    cpp = load()
+    return cpp is not None and bool(cpp.torchport_guard_enable())
