@@ -24,7 +24,7 @@ def python_views_serve(backend: str = "active_backend()", device: str = "sim") -
 
 
 # Backward passes on sim:0 and sim:1, one inside a stream context, counting the Python
-# guard's calls; prints the gradients (checked against the CPU's) and "calls <n>".
+# guard's calls; checks the gradients against the CPU's and prints "calls <n>".
 _BACKWARD_COUNTING_GUARD_CALLS = """
 import torch, torchport.sim
 from torchport.backend import _Guard

@@ -32,27 +32,13 @@ struct Guard final : public c10::impl::DeviceGuardImplInterface {
 };
 
 Guard guard;
-const c10::impl::DeviceGuardImplInterface* replaced = nullptr;
-
-auto& slot() {
-  return c10::impl::device_guard_impl_registry[static_cast<size_t>(
-      c10::DeviceType::PrivateUse1)];
-}
 
 }  // namespace
 
-// Puts this guard in the registry's PrivateUse1 slot (after the Python one was
-// registered); returns 1.
+// Puts this guard in the registry's PrivateUse1 slot, over the Python one registered
+// before; returns 1.
 extern "C" int torchport_guard_enable() {
-  const c10::impl::DeviceGuardImplInterface* current = slot().load();
-  if (current != &guard) {
-    replaced = current;
-    slot().store(&guard);
-  }
+  c10::impl::device_guard_impl_registry[static_cast<size_t>(c10::DeviceType::PrivateUse1)]
+      .store(&guard);
   return 1;
-}
-
-// Puts back the guard it replaced.
-extern "C" void torchport_guard_disable() {
-  if (replaced != nullptr && slot().load() == &guard) slot().store(replaced);
 }
