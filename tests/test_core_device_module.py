@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torchport
+from torchport import native
 from torchport.backends.sim.runtime import SimRuntime
 
 
@@ -51,9 +52,10 @@ def test_current_device_and_context_managers():
         torch.sim.set_device(0)
 
 
+@pytest.mark.skipif(native.load() is None, reason=f"no C++ library: {native.UNAVAILABLE}")
 def test_a_device_without_an_index_is_the_current_device():
-    # PyTorch resolves "sim" for these through the C++ device guard, whose Python version
-    # answers 0; CUDA's answers the current device, which every one of them must give.
+    # PyTorch resolves "sim" for these through the C++ device guard (PyTorch's Python one
+    # answers 0); CUDA's answers the current device, which every one of them must give.
     x = torch.arange(3.0)
     makers = {
         "Tensor.to(str)": lambda: x.to("sim"),
@@ -160,3 +162,46 @@ def test_sim_settings_from_environment():
     assert r.stdout.split() == ["3", str(512 << 20)]
     bad = _run("import torchport.sim", TORCHPORT_SIM_MEMORY="lots")
     assert bad.returncode != 0 and "TORCHPORT_SIM_MEMORY" in bad.stderr
+
+
+@pytest.mark.skipif(native.load() is None, reason=f"no C++ library: {native.UNAVAILABLE}")
+def test_one_current_device_for_torchport_and_torch_accelerator():
+    assert torch.accelerator.current_accelerator() == torch.device("sim")
+    try:
+        torch.accelerator.set_device_index(1)
+        assert torch.sim.current_device() == 1 and torch.ones(1, device="sim").device.index == 1
+        torch.sim.set_device(0)
+        assert torch.accelerator.current_device_index() == 0
+        with torch.accelerator.device_index(1):
+            assert torch.sim.current_device() == 1
+            assert torch.tensor([1.0], device="sim").device.index == 1
+        assert torch.sim.current_device() == 0
+        with pytest.raises(RuntimeError, match="invalid device ordinal"):
+            torch.accelerator.set_device_index(torch.sim.device_count())
+    finally:
+        torch.sim.set_device(0)
+
+
+@pytest.mark.skipif(native.load() is None, reason=f"no C++ library: {native.UNAVAILABLE}")
+def test_the_current_device_is_per_thread():
+    import threading
+    seen = {}
+
+    def work() -> None:
+        seen["start"] = torch.sim.current_device()
+        torch.sim.set_device(1)
+        seen["tensor"] = torch.tensor([1.0], device="sim").device.index
+
+    torch.sim.set_device(1)
+    try:
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        assert seen == {"start": 0, "tensor": 1}
+        torch.sim.set_device(0)
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        assert torch.sim.current_device() == 0 and torch.tensor([1.0], device="sim").device.index == 0
+    finally:
+        torch.sim.set_device(0)

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "cuda"
 _ORIG_ZEROS = torch.zeros
 _ORIG_CUDA_AVAILABLE = torch.cuda.is_available
-_ORIG_TO, _ORIG_TENSOR = torch.Tensor.to, torch.tensor  # the backend's (torchport.device_index)
+_ORIG_TO, _ORIG_TENSOR = torch.Tensor.to, torch.tensor  # PyTorch's own
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from torchport import device_index, native, tensors
+from torchport import native, tensors
 from torchport.allocator import DeviceAllocator
 from torchport.runtime import Runtime
 from torchport.storage import resize_storage
@@ -67,6 +67,9 @@ class Backend:
             g.manual_seed(DEFAULT_SEED)
         self.initial_seeds = [DEFAULT_SEED for _ in self.visible]
         self._tls = threading.local()
+        self._guard_device: native.GuardDevice | None = None
+        self.initialized = False  # some device memory was taken from the runtime
+        self.bad_fork = False
         self.device_module: Any = None
         self.registered = False
         self._libs: list[torch.library.Library] = []
@@ -95,10 +98,18 @@ class Backend:
         return index
 
     def current_device(self) -> int:
-        return getattr(self._tls, "device", 0)
+        """This thread's current device: the C++ guard's, once registered with the native
+        library (one state with ``torch.accelerator`` and PyTorch's index resolution)."""
+        g = self._guard_device
+        return getattr(self._tls, "device", 0) if g is None else g.get()
 
     def set_device(self, index: int) -> None:
-        self._tls.device = self.check_index(index)
+        index = self.check_index(index)
+        g = self._guard_device
+        if g is None:
+            self._tls.device = index
+        else:
+            g.set(index)
 
     def index_of(self, device: Any) -> int:
         """Logical index named by a device spec (``torch.device``, str, int, None)."""
@@ -267,7 +278,7 @@ class Backend:
             raise BackendError(f"PrivateUse1 is already renamed to {current!r} by another plug-in")
         import importlib
 
-        from torchport import device_module, serialization
+        from torchport import device_module, dynamo_device, forking, serialization, tensor_types
         from torchport.features import FEATURE_MODULES
 
         for feature in FEATURE_MODULES:
@@ -280,13 +291,16 @@ class Backend:
             torch.utils.backend_registration._setup_privateuseone_for_python_backend(
                 self.name, backend_module=self.device_module, hook=_Hooks(self),
                 device_guard=_Guard())
-            native.use_guard()  # the same guard in C++, where the library loads
+            # the guard in C++, where the library loads: the real current device
+            self._guard_device = native.use_guard(self.device_count())
             torch.utils.generate_methods_for_privateuse1_backend(
                 for_tensor=False, for_module=False, for_packed_sequence=False, for_storage=True,
                 unsupported_dtype=list(self.runtime.unsupported_dtypes))
             registry.install(self)
             serialization.install(self)
-            device_index.install(self.name, self.current_device)
+            tensor_types.install(self)
+            forking.install(self)
+            dynamo_device.install(self)
             # The Python device guard reports one device; the autograd engine's per-device
             # threads would assert on index >= 1 (see DESIGN-NOTES).
             torch.autograd.set_multithreading_enabled(False)

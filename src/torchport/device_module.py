@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchport import forking
 from torchport.allocator import format_size
 
 if TYPE_CHECKING:
@@ -43,16 +44,19 @@ def make_device_module(backend: Backend) -> types.ModuleType:
         return b.device_count() > 0
 
     def is_initialized() -> bool:
-        return True
+        return forking.used(b) and not b.bad_fork
 
     def init() -> None:
-        return None
+        """Initialise the device now (it is initialised on first use anyway)."""
+        if b.bad_fork:
+            raise forking.error(b)
+        b.initialized = True
 
     def _lazy_init() -> None:
-        return None
+        init()
 
     def _is_in_bad_fork() -> bool:
-        return False
+        return b.bad_fork
 
     def device_count() -> int:
         return b.device_count()

@@ -8,8 +8,10 @@ here into one small library:
 * the view ops (``ops/native_views.cpp``, switched by :mod:`torchport.ops.native_views`):
   PyTorch's own C++ view kernels, registered for the device;
 * the device guard (``native_guard.cpp``): PyTorch's Python-backend guard enters Python
-  from every method, several times per op (the autograd engine, stream guards); this one
-  answers the same from C++.
+  from every method, several times per op (the autograd engine, stream guards), and
+  answers device 0; this one answers from C++ with the thread's real current device, so
+  that PyTorch's own resolution of an index-less name (``torch.tensor(x, device="sim")``,
+  ``Tensor.to("sim")``, ``torch.accelerator``) follows ``torch.<device>.set_device``.
 
 The library is compiled once per source, torch and Python version (``$CXX``, default
 ``c++``, with the headers in the torch wheel) into ``TORCHPORT_CACHE_DIR`` (default
@@ -27,6 +29,7 @@ import shlex
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -110,7 +113,9 @@ def load() -> ctypes.CDLL | None:
     except Exception as e:  # no compiler, a failed build: the Python twins serve
         UNAVAILABLE = f"{type(e).__name__}: {e}"
         warnings.warn(f"torchport: the C++ library is unavailable ({UNAVAILABLE}); view ops "
-                      f"and the device guard take the Python path (slower; "
+                      f"and the device guard take the Python path (slower; a device name "
+                      f"without an index in torch.tensor, torch.as_tensor, torch.asarray, "
+                      f"Tensor.to and Tensor.new_tensor means device 0; "
                       f"TORCHPORT_NATIVE=0 silences this)", NativeCodeWarning, stacklevel=2)
     return _cpp
 
@@ -120,8 +125,27 @@ def loaded() -> ctypes.CDLL | None:
     return _cpp
 
 
-def use_guard() -> bool:
-    """Replace PyTorch's Python device guard of PrivateUse1 by the C++ one, where the
-    library loads; whether it did."""
+class GuardDevice:
+    """The C++ guard's per-thread current device, read and written from Python: one
+    state for torchport, ``torch.accelerator`` and PyTorch's own index resolution."""
+
+    def __init__(self, cpp: ctypes.CDLL) -> None:
+        self.get: Callable[[], int] = cpp.torchport_guard_get_device
+        self.get.restype = ctypes.c_int
+        self.get.argtypes = []
+        self.set: Callable[[int], None] = cpp.torchport_guard_set_device
+        self.set.restype = None
+        self.set.argtypes = [ctypes.c_int]
+
+
+def use_guard(device_count: int) -> GuardDevice | None:
+    """Replace PyTorch's Python device guard of PrivateUse1 by the C++ one for
+    ``device_count`` visible devices, where the library loads; its current-device
+    accessors, or ``None`` (then PyTorch's C++ resolves an index-less device name to 0)."""
     cpp = load()
-    return cpp is not None and bool(cpp.torchport_guard_enable())
+    if cpp is None:
+        return None
+    cpp.torchport_guard_enable.argtypes = [ctypes.c_int]
+    if not cpp.torchport_guard_enable(device_count):
+        return None
+    return GuardDevice(cpp)

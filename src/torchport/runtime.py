@@ -64,10 +64,14 @@ class Runtime(abc.ABC):
     * ``unsupported_dtypes``: dtypes the device cannot hold (e.g. Ascend has no
       float64). Creating a device tensor of such a dtype raises a clear error and
       autocast never picks it.
+    * ``survives_fork``: a process forked after this one used the device can use it
+      too. False (the default, as CUDA): such a child gets "Cannot re-initialize ... in
+      forked subprocess" instead of a runtime state it does not own.
     """
 
     host_addressable: bool = False
     unsupported_dtypes: frozenset[torch.dtype] = frozenset()
+    survives_fork: bool = False
 
     # ---- devices -------------------------------------------------------------
     @abc.abstractmethod

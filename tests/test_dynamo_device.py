@@ -1,0 +1,54 @@
+"""TorchDynamo finds the device: ``get_interface_for_device("sim")`` answers from
+``torch.sim`` (current device, count, streams, events, synchronize, memory)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+from torch._dynamo.device_interface import get_interface_for_device
+
+
+def test_the_interface_answers_from_the_device_module() -> None:
+    di = get_interface_for_device("sim")
+    assert get_interface_for_device(torch.device("sim", 1)) is di
+    assert di.is_available() and di.device_count() == torch.sim.device_count()
+    assert di.current_device() == torch.sim.current_device() == 0
+    prev = di.exchange_device(1)
+    try:
+        assert prev == 0 and torch.sim.current_device() == 1 and di.current_device() == 1
+    finally:
+        di.set_device(0)
+    assert di.get_device_properties(0) == torch.sim.get_device_properties(0)
+    major, minor = torch.sim.get_device_capability(0)
+    assert di.get_compute_capability(0) == major * 10 + minor
+    assert di.is_bf16_supported() and di.is_dtype_supported(torch.bfloat16)
+    x = torch.ones(1 << 10, device="sim")
+    assert di.memory_allocated(0) == torch.sim.memory_allocated(0) >= x.nbytes
+    s = di.Stream()
+    with di.stream(s):
+        assert di.current_stream() == s
+        start, end = di.Event(enable_timing=True), di.Event(enable_timing=True)
+        start.record()
+        y = (x * 2).sum()
+        end.record()
+    di.synchronize()
+    assert y.item() == 2048 and start.elapsed_time(end) >= 0
+    assert di.get_raw_stream(0) == torch.sim.current_stream(0).stream_id
+    assert isinstance(s, torch.Stream)
+
+
+def test_registered_when_dynamo_is_imported_after_torchport() -> None:
+    code = ("import sys, torch, torchport.sim\n"
+            "assert 'torch._dynamo' not in sys.modules\n"  # importing torchport loads no dynamo
+            "from torch._dynamo.device_interface import get_interface_for_device\n"
+            "di = get_interface_for_device('sim')\n"
+            "assert di.device_count() == torch.sim.device_count()\n"
+            "f = torch.compile(lambda a: (a * 2).sum(), backend='eager')\n"
+            "assert f(torch.ones(4, device='sim')).item() == 8\n"
+            "print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "TORCHPORT_FALLBACK_WARN": "0"})
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
