@@ -47,3 +47,27 @@ print(x.cpu().tolist(), torch.sim.get_amp_supported_dtype())
     assert r.returncode == 0, r.stderr
     assert "ERR sim does not support torch.float64" in r.stdout
     assert "[1.0, 1.0]" in r.stdout
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: torch.empty(-1, device=d),
+    lambda d: torch.empty((3, -1), device=d),
+    lambda d: torch.zeros((2, -3), device=d),
+    lambda d: torch.empty_strided((3, 2), (1, -1), device=d),
+    lambda d: torch.empty_strided((0, 2), (1, -1), device=d),
+    lambda d: torch.empty_strided((3,), (1, 1), device=d),
+    lambda d: torch.empty_strided((1 << 40, 1 << 40), (1 << 40, 1), device=d),
+    lambda d: torch.ones(2, device=d).new_empty((-1,)),
+], ids=["1d", "2d", "zeros", "negative-stride", "empty-negative-stride", "stride-rank",
+        "overflow", "new_empty"])
+def test_impossible_sizes_and_strides_raise_the_cpus_error(make) -> None:
+    before = torch.sim.memory_allocated()
+    try:
+        expected = make("cpu")
+    except RuntimeError as e:
+        with pytest.raises(RuntimeError) as got:
+            make("sim")
+        assert str(got.value).split("\n")[0] == str(e).split("\n")[0]
+    else:
+        assert make("sim").shape == expected.shape
+    assert torch.sim.memory_allocated() == before  # nothing taken, nothing leaked

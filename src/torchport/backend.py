@@ -50,6 +50,23 @@ def parse_visible_devices(text: str | None, count: int) -> list[int]:
     return out
 
 
+def check_layout(size: list[int], stride: list[int]) -> None:
+    """The CPU's errors for sizes and strides no tensor can have, before any memory is
+    taken (DLPack's import would abort the process on them)."""
+    if any(d < 0 for d in size):
+        neg = next(d for d in size if d < 0)
+        raise RuntimeError(f"Trying to create tensor with negative dimension {neg}: {size}")
+    if len(stride) != len(size):
+        raise RuntimeError(f"dimensionality of sizes ({len(size)}) must match dimensionality "
+                           f"of strides ({len(stride)})")
+    if 0 in size:
+        return
+    if any(st < 0 and d > 1 for d, st in zip(size, stride, strict=True)) \
+            or tensors.storage_nbytes(size, stride, 1) >= 1 << 63:
+        raise RuntimeError(f"Storage size calculation overflowed with sizes={size} and "
+                           f"strides={stride}")
+
+
 class Backend:
     """A device type made from a runtime and kernels."""
 
@@ -146,6 +163,7 @@ class Backend:
         self.check_dtype(dtype)
         index = self.index_of(device)
         size, stride = list(size), list(stride)
+        check_layout(size, stride)
         nbytes = tensors.storage_nbytes(size, stride, dtype.itemsize)
         return self._new_tensor(index, size, stride, dtype, nbytes)
 
