@@ -27,6 +27,8 @@ ADOPT_MIN_BYTES = 1 << 20
 _CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset
 DEFAULT_SEED = 67280421310721  # CUDA's default generator seed
+QUANTIZED_DTYPES = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2,
+                              torch.quint2x4})
 
 
 class BackendError(RuntimeError):
@@ -151,6 +153,11 @@ class Backend:
 
     # ---- tensors ------------------------------------------------------------
     def check_dtype(self, dtype: torch.dtype) -> None:
+        if dtype in QUANTIZED_DTYPES:
+            raise TypeError(
+                f"{self.name} does not support quantized tensors ({dtype}): PyTorch keeps "
+                f"them behind a QuantizedPrivateUse1 kernel set torchport does not provide; "
+                f"quantize and dequantize on the CPU, or keep int8 values with their scale")
         if dtype in self.runtime.unsupported_dtypes:
             raise TypeError(
                 f"{self.name} does not support {dtype} (the runtime declares it unsupported); "
@@ -195,6 +202,8 @@ class Backend:
 
     def to_device(self, cpu: torch.Tensor, index: int) -> torch.Tensor:
         """Move a CPU tensor to logical device ``index`` keeping its strides when dense."""
+        if cpu.is_quantized:
+            self.check_dtype(cpu.dtype)
         if cpu.is_contiguous() or tensors.is_non_overlapping_and_dense(cpu):
             dtype = cpu.dtype
             if dtype in self.runtime.unsupported_dtypes:
@@ -218,7 +227,7 @@ class Backend:
         the runtime where it can (no copy), anything else is copied (:meth:`to_device`)."""
         st = cpu.untyped_storage()
         n = st.nbytes()
-        if n >= ADOPT_MIN_BYTES and self.adopts_host and cpu.storage_offset() == 0 \
+        if n >= ADOPT_MIN_BYTES and not cpu.is_quantized and self.adopts_host and cpu.storage_offset() == 0 \
                 and n == cpu.numel() * cpu.element_size() \
                 and torch._C._storage_Use_Count(st._cdata) <= 2 \
                 and (cpu.is_contiguous() or tensors.is_non_overlapping_and_dense(cpu)):  # 2: cpu, st
