@@ -87,3 +87,16 @@ def test_quantized_tensors_are_refused_clearly() -> None:
         with pytest.raises(NotImplementedError, match="Quantizedsim"):
             make()
     assert torch.equal(x.cpu(), torch.ones(4))  # the input is intact
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"TORCHPORT_VISIBLE_DEVICES": "5"},
+     "invalid device ordinal 0; 0 sim device(s) are visible (TORCHPORT_VISIBLE_DEVICES=5)"),
+    ({"TORCHPORT_SIM_DEVICES": "abc"}, "TORCHPORT_SIM_DEVICES='abc' is not a device count"),
+])
+def test_bad_device_settings_are_named(env: dict, message: str) -> None:
+    import os
+    r = subprocess.run([sys.executable, "-c",
+                        "import torch, torchport.sim\ntorch.ones(2, device='sim')"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    assert r.returncode == 1 and message in r.stderr.strip().splitlines()[-1], r.stderr

@@ -106,7 +106,7 @@ class Backend:
 
     def check_index(self, index: int | None) -> int:
         if index is None:
-            return self.current_device()
+            index = self.current_device()  # valid, unless no device is visible
         if not isinstance(index, int) or not 0 <= index < len(self.visible):
             raise torch.AcceleratorError(
                 f"{self.name}: invalid device ordinal {index}; {len(self.visible)} {self.name} "
@@ -133,7 +133,7 @@ class Backend:
     def index_of(self, device: Any) -> int:
         """Logical index named by a device spec (``torch.device``, str, int, None)."""
         if device is None:
-            return self.current_device()
+            return self.check_index(None)
         if isinstance(device, int):
             return self.check_index(device)
         d = torch.device(device)

@@ -168,7 +168,11 @@ class SimRuntime(Runtime):
     def __init__(self, num_devices: int | None = None, memory: int | None = None,
                  strict: bool | None = None, unsupported_dtypes: frozenset | None = None) -> None:
         if num_devices is None:
-            num_devices = int(os.environ.get("TORCHPORT_SIM_DEVICES", "2"))
+            text = os.environ.get("TORCHPORT_SIM_DEVICES", "2")
+            if not text.strip().isdigit():
+                raise ValueError(f"TORCHPORT_SIM_DEVICES={text!r} is not a device count; "
+                                 f"use a whole number such as 2")
+            num_devices = int(text)
         if memory is None:
             memory = parse_size(os.environ.get("TORCHPORT_SIM_MEMORY", "8GiB"))
         if strict is None:
