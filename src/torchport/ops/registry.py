@@ -176,6 +176,8 @@ def install(backend: Backend) -> None:
         _CORE.add(name)
     for ks in backend.kernel_sets:
         install_kernel_set(backend, ks, lib, taken)
+    from torchport.ops import device_routes  # after the backend's own: its kernels win
+    install_kernel_set(backend, device_routes.make_kernel_set(backend), lib, taken)
     fb = torch.library.Library("_", "IMPL")
     backend._libs.append(fb)
     fb.fallback(fallback.make_fallback(backend), "PrivateUse1", with_keyset=True)
