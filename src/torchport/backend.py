@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,6 +30,21 @@ _set_storage = torch.ops.aten.set_.source_Storage_storage_offset
 DEFAULT_SEED = 67280421310721  # CUDA's default generator seed
 QUANTIZED_DTYPES = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2,
                               torch.quint2x4})
+
+
+def keep_past_exit(lib: torch.library.Library) -> torch.library.Library:
+    """``lib`` with its registrations kept through interpreter exit.
+
+    A ``Library`` unregisters its kernels from a ``weakref.finalize`` that also runs as
+    an exit handler, before objects still alive are finalised: a ``__del__`` that uses
+    the device at exit would find no kernel, where the CPU's run. The process's end
+    frees the registrations anyway. (``finalize`` objects are reachable only through
+    their registry.)"""
+    for f in list(weakref.finalize._registry):  # type: ignore[attr-defined]
+        info = f.peek()
+        if info is not None and info[0] is lib:
+            f.atexit = False
+    return lib
 
 
 class BackendError(RuntimeError):
@@ -280,6 +296,13 @@ class Backend:
             size, stride, t.element_size(), t.storage_offset()))
         _set_storage.redispatch(_CPU_KS, t, t.untyped_storage(), t.storage_offset(), size,
                                 stride)
+
+    def library(self, ns: str = "aten") -> torch.library.Library:
+        """A registration library of this backend's (``torch.library.Library(ns, "IMPL")``),
+        alive as long as the process, exit handlers included."""
+        lib = keep_past_exit(torch.library.Library(ns, "IMPL"))
+        self._libs.append(lib)
+        return lib
 
     def add_kernels(self, ks: Any) -> list[str]:
         """Add a :class:`~torchport.ops.KernelSet` (also after registration); returns the

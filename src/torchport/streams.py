@@ -311,9 +311,7 @@ def _register_record_stream(b: Backend, own: Any) -> None:
                 return  # the allocation stream is ordered already
             block.stream_uses.add(stream)
 
-    lib = torch.library.Library("aten", "IMPL")
-    lib.impl("record_stream", record_stream, "PrivateUse1")
-    b._libs.append(lib)
+    b.library().impl("record_stream", record_stream, "PrivateUse1")
 
 
 device_module.extend(_make)

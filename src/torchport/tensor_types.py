@@ -34,6 +34,4 @@ def install(backend: Backend) -> None:
         the CPU or the device are compatible; otherwise equal dispatch key sets are."""
         return (dense(self) and dense(from_)) or _dispatch_keys(self) == _dispatch_keys(from_)
 
-    lib = torch.library.Library("aten", "IMPL")
-    backend._libs.append(lib)
-    lib.impl("_has_compatible_shallow_copy_type", compatible, "PrivateUse1")
+    backend.library().impl("_has_compatible_shallow_copy_type", compatible, "PrivateUse1")

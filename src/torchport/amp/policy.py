@@ -173,7 +173,7 @@ def install(backend: Backend) -> list[str]:
     Ops PyTorch (or another plug-in) already registered for the key are left alone,
     and the key gets a fallthrough for every other op."""
     caster = _Caster(backend.name)
-    lib = torch.library.Library("aten", "IMPL")
+    lib = backend.library()
     added = []
     for name, policy in policy_table().items():
         op = _overload(name)
@@ -186,9 +186,6 @@ def install(backend: Backend) -> list[str]:
             extra = getattr(torch.ops.aten.norm, FP32_APPEND_DTYPE[name])
         lib.impl(name, _kernel(op, policy, caster, extra), KEY)
         added.append(name)
-    backend._libs.append(lib)
     if not torch._C._dispatch_has_backend_fallback(torch._C.DispatchKey.AutocastPrivateUse1):
-        fb = torch.library.Library("_", "IMPL")
-        fb.fallback(torch.library.fallthrough_kernel, KEY)
-        backend._libs.append(fb)
+        backend.library("_").fallback(torch.library.fallthrough_kernel, KEY)
     return added

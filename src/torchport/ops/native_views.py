@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport import native
+from torchport.backend import keep_past_exit
 
 if TYPE_CHECKING:
     from torchport.backend import Backend
@@ -75,7 +76,7 @@ class ViewKernels:
             native.loaded().torchport_native_views_disable()
         self.native = False
         if self._registered is None:
-            self._registered = torch.library.Library("aten", "IMPL")
+            self._registered = keep_past_exit(torch.library.Library("aten", "IMPL"))
             for name, kernel in self.python.items():
                 self._registered.impl(name, kernel, "PrivateUse1")
 
