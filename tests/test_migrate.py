@@ -783,3 +783,57 @@ def test_pin_memory_is_turned_off_and_reported() -> None:
     assert "pin_memory=False" in rewrite_source("import torch\nf(pin_memory=False)\n").code
     assert not [c for c in rewrite_source("import torch\nf(pin_memory=False)\n").changes
                 if c.rule == "pin-memory"]
+
+
+# --------------------------------------------------------------------------- never touches SRC
+
+
+def _checksums(root: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under ``root``: (inode, bytes); symlinks by their target text."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_symlink():
+            out[str(p.relative_to(root))] = (0, os.readlink(p).encode())
+        elif p.is_file():
+            out[str(p.relative_to(root))] = (p.stat().st_ino, p.read_bytes())
+    return out
+
+
+def test_a_hard_linked_destination_leaves_the_source_intact(tmp_path: Path,
+                                                            cli: typer.Typer) -> None:
+    src = make_tree(tmp_path)
+    dst = tmp_path / "linked"
+    for p in sorted(src.rglob("*")):  # cp -al: the same inodes under another name
+        q = dst / p.relative_to(src)
+        if p.is_dir() and not p.is_symlink():
+            q.mkdir(parents=True, exist_ok=True)
+        elif p.is_file() and not p.is_symlink():
+            q.parent.mkdir(parents=True, exist_ok=True)
+            os.link(p, q)
+    before = _checksums(src)
+    outcome = CliRunner().invoke(cli, ["migrate", str(src), "-o", str(dst)])
+    assert outcome.exit_code == 0, outcome.output
+    assert _checksums(src) == before
+    assert any(b"torchport" in p.read_bytes() for p in dst.rglob("*.py"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-o", ""], "output path is empty"),
+    (["-o", "{tmp}/o", "--report", "{src}/rep"], "report inside the source tree"),
+    (["-o", "{tmp}/o", "--report", ""], "report path is empty"),
+    (["-o", "{tmp}/o", "--report", "{src}", "--dry-run"], "report inside the source tree"),
+])
+def test_outputs_that_would_write_into_the_source_or_cwd_are_refused(
+        tmp_path: Path, cli: typer.Typer, monkeypatch: pytest.MonkeyPatch, args: list[str],
+        message: str) -> None:
+    (tmp_path / "in").mkdir()
+    src = make_tree(tmp_path / "in")
+    cwd = tmp_path / "cwd"
+    (cwd / "train.py").parent.mkdir()
+    (cwd / "train.py").write_text("import torch\nx = torch.ones(2).cuda()\n")
+    monkeypatch.chdir(cwd)
+    before, here = _checksums(src), _checksums(cwd)
+    argv = [a.format(src=src, tmp=tmp_path) for a in args]
+    outcome = CliRunner().invoke(cli, ["migrate", str(src), *argv])
+    assert outcome.exit_code == 2 and message in " ".join(outcome.output.split()), outcome.output
+    assert _checksums(src) == before and _checksums(cwd) == here

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from torchport.migrate.model import BackendSpecError, MigrationResult
-from torchport.migrate.tree import MigrationError, migrate_path
+from torchport.migrate.tree import MigrationError, check_report_dir, migrate_path
 
 if TYPE_CHECKING:
     from torchport.debug.opcoverage import ScriptAnalysis
@@ -46,7 +46,7 @@ def migrate_command(
         Path, typer.Argument(metavar="SRC", help="File or directory to migrate (never modified).")
     ],
     output: Annotated[
-        Path | None,
+        str | None,
         typer.Option("-o", "--output", metavar="DST", help="Where to write the migrated copy."),
     ] = None,
     backend: Annotated[
@@ -55,9 +55,10 @@ def migrate_command(
             metavar="NAME[=MODULE]", help="NAME (imports torchport.NAME) or NAME=some.module."
         ),
     ] = "sim",
-    report: Annotated[
-        Path | None,
+    report_arg: Annotated[
+        str | None,
         typer.Option(
+            "--report",
             metavar="DIR", help="Directory for migration_report.md and migration_report.csv."
         ),
     ] = None,
@@ -105,6 +106,8 @@ def migrate_command(
         )
         raise typer.Exit(2)
     try:
+        check_report_dir(src, report_arg)  # also when the analysis writes the report
+        report = None if report_arg is None else Path(report_arg)
         result = migrate_path(
             src,
             output,

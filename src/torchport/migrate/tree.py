@@ -74,7 +74,11 @@ def migrate_path(
         raise MigrationError(f"source {src_path} does not exist")
     if dst is None and not dry_run:
         raise MigrationError("an output path (-o DST) is required unless --dry-run is given")
+    if dst is not None and not os.fspath(dst):
+        raise MigrationError("the output path is empty (an unset shell variable?): it would "
+                             "write into the current directory; name the destination")
     src_real = _resolve(src_path)
+    check_report_dir(src_path, report_dir)
     dst_path = None if dst is None else Path(dst)
     result = MigrationResult(src=src_path, dst=dst_path, backend=backend, dry_run=dry_run)
 
@@ -102,6 +106,37 @@ def migrate_path(
 
         result.report_files = write_reports(result, Path(report_dir))
     return result
+
+
+def check_report_dir(src: str | os.PathLike[str],
+                     report_dir: str | os.PathLike[str] | None) -> None:
+    """Refuse a report directory inside the source tree, as a destination there is."""
+    if report_dir is None:
+        return
+    if not os.fspath(report_dir):
+        raise MigrationError("the report path is empty (an unset shell variable?); name the "
+                             "report directory")
+    src_real = _resolve(Path(src))
+    if src_real.is_dir() and _inside(_resolve(Path(report_dir)), src_real):
+        raise MigrationError(f"refusing to write the report inside the source tree: "
+                             f"{report_dir} is in {src_real}")
+
+
+def _replace_file(dst: Path, src: Path, data: bytes | None) -> None:
+    """Write ``dst`` as a new file (``data``, or a copy of ``src``) with ``src``'s mode,
+    then rename it over the old one: never through an existing inode, which may be a
+    hard link to the source."""
+    tmp = dst.with_name(f".{dst.name}.torchport-{os.getpid()}.tmp")
+    try:
+        if data is None:
+            shutil.copy2(src, tmp)
+        else:
+            tmp.write_bytes(data)
+            shutil.copymode(src, tmp)
+        os.replace(tmp, dst)
+    finally:
+        if os.path.lexists(tmp):
+            tmp.unlink()
 
 
 def _is_python(path: Path) -> bool:
@@ -188,13 +223,7 @@ def _execute(item: _Item, backend: Backend, result: MigrationResult, dry_run: bo
     if dry_run or item.dst is None:
         return
     item.dst.parent.mkdir(parents=True, exist_ok=True)
-    if os.path.lexists(item.dst) and item.dst.is_symlink():
-        item.dst.unlink()
-    if new_bytes is None:
-        shutil.copy2(item.src, item.dst)
-    else:
-        item.dst.write_bytes(new_bytes)
-        shutil.copymode(item.src, item.dst)
+    _replace_file(item.dst, item.src, new_bytes)
 
 
 def _migrate_python(item: _Item, backend: Backend, result: MigrationResult) -> bytes | None:
