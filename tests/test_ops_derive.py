@@ -116,3 +116,79 @@ def test_derivation_rules_from_schemas():
     assert registry.overload_name(A.mm.default) == "mm"
     with pytest.raises(ValueError, match="no out= overload"):
         registry._expand(ops.KernelDecl("mm.default", lambda *a: None, kind="out"))
+
+
+def _raises_as_on_cpu(fn, cpu_args, dev_args):
+    with pytest.raises(RuntimeError) as cpu_error:
+        fn(*cpu_args)
+    with pytest.raises(type(cpu_error.value)) as error:
+        fn(*dev_args)
+    assert type(error.value) is type(cpu_error.value)
+    assert str(error.value) == str(cpu_error.value)
+    return str(error.value)
+
+
+def test_inplace_partial_overlap_raises_as_on_cpu(hypot_calls):
+    calls, _ = hypot_calls
+    a = torch.randn(4, 4)
+    d = a.to("sim")
+    calls.clear()
+    msg = _raises_as_on_cpu(lambda x: x.hypot_(x.t()), [a.clone()], [d])
+    assert "some elements of the input tensor and the written-to tensor" in msg
+    assert calls == [] and torch.equal(d.cpu(), a)  # nothing written
+
+
+def test_out_partial_overlap_raises_as_on_cpu(hypot_calls):
+    calls, _ = hypot_calls
+    x = torch.randn(5)
+    d = x.to("sim")
+    calls.clear()
+    msg = _raises_as_on_cpu(lambda t: torch.hypot(t[:-1], t[:-1], out=t[1:]), [x.clone()], [d])
+    assert "some elements of the input tensor" in msg
+    # another partial overlap, where the meta result's shape differs from out's
+    _raises_as_on_cpu(lambda t: torch.hypot(t, t, out=t[1:]), [x.clone()], [d])
+    assert calls == [] and torch.equal(d.cpu(), x)
+
+
+def test_expanded_out_raises_as_on_cpu(hypot_calls):
+    calls, _ = hypot_calls
+    x, c = torch.randn(4), torch.randn(3, 4)
+    d, dc = x.to("sim"), c.to("sim")
+    calls.clear()
+    msg = _raises_as_on_cpu(lambda t, u: torch.hypot(u, u, out=t.expand(3, 4)), [x, c],
+                            [d, dc])
+    assert "more than one element of the written-to tensor" in msg
+    _raises_as_on_cpu(lambda t, u: t.expand(3, 4).hypot_(u), [x, c], [d, dc])
+    assert calls == [] and torch.equal(d.cpu(), x)
+
+
+def test_full_overlap_and_strided_outputs_still_work(hypot_calls):
+    calls, _ = hypot_calls
+    a, c = torch.randn(4, 4), torch.randn(4, 4)
+    d, dc = a.to("sim"), c.to("sim")
+    calls.clear()
+    assert d.hypot_(d) is d and torch.equal(d.cpu(), torch.hypot(a, a))
+    a = d.cpu()
+    torch.hypot(d, dc, out=d)  # out= is an input, same memory: allowed
+    assert torch.equal(d.cpu(), torch.hypot(a, c))
+    a = d.cpu()
+    torch.hypot(d.view(16), dc.view(16), out=d.view(16))  # another tensor, same memory
+    assert torch.equal(d.cpu(), torch.hypot(a, c))
+    out = torch.zeros(4, 8, device="sim")
+    torch.hypot(d, dc, out=out[:, ::2])  # strided, no overlap with the inputs
+    want = torch.zeros(4, 8)
+    want[:, ::2] = torch.hypot(d.cpu(), c)
+    assert torch.equal(out.cpu(), want) and len(calls) == 4
+
+
+def test_plain_layouts_skip_the_cpu_check(hypot_calls):
+    a, c = torch.randn(3, 5, device="sim"), torch.randn(3, 5, device="sim")
+    out = torch.empty(3, 5, device="sim")
+    derive._OVERLAP.clear()
+    torch.hypot(a, c, out=out)
+    a.hypot_(c)
+    torch.hypot(a, c)
+    assert derive._OVERLAP == {}
+    a.hypot_(a)  # full overlap: asks the CPU once per layout
+    a.hypot_(a)
+    assert list(derive._OVERLAP.values()) == [None]

@@ -9,6 +9,10 @@ vendor kernel with ready output tensors:
 * ``out=`` overload: ``out`` resized to the meta result when it does not match;
 * functional overload: new device tensors, laid out as the meta result;
 * in-place overload: ``out=self``, after checking the result has ``self``'s shape.
+
+Before the vendor kernel writes, the ``out=`` and in-place overloads make the CPU's
+memory-overlap checks (TensorIterator's, or the op's own): see :func:`check_overlap`.
+The functional overload writes new tensors, which overlap nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 if TYPE_CHECKING:
     from torchport.backend import Backend
@@ -139,11 +144,154 @@ def check_outs_not_inputs_to_resize(op: OpOverload, args: tuple, kwargs: dict) -
                                f"broadcast shape {list(shape)}")
 
 
+_OVERLAP: dict[tuple, tuple[type[BaseException], str] | None] = {}
+_MISS = object()
+_is_alias_of = torch._C._is_alias_of
+_internal_overlap = torch._debug_has_internal_overlap  # 0: no, 1: yes, 2: too hard to say
+
+
+def check_overlap(op: OpOverload, args: tuple, kwargs: dict, outs: list[Tensor],
+                  inputs: tuple | list[Any]) -> None:
+    """Raise what the CPU raises when ``op`` would write ``outs`` over its own inputs.
+
+    TensorIterator refuses an output with internal overlap (``out=x.expand(...)``) and
+    an input that partially overlaps an output (``d.add_(d.t())``; the same memory, as
+    in ``a.add_(b)`` writing ``a``, is fine), some ops refuse any overlap, others check
+    nothing. A meta kernel sees no memory, so the CPU decides: the first call with such
+    a layout runs the CPU overload on host tensors sharing memory as the arguments do
+    (:func:`_cpu_overlap_error`). Plain calls (contiguous outputs on memory of their own)
+    cost a contiguity test and an alias test per input."""
+    for o in outs:
+        if not o.is_contiguous():
+            break
+        for v in inputs:
+            if isinstance(v, Tensor):
+                if _is_alias_of(v, o):
+                    break
+            elif isinstance(v, (list, tuple)) and any(
+                    isinstance(x, Tensor) and _is_alias_of(x, o) for x in v):
+                break
+        else:
+            continue
+        break
+    else:
+        return
+    err = _cpu_overlap_error(op, args, kwargs)
+    if err is not None:
+        raise err[0](err[1])
+
+
+def _flat_tensors(v: Any, into: list[Tensor]) -> None:
+    """Tensors of ``v`` (also inside lists and dicts), in argument order."""
+    if isinstance(v, Tensor):
+        into.append(v)
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            _flat_tensors(x, into)
+    elif isinstance(v, dict):
+        for x in v.values():
+            _flat_tensors(x, into)
+
+
+def _mirror(v: Any, made: Any) -> Any:
+    """``v`` with its tensors replaced, in :func:`_flat_tensors` order, by ``made``'s."""
+    if isinstance(v, Tensor):
+        return next(made)
+    if isinstance(v, dict):
+        return {k: _mirror(x, made) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_mirror(x, made) for x in v)
+    return v
+
+
+def _plain_sig(v: Any) -> Any:
+    """A non-tensor argument in the cache key: floats by type (a learning rate changes
+    every step; it never changes what overlaps)."""
+    if isinstance(v, (list, tuple)):
+        return (type(v), tuple(_plain_sig(x) for x in v))
+    return float if type(v) is float else (type(v), v)
+
+
+def _cpu_overlap_error(op: OpOverload, args: tuple,
+                       kwargs: dict) -> tuple[type[BaseException], str] | None:
+    """The CPU's error for ``op`` on this aliasing layout, or ``None`` (cached per layout).
+
+    The CPU overload runs twice on host tensors of the same shapes, strides and dtypes:
+    sharing memory as the arguments do, and each on memory of its own. An error of the
+    first run only is the CPU's overlap check (any other error is the vendor kernel's
+    business, as it would be without aliasing). The tensors of the second run also hold
+    no element twice. No device memory is read."""
+    tensors: list[Tensor] = []
+    _flat_tensors((args, kwargs), tensors)
+    reps: list[Tensor] = []
+    groups: list[int] = []
+    for t in tensors:
+        g = next((i for i, r in enumerate(reps) if _is_alias_of(t, r)), None)
+        if g is None:
+            g = len(reps)
+            reps.append(t)
+        groups.append(g)
+    plain = (tuple(_plain_sig(a) for a in args if not isinstance(a, (Tensor, list, tuple))),
+             tuple((k, _plain_sig(v)) for k, v in kwargs.items() if not isinstance(v, Tensor)))
+    key: tuple | None = (op, plain, tuple(
+        (g, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        for g, t in zip(groups, tensors, strict=True)))
+    try:
+        hit = _OVERLAP.get(key, _MISS)  # type: ignore[arg-type]
+    except TypeError:  # an unhashable argument
+        key, hit = None, _MISS
+    if hit is not _MISS:
+        return hit  # type: ignore[return-value]
+    extent = [0] * len(reps)
+    for g, t in zip(groups, tensors, strict=True):
+        size = t.element_size()
+        end = t.storage_offset() * size
+        if t.numel():
+            end += (sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+                    + 1) * size
+        extent[g] = max(extent[g], end)
+    memory = [torch.UntypedStorage(n) for n in extent]
+    shared = []
+    own = []
+    for g, t in zip(groups, tensors, strict=True):
+        shared.append(torch.empty(0, dtype=t.dtype).set_(memory[g], t.storage_offset(),
+                                                          t.shape, t.stride()))
+        # memory of its own, and no element twice (an expanded output's own overlap)
+        o = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) \
+            if _internal_overlap(t) != 1 else torch.empty(t.shape, dtype=t.dtype)
+        o.untyped_storage().fill_(1)
+        own.append(o)
+    for m in memory:
+        m.fill_(1)  # no zero divisors: an integer op must not fail on the values
+    found: tuple[type[BaseException], str] | None = None
+    with warnings.catch_warnings(), _disable_current_modes():
+        warnings.simplefilter("ignore")  # a resized out=: the CPU's warning, not ours
+        try:
+            a, k = _mirror((args, kwargs), iter(shared))
+            op(*a, **k)
+        except Exception as e:  # the CPU's verdict, whatever its type
+            try:
+                a, k = _mirror((args, kwargs), iter(own))
+                op(*a, **k)
+            except Exception:
+                pass  # fails without aliasing too: not an overlap check
+            else:
+                found = (type(e), str(e))
+    if key is not None:
+        if len(_OVERLAP) > 4096:
+            _OVERLAP.clear()
+        _OVERLAP[key] = found
+    return found
+
+
 def out_kernel(backend: Backend, out_op: OpOverload, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``out_op`` itself: the outputs resized to the meta result before ``fn`` runs."""
     names = out_names(out_op)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
+        check_overlap(out_op, args, kwargs, [kwargs[n] for n in names],
+                      args if len(kwargs) == len(names)
+                      else [*args, *(v for k, v in kwargs.items() if k not in names)])
         check_outs_not_inputs_to_resize(out_op, args, kwargs)
         specs = output_specs(out_op, args, kwargs)
         for name, (shape, stride, _) in zip(names, specs, strict=True):
@@ -177,6 +325,7 @@ def inplace_kernel(backend: Backend, op: OpOverload, out_op: OpOverload,
     (name,) = out_names(out_op)
 
     def kernel(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        check_overlap(op, (self, *args), kwargs, [self], [*args, *kwargs.values()])
         with warnings.catch_warnings():  # a mismatch is an error below, not a resize
             warnings.simplefilter("ignore")
             ((shape, _, _),) = output_specs(op, (self, *args), kwargs)  # PyTorch's checks

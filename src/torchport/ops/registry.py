@@ -106,10 +106,17 @@ def resolve_overloads(name: str) -> list[torch._ops.OpOverload]:
 
 
 def _has_backend_slot(op: torch._ops.OpOverload) -> bool:
-    """False for ops that decompose above the backend (CompositeImplicitAutograd)."""
+    """False for ops that decompose above the backend (CompositeImplicitAutograd).
+
+    A composite that also has a CPU kernel (``silu_backward``, ``mish_backward``)
+    is no composite on the CPU: the dispatcher prefers a backend's own kernel over
+    the composite one, so the CPU runs its fused kernel. The device keeps the same
+    slot, so that its kernel computes what the CPU computes instead of the
+    composite's pieces (other rounding)."""
     name = op._schema.name + ("." + op._schema.overload_name if op._schema.overload_name else "")
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
     try:
-        return not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")
+        return not has(name, "CompositeImplicitAutograd") or has(name, "CPU")
     except RuntimeError:  # TorchScript-only overloads (aten::add.t) are not dispatcher ops
         return False
 
@@ -165,8 +172,7 @@ def _host_kernel(backend: Backend, op: torch._ops.OpOverload, name: str, decl: K
 
 def install(backend: Backend) -> None:
     """Register core kernels, the backend's kernel sets and the fallback."""
-    lib = torch.library.Library("aten", "IMPL")
-    backend._libs.append(lib)
+    lib = backend.library()
     taken: set[str] = set()
     for name, fn in core.core_kernels(backend).items():
         op = resolve_overloads(name)[0]
@@ -178,8 +184,7 @@ def install(backend: Backend) -> None:
         install_kernel_set(backend, ks, lib, taken)
     from torchport.ops import device_routes  # after the backend's own: its kernels win
     install_kernel_set(backend, device_routes.make_kernel_set(backend), lib, taken)
-    fb = torch.library.Library("_", "IMPL")
-    backend._libs.append(fb)
+    fb = backend.library("_")
     fb.fallback(fallback.make_fallback(backend), "PrivateUse1", with_keyset=True)
     native_views.install(backend)
 
@@ -218,8 +223,7 @@ def install_kernel_set(backend: Backend, ks: KernelSet, lib: torch.library.Libra
     """Register a kernel set's declarations (at registration, or later for one added
     after it); returns the overloads registered. The first declaration of an overload wins."""
     if lib is None:
-        lib = torch.library.Library("aten", "IMPL")
-        backend._libs.append(lib)
+        lib = backend.library()
     if taken is None:
         taken = set(_NATIVE) | _CORE
     done = []
