@@ -206,7 +206,7 @@ def _list_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.H
         return _on_views(op, views, general, slow, body)
 
     layouts = into.layouts
-    out_name = into.out_names[0] if into.single else None
+    out_name = into.out_names[0] if into.single and into.out_names else None
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if slow is not None and fb.SLOW:
@@ -604,7 +604,7 @@ def _functional_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoD
     dl_name = tensors.DL_NAME
     function_modes = torch._C._is_torch_function_mode_enabled
     dispatch_modes = torch._C._len_torch_dispatch_stack
-    out_name = into.out_names[0] if into.single else None
+    out_name = into.out_names[0] if into.single and into.out_names else None
     outputs = into.outputs
     first = into.first_call
     compute = into.compute
@@ -780,11 +780,18 @@ class _IntoDevice:
     def first_call(self, key: tuple, index: int, args: tuple, cargs: list,
                    kwargs: dict) -> Any:
         """The first call with a layout ``key``: the outputs' layouts from the meta kernel,
-        then a trial of the ``out=`` overload on outputs that cannot grow, next to the
-        functional CPU kernel. If the meta kernel cannot say, or the ``out=`` overload
-        fails, warns or would resize its output (some CPU kernels stage a larger result
-        in ``out``), or the CPU returns other shapes, strides or dtypes than the meta
-        kernel said, calls with this key compute a CPU result instead."""
+        then a trial proving that the ``out=`` overload gives the functional CPU kernel's
+        bits for inputs laid out so (some CPU ``out=`` kernels take another path for
+        strided inputs: ``native_batch_norm.out`` leaves its saved statistics unwritten).
+        The ``out=`` overload runs on copies of the inputs in their exact layouts, into
+        host outputs filled with a pattern (an unwritten output cannot match by chance);
+        the functional kernel runs on the inputs themselves and is this call's result
+        (its side effects happen once: ``native_batch_norm`` writes its running statistics
+        although its schema does not say so). Only if every output and every input the
+        calls wrote are the same bytes, with the same layouts, and the ``out=`` call
+        neither fails, warns nor resizes its outputs (some CPU kernels stage a larger
+        result in ``out``) do later calls with this key compute through ``out=``; if the
+        meta kernel cannot say, or the trial fails, they compute a CPU result instead."""
         layouts = self.layouts
         if len(layouts) > 4096:
             layouts.clear()
@@ -810,43 +817,52 @@ class _IntoDevice:
         if _number_in_tensor_slot(args, self.number_slots):
             out = self.out
             call = lambda _ks, *a, **k: out._op(*a, **k)  # noqa: E731 (wraps the number)
+        layouts[key] = False  # until the trial below has passed (the functional may raise)
+        trial = _layout_copies(cargs)
+        scratch = [_patterned(size, stride, dtype) for _, dtype, size, stride, _, _, _ in specs]
+        ckw = dict(kwargs)
+        ckw.update(zip(self.out_names, scratch, strict=True))
+        try:
+            ok = not _warnings_of(lambda: call(_CPU_KS, *trial, **ckw))
+        except Exception:
+            ok = False
+        ok = ok and all((list(s.shape), list(s.stride())) == (size, stride)
+                        for s, (_, _, size, stride, _, _, _) in zip(scratch, specs, strict=True))
+        fast = None
+        if ok and self.binding is not None:
+            fast = self.binding if self._binding_agrees(cargs, kwargs, scratch) else None
+        r = self.cpu_call(*cargs, **kwargs)  # this call's result; the CPU's errors are its own
+        if ok:
+            results = [r] if isinstance(r, Tensor) else list(r) \
+                if isinstance(r, (tuple, list)) else []
+            inputs = {storage_ptr(v) for v in _flat_tensors(cargs) if v.numel()}
+            ok = len(results) == len(scratch) and all(
+                isinstance(x, Tensor) and (x.shape, x.stride(), x.dtype)
+                == (s.shape, s.stride(), s.dtype) and _same_bits(x, s)
+                and not (x.numel() and storage_ptr(x) in inputs)
+                for x, s in zip(results, scratch, strict=False)) and all(
+                _same_bits(c, t) for c, t in zip(_flat_tensors(cargs), _flat_tensors(trial),
+                                                 strict=True))
+        if not ok:
+            return self._moved(r, index, args, cargs)
+        layouts[key] = (call, specs, fast)
+        # the results in new device tensors, as the out= route will make them from now on
         b = self.backend
         outs = [b._new_tensor(index, size, stride, dtype, nbytes)
                 for nbytes, dtype, size, stride, _, _, _ in specs]
-        views = [self.views.exact(o) for o in outs]
-        ckw = dict(kwargs)
-        ckw.update(zip(self.out_names, views, strict=True))
-        ref: list = []
-        # the functional kernel too, on copies (native_batch_norm writes its running
-        # statistics although its schema does not say so): the layouts must be the CPU's
-        copies = [c.clone() if isinstance(c, Tensor) else c for c in cargs]
-        try:
-            seen = _warnings_of(lambda: (call(_CPU_KS, *cargs, **ckw),
-                                         ref.append(self.cpu_call(*copies, **kwargs))))
-        except Exception:
-            seen = [True]
-        if ref:
-            r = ref[0] if isinstance(ref[0], (tuple, list)) else (ref[0],)
-            if [(x.shape, x.stride(), x.dtype) for x in r] != \
-                    [(o.shape, o.stride(), o.dtype) for o in outs] \
-                    or any(v.shape != o.shape for v, o in zip(views, outs, strict=True)):
-                seen = [True]  # the meta kernel's layout is not the CPU kernel's
-        if seen:
-            layouts[key] = False
-            return self.compute(index, args, cargs, kwargs)
-        fast = self.binding if self.binding is not None \
-            and self._binding_agrees(cargs, kwargs, outs) else None
-        layouts[key] = (call, specs, fast)
+        for o, x in zip(outs, results, strict=True):
+            if o.numel():
+                _copy_boxed(_CPU_KS, self.views.entry(o)[0], x)
         return outs[0] if self.single else tuple(outs)
 
     def _binding_agrees(self, cargs: list, kwargs: dict, outs: list) -> bool:
         """Does the ``out=`` overload's Python binding (faster than a boxed call), given
         these arguments, reach that same overload, silently, and compute the same bits
         as the trial did into ``outs``? (Its argument parser could pick another overload.)"""
-        mine = [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype) for o in outs]
+        mine = [_patterned(list(o.shape), list(o.stride()), o.dtype) for o in outs]
         ckw = dict(kwargs)
         ckw.update(zip(self.out_names, mine, strict=True))
-        copies = [c.clone() if isinstance(c, Tensor) else c for c in cargs]
+        copies = _layout_copies(cargs)
         seen = _OpsSeen()
 
         def run() -> None:
@@ -858,11 +874,15 @@ class _IntoDevice:
         except Exception:
             return False
         return seen.ops == [self.computes_with] and all(
-            _same_bits(m, self.views.entry(o)[0]) for m, o in zip(mine, outs, strict=True))
+            _same_bits(m, o) for m, o in zip(mine, outs, strict=True))
 
     def compute(self, index: int, args: tuple, cargs: list, kwargs: dict) -> Any:
         """The CPU kernel's own results, moved to device ``index``."""
-        r = self.cpu_call(*cargs, **kwargs)
+        return self._moved(self.cpu_call(*cargs, **kwargs), index, args, cargs)
+
+    def _moved(self, r: Any, index: int, args: tuple, cargs: list) -> Any:
+        """The CPU kernel's results ``r`` (of ``cargs``, the chip's views of ``args``) on
+        device ``index``."""
         adopt = self.backend.result_to_device
         views = [c for c, a in zip(cargs, args, strict=True) if isinstance(a, Tensor)]
         cache = self.views
@@ -951,12 +971,69 @@ class _OpsSeen(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _flat_tensors(values: Any) -> list[Tensor]:
+    """The tensors of an argument list, those inside tensor lists included, in order."""
+    return [t for v in values for t in (v if isinstance(v, (list, tuple)) else (v,))
+            if isinstance(t, Tensor)]
+
+
+# Alignment kept by :func:`_layout_copy`: vectorised CPU kernels may take another path
+# for data that is not aligned as the original is.
+_COPY_ALIGN = 64
+
+
+def _layout_copy(t: Tensor) -> Tensor:
+    """A copy of ``t`` in its exact layout (sizes, strides, overlaps, the storage offset's
+    alignment): a CPU kernel can choose its path by layout (``clone`` makes non-dense
+    inputs contiguous), so a trial must see the layout the real call sees."""
+    itemsize = t.element_size()
+    n = tensors.storage_nbytes(t.shape, t.stride(), itemsize) // itemsize
+    pad = t.storage_offset() % max(1, _COPY_ALIGN // itemsize)
+    span = t.as_strided((n,), (1,), t.storage_offset())
+    base = torch.empty(pad + n, dtype=t.dtype)
+    base[pad:].copy_(span)
+    return base.as_strided(t.shape, t.stride(), pad)
+
+
+def _layout_copies(values: list) -> list:
+    """:func:`_layout_copy` of every tensor of an argument list (also inside tensor lists),
+    a tensor passed twice copied once."""
+    memo: dict[int, Tensor] = {}
+
+    def copy(v: Any) -> Any:
+        if not isinstance(v, Tensor):
+            return v
+        c = memo.get(id(v))
+        if c is None:
+            c = memo[id(v)] = _layout_copy(v)
+        return c
+    return [type(v)(copy(x) for x in v) if isinstance(v, (list, tuple)) else copy(v)
+            for v in values]
+
+
+def _patterned(size: list, stride: list, dtype: torch.dtype) -> Tensor:
+    """A host output laid out as ``size``/``stride``, its bytes a position-dependent
+    pattern: an output a kernel leaves unwritten keeps bytes no result has."""
+    nbytes = tensors.storage_nbytes(size, stride, dtype.itemsize)
+    raw = _PATTERN.repeat(nbytes // _PATTERN.numel() + 1)[:nbytes]
+    return raw.view(dtype).as_strided(size, stride)
+
+
+# 251 bytes (a prime: no element size divides it), none repeating within an element
+_PATTERN = (torch.arange(251, dtype=torch.int32) * 97 + 0xA5).remainder_(251).to(torch.uint8)
+
+
 def _same_bits(a: Tensor, b: Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.numel() == 0:
         return True
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+    def raw(t: Tensor) -> Tensor:  # the bytes, NaN payloads and signed zeros included
+        flat = torch.empty(t.numel(), dtype=t.dtype)  # (a size-1 dimension keeps any stride)
+        flat.view(t.shape).copy_(t.resolve_conj().resolve_neg())
+        return flat.view(torch.uint8)
+    return torch.equal(raw(a), raw(b))
 
 
 def _warnings_of(fn: Callable[[], Any]) -> list:
@@ -1054,15 +1131,16 @@ def _layout_of(v: Any) -> Any:
 def _launch_specs(into: _IntoDevice, args: tuple, kwargs: dict) -> list | None:
     """(shape, strides, dtype) of each result the CPU kernel gives for inputs laid out as
     ``args`` and ``kwargs``, or ``None`` where a launch cannot be trusted: the meta
-    kernel cannot say (a data-dependent shape), or the ``out=`` overload fails, warns or
-    resizes its outputs (some CPU kernels stage a larger result in ``out``). Asked
-    without waiting for the stream, of stand-ins in the inputs' layouts (values never
-    decide a layout): zeros, or ones where zeros are refused (an integer division)."""
+    kernel cannot say (a data-dependent shape), or the ``out=`` overload fails, warns,
+    resizes its outputs (some CPU kernels stage a larger result in ``out``), or gives
+    other bits than the functional kernel (:func:`_specs_on_stand_ins`). Asked without
+    waiting for the stream, of stand-ins in the inputs' layouts: varied values, or zeros,
+    or ones, the first the functional kernel accepts (an index, an integer division)."""
     try:
         derive.output_specs(into.op, args, kwargs)
     except Exception:  # no meta kernel, a data-dependent shape, a bad input
         return None
-    for value in (0, 1):
+    for value in (None, 0, 1):
         specs = _specs_on_stand_ins(into, args, kwargs, value)
         if specs is not _REFUSED:
             return specs
@@ -1072,17 +1150,32 @@ def _launch_specs(into: _IntoDevice, args: tuple, kwargs: dict) -> list | None:
 _REFUSED = object()
 
 
-def _specs_on_stand_ins(into: _IntoDevice, args: tuple, kwargs: dict, value: int) -> Any:
-    """:func:`_launch_specs` asked of stand-ins filled with ``value``; ``_REFUSED`` when
-    the functional CPU kernel raises on them."""
+def _stand_in_values(n: int, dtype: torch.dtype, value: int | None) -> Tensor:
+    """``n`` values of ``dtype``: ``value``, or (``None``) varied ones, the same each time."""
+    if value is not None:
+        return torch.full((n,), value, dtype=dtype)
+    if dtype.is_floating_point or dtype.is_complex:
+        g = torch.Generator().manual_seed(n)
+        return torch.randn(n, dtype=torch.float64, generator=g).to(dtype)
+    return torch.arange(n).remainder_(2 if dtype is torch.bool else 3).to(dtype)
+
+
+def _specs_on_stand_ins(into: _IntoDevice, args: tuple, kwargs: dict, value: int | None) -> Any:
+    """:func:`_launch_specs` asked of stand-ins filled as :func:`_stand_in_values` says;
+    ``_REFUSED`` when the functional CPU kernel raises on them. The ``out=`` overload
+    runs on copies of the stand-ins into outputs filled with a pattern, and must give
+    the functional kernel's bits, in the outputs and in any input either writes."""
     def stand_in(v: Any) -> Any:
         if not isinstance(v, Tensor):
             return v
         n = tensors.storage_nbytes(v.shape, v.stride(), v.element_size()) // v.element_size()
-        return torch.full((n,), value, dtype=v.dtype).as_strided(v.shape, v.stride())
+        return _stand_in_values(n, v.dtype, value).as_strided(v.shape, v.stride())
 
     sargs = [stand_in(a) for a in args]
     skw = {k: stand_in(v) for k, v in kwargs.items()}
+    names = list(skw)
+    copies = _layout_copies([*sargs, *skw.values()])
+    oargs, okw = copies[:len(sargs)], dict(zip(names, copies[len(sargs):], strict=True))
     got: list = []
     try:
         if _warnings_of(lambda: got.append(into.op._op(*sargs, **skw))):
@@ -1091,14 +1184,18 @@ def _specs_on_stand_ins(into: _IntoDevice, args: tuple, kwargs: dict, value: int
         return _REFUSED
     results = [got[0]] if isinstance(got[0], Tensor) else list(got[0])
     specs = [(tuple(x.shape), x.stride(), x.dtype) for x in results]
-    outs = [torch.empty_strided(sh, st, dtype=dt) for sh, st, dt in specs]
-    skw.update(zip(into.out_names, outs, strict=True))
+    outs = [_patterned(list(sh), list(st), dt) for sh, st, dt in specs]
+    okw.update(zip(into.out_names, outs, strict=True))
     try:
-        if _warnings_of(lambda: into.out(*sargs, **skw)):
+        if _warnings_of(lambda: into.out(*oargs, **okw)):
             return None
     except Exception:
         return None
     if any((tuple(o.shape), o.stride()) != (sh, st)
            for o, (sh, st, _) in zip(outs, specs, strict=True)):
         return None
+    if not all(_same_bits(o, x) for o, x in zip(outs, results, strict=True)) or not all(
+            _same_bits(a, b) for a, b in zip(_flat_tensors([*sargs, *skw.values()]),
+                                             _flat_tensors(copies), strict=True)):
+        return None  # the out= overload computes other bits for this layout
     return specs

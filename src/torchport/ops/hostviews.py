@@ -23,10 +23,9 @@ from collections.abc import Callable
 
 import torch
 
-from torchport import allocator, tensors
+from torchport import allocator
 
 Tensor = torch.Tensor
-_CPU = torch.device("cpu")
 _MAX_ENTRIES = 8192
 _LAYOUTS: dict[tuple, int] = {}
 _ALL: list[HostViews] = []
@@ -84,16 +83,6 @@ class HostViews:
         key = (t.data_ptr(), t.dtype, t.shape, t.stride())
         e = self.entries.get(key)
         return self.add(t, key, plain) if e is None else e
-
-    def exact(self, t: Tensor) -> Tensor:
-        """A view of ``t``'s elements whose storage ends where they end, so that a CPU
-        kernel cannot grow it over neighbouring memory (it raises instead)."""
-        v = self.to_cpu(t)
-        if v.numel() == 0:
-            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
-        nbytes = tensors.storage_nbytes(v.shape, v.stride(), v.element_size())
-        st = torch._C._construct_storage_from_data_pointer(v.data_ptr(), _CPU, nbytes)
-        return torch.empty(0, dtype=v.dtype).set_(st, 0, v.shape, v.stride())
 
     def clear(self) -> None:
         self.entries.clear()
