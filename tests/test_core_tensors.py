@@ -198,3 +198,15 @@ def test_repeated_allocations_follow_what_each_call_depends_on():
     finally:
         torch.sim.set_device(0)
         torch.set_default_dtype(torch.float32)
+
+
+def test_resize_to_the_same_sizes_keeps_the_strides_as_on_the_cpu():
+    x = torch.randn(3, 4).t()
+    for fmt in (None, torch.contiguous_format):
+        cpu = x.clone().t().contiguous().t()
+        dev = x.to("sim").t().contiguous().t()
+        kw = {} if fmt is None else {"memory_format": fmt}
+        assert cpu.resize_as_(torch.empty(4, 3), **kw).stride() == \
+            dev.resize_as_(torch.empty(4, 3, device="sim"), **kw).stride()
+        assert cpu.resize_(4, 3, **kw).stride() == dev.resize_(4, 3, **kw).stride()
+        torch.testing.assert_close(dev.cpu(), cpu, rtol=0, atol=0)

@@ -69,9 +69,6 @@ KNOWN: list[tuple[str, str, str]] = [
      "the CPU's nanmedian.dim_values returns uninitialised memory for an overlapping "
      "(stride-0) input: torch.nanmedian(torch.randn(1).expand(5), 0).values is not the "
      "value; the sim's result is"),
-    (r"resize_as_/.*/transposed", "bug",
-     "resize_ on the sim makes a non-contiguous tensor contiguous although its size does "
-     "not change; the CPU keeps its strides (x.t().resize_as_(y) with y of x.t()'s size)"),
 ]
 
 

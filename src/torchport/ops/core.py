@@ -191,6 +191,8 @@ def core_kernels(backend: Backend) -> dict[str, Callable[..., Any]]:
         return copy_between(backend, dst, self)
 
     def resize_(self, size, memory_format=None):
+        if memory_format is None and list(self.shape) == list(size):
+            return self  # the CPU's rule: the same sizes keep their strides
         backend.resize_device_tensor(self, size, strides_for(size, memory_format))
         return self
 
@@ -218,6 +220,11 @@ def core_kernels(backend: Backend) -> dict[str, Callable[..., Any]]:
         # Own kernel: PyTorch's would pin the CPU destination of a non_blocking copy, which
         # needs a pinned-memory allocator hook a Python backend cannot register.
         _check_layout(layout)
+        if type(self).shape is not torch.Tensor.shape:
+            # a subclass that hides its metadata from Python (a lazy module's
+            # UninitializedParameter): copy the plain tensor underneath, as ATen's C++ does
+            with torch._C.DisableTorchFunctionSubclass():
+                self = torch._C.TensorBase.as_subclass(self, torch.Tensor)
         dtype = dtype or self.dtype
         device = torch.device(device) if device is not None else self.device
         stride = preserved_strides(self) if memory_format in (None, torch.preserve_format) \
