@@ -19,17 +19,19 @@ demo: $(STAMP)
 	$(BIN)/python examples/train_cnn.py
 
 # The whole suite on default (host-addressable) sim memory; then the core tests, the op
-# layer's and the conformance subset with device-only memory (TORCHPORT_SIM_STRICT=1), where
-# every byte must go through the runtime; then the core tests, the hot path's, the migrated
-# examples and the conformance subset with asynchronous streams (TORCHPORT_SIM_ASYNC=1).
+# layer's and the conformance subsets (ops, modules, layouts) with device-only memory
+# (TORCHPORT_SIM_STRICT=1), where every byte must go through the runtime, and with
+# asynchronous streams (TORCHPORT_SIM_ASYNC=1), with the streams' tests and the migrated
+# examples.
+MODE_TESTS := tests/test_core_*.py tests/conformance tests/test_ops_hotpath.py \
+	tests/test_ops_derive.py tests/test_ops_device_routes.py tests/test_ops_cpu_parity.py \
+	tests/test_ops_layouts.py tests/test_dynamo_device.py
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 tests
-	TORCHPORT_SIM_STRICT=1 $(BIN)/python -m pytest -q tests/test_core_*.py tests/conformance \
-		tests/test_sim_core_opset.py tests/test_sim_attention.py tests/test_ops_hotpath.py \
-		tests/test_ops_derive.py tests/test_ops_layer.py
-	TORCHPORT_SIM_ASYNC=1 $(BIN)/python -m pytest -q tests/test_core_*.py tests/test_streams.py \
-		tests/test_ops_hotpath.py tests/test_migrate_examples.py \
-		tests/conformance
+	TORCHPORT_SIM_STRICT=1 $(BIN)/python -m pytest -q $(MODE_TESTS) \
+		tests/test_sim_core_opset.py tests/test_sim_attention.py tests/test_ops_layer.py
+	TORCHPORT_SIM_ASYNC=1 $(BIN)/python -m pytest -q $(MODE_TESTS) tests/test_streams.py \
+		tests/test_migrate_examples.py
 
 # Every OpInfo of PyTorch's op_db, sim vs CPU, in both sim memory modes, default
 # (reports/conformance.{json,md}) and TORCHPORT_SIM_STRICT=1 (reports/conformance-strict.*),
