@@ -36,14 +36,25 @@ test: $(STAMP)
 # Every OpInfo of PyTorch's op_db, sim vs CPU, in both sim memory modes, default
 # (reports/conformance.{json,md}) and TORCHPORT_SIM_STRICT=1 (reports/conformance-strict.*),
 # and with kernels queued on stream workers, TORCHPORT_SIM_ASYNC=1
-# (reports/conformance-async.*). All runs always execute; the target fails if any has a
-# failure. Each takes 3-7 minutes on 2 cores (one worker per core).
+# (reports/conformance-async.*), 3-7 minutes each on 2 cores; every ModuleInfo of
+# module_db in the three modes (reports/modules*.md, about a minute each); op_db in strided
+# layouts (reports/layouts.md, about 4 minutes); all 29 Hugging Face architectures in the
+# three modes. All runs always execute; the target fails if any has a failure.
 CONFORMANCE_ARGS ?= --full --max-samples 5 --op-timeout 120 --quiet
+MODULES_ARGS ?= --max-samples 3 --quiet
 conformance: $(STAMP)
 	rc=0; \
 	$(BIN)/python -m tests.conformance.run $(CONFORMANCE_ARGS) || rc=1; \
 	$(BIN)/python -m tests.conformance.run $(CONFORMANCE_ARGS) --strict || rc=1; \
 	$(BIN)/python -m tests.conformance.run $(CONFORMANCE_ARGS) --async || rc=1; \
+	$(BIN)/python -m tests.conformance.modules $(MODULES_ARGS) || rc=1; \
+	$(BIN)/python -m tests.conformance.modules $(MODULES_ARGS) --strict || rc=1; \
+	$(BIN)/python -m tests.conformance.modules $(MODULES_ARGS) --async || rc=1; \
+	$(BIN)/python -m tests.conformance.layouts --max-samples 4 || rc=1; \
+	for mode in "" TORCHPORT_SIM_STRICT=1 TORCHPORT_SIM_ASYNC=1; do \
+		env $$mode TORCHPORT_FULL_MODELS=1 $(BIN)/python -m pytest -q tests/test_models_hf.py \
+			|| rc=1; \
+	done; \
 	exit $$rc
 
 # Medians and ratios against native CPU in the same run (figures in the README).
