@@ -50,7 +50,7 @@ conformance: $(STAMP)
 	$(BIN)/python -m tests.conformance.modules $(MODULES_ARGS) || rc=1; \
 	$(BIN)/python -m tests.conformance.modules $(MODULES_ARGS) --strict || rc=1; \
 	$(BIN)/python -m tests.conformance.modules $(MODULES_ARGS) --async || rc=1; \
-	$(BIN)/python -m tests.conformance.layouts --max-samples 4 || rc=1; \
+	$(BIN)/python -m tests.conformance.layouts --max-samples 4 --quiet || rc=1; \
 	for mode in "" TORCHPORT_SIM_STRICT=1 TORCHPORT_SIM_ASYNC=1; do \
 		env $$mode TORCHPORT_FULL_MODELS=1 $(BIN)/python -m pytest -q tests/test_models_hf.py \
 			|| rc=1; \

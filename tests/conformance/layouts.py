@@ -49,8 +49,10 @@ from tests.conformance.run import (
     _short,
     _Timeout,
     _uninitialized,
+    add_mode_arguments,
     load_op_db,
     opinfo_id,
+    report_name,
     select,
 )
 
@@ -388,7 +390,8 @@ def _run_workers(args: argparse.Namespace, keys: list[str],
             for _, out, _ in procs:
                 _read_worker(out, results)
             progress([results[k] for k in keys if k in results])
-            print(f"{len(results)}/{len(keys)} OpInfos", file=sys.stderr, flush=True)
+            if not args.quiet:
+                print(f"{len(results)}/{len(keys)} OpInfos", file=sys.stderr, flush=True)
     return [results[k] for k in keys if k in results]
 
 
@@ -471,20 +474,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtypes", default=",".join(DEFAULT_DTYPES), help="comma-separated dtypes")
     p.add_argument("--max-samples", type=int, default=DEFAULT_MAX_SAMPLES,
                    help="samples per OpInfo and dtype")
-    p.add_argument("--strict", action="store_true", help="TORCHPORT_SIM_STRICT=1")
-    p.add_argument("--async", dest="asynchronous", action="store_true",
-                   help="TORCHPORT_SIM_ASYNC=1")
-    p.add_argument("--jobs", type=int, default=1, help="worker processes")
     p.add_argument("--op-timeout", type=float, default=120.0, help="seconds per OpInfo")
-    p.add_argument("--out", default=str(ROOT / "reports"), help="report directory")
-    p.add_argument("--name", help="report name without extension (default: layouts, "
-                   "layouts-strict, layouts-async)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--worker-ids", help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    add_mode_arguments(p, "layouts", 1)
     a = p.parse_args(argv)
     a.dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
-    a.name = a.name or "-".join(["layouts"] + ["strict"] * a.strict + ["async"] * a.asynchronous)
+    a.name = report_name(a, "layouts")
     return a
 
 

@@ -64,6 +64,8 @@ from tests.conformance.run import (
     _short,
     _stub_expecttest,
     _Timeout,
+    add_mode_arguments,
+    report_name,
 )
 
 DEVICE = "sim"
@@ -942,22 +944,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "e.g. 'nn\\.(Linear|LSTM)'")
     p.add_argument("--max-samples", type=int, default=None,
                    help="samples per ModuleInfo, dtype and mode")
-    p.add_argument("--strict", action="store_true", help="TORCHPORT_SIM_STRICT=1 (device-only "
-                   "memory)")
-    p.add_argument("--async", dest="asynchronous", action="store_true",
-                   help="TORCHPORT_SIM_ASYNC=1 (kernels queued on stream workers)")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per ModuleInfo")
-    p.add_argument("--out", default=str(ROOT / "reports"), help="report directory")
-    p.add_argument("--name", help="report file name without extension (default: modules, "
-                   "modules-strict with --strict, modules-async with --async)")
-    p.add_argument("--quiet", action="store_true")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--worker-ids", help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    add_mode_arguments(p, "modules", os.cpu_count() or 1)
     a = p.parse_args(argv)
-    a.name = a.name or "-".join(["modules"] + ["strict"] * a.strict
-                                + ["async"] * a.asynchronous)
+    a.name = report_name(a, "modules")
     return a
 
 

@@ -855,6 +855,28 @@ def _md(text: str, limit: int | None = 300) -> str:
 
 
 # ---- command line --------------------------------------------------------------------
+def add_mode_arguments(p: argparse.ArgumentParser, report: str, jobs: int) -> None:
+    """The options every driver of this package shares: the sim mode (``--strict``,
+    ``--async``), worker processes, the report's place and name, and the worker side."""
+    p.add_argument("--strict", action="store_true", help="TORCHPORT_SIM_STRICT=1 (device-only "
+                   "memory)")
+    p.add_argument("--async", dest="asynchronous", action="store_true",
+                   help="TORCHPORT_SIM_ASYNC=1 (kernels queued on stream workers)")
+    p.add_argument("--jobs", type=int, default=jobs, help="worker processes")
+    p.add_argument("--out", default=str(ROOT / "reports"), help="report directory")
+    p.add_argument("--name", help=f"report file name without extension (default: {report}, "
+                   f"{report}-strict with --strict, {report}-async with --async)")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-ids", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+
+
+def report_name(a: argparse.Namespace, report: str) -> str:
+    """``--name``, or the report's name for the sim mode."""
+    return a.name or "-".join([report] + ["strict"] * a.strict + ["async"] * a.asynchronous)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tests.conformance.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -863,20 +885,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtypes", help="comma-separated dtypes (default: "
                    + ",".join(DEFAULT_DTYPES) + ")")
     p.add_argument("--max-samples", type=int, default=None, help="samples per OpInfo and dtype")
-    p.add_argument("--strict", action="store_true", help="TORCHPORT_SIM_STRICT=1 (device-only "
-                   "memory)")
-    p.add_argument("--async", dest="asynchronous", action="store_true",
-                   help="TORCHPORT_SIM_ASYNC=1 (kernels queued on stream workers)")
     p.add_argument("--no-grad", action="store_true", help="skip the gradient checks")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     p.add_argument("--op-timeout", type=float, default=600.0, help="seconds per OpInfo")
-    p.add_argument("--out", default=str(ROOT / "reports"), help="report directory")
-    p.add_argument("--name", help="report file name without extension (default: conformance, "
-                   "conformance-strict with --strict, conformance-async with --async)")
-    p.add_argument("--quiet", action="store_true")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--worker-ids", help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    add_mode_arguments(p, "conformance", os.cpu_count() or 1)
     a = p.parse_args(argv)
     if isinstance(a.dtypes, str):
         a.dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
@@ -889,8 +900,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if a.max_samples is None:
             a.max_samples = SUBSET_MAX_SAMPLES
     a.dtypes = a.dtypes or list(DEFAULT_DTYPES)
-    a.name = a.name or "-".join(["conformance"] + ["strict"] * a.strict
-                                + ["async"] * a.asynchronous)
+    a.name = report_name(a, "conformance")
     import torch
     for d in a.dtypes:
         if not isinstance(getattr(torch, d, None), torch.dtype):
