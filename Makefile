@@ -22,16 +22,22 @@ demo: $(STAMP)
 # layer's and the conformance subsets (ops, modules, layouts) with device-only memory
 # (TORCHPORT_SIM_STRICT=1), where every byte must go through the runtime, and with
 # asynchronous streams (TORCHPORT_SIM_ASYNC=1), with the streams' tests and the migrated
-# examples.
+# examples. The two mode runs go side by side, one intra-op thread each (their logs are
+# printed when both ended).
 MODE_TESTS := tests/test_core_*.py tests/conformance tests/test_ops_hotpath.py \
 	tests/test_ops_derive.py tests/test_ops_device_routes.py tests/test_ops_cpu_parity.py \
 	tests/test_ops_layouts.py tests/test_dynamo_device.py
+MODE_PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 tests
-	TORCHPORT_SIM_STRICT=1 $(BIN)/python -m pytest -q $(MODE_TESTS) \
-		tests/test_sim_core_opset.py tests/test_sim_attention.py tests/test_ops_layer.py
-	TORCHPORT_SIM_ASYNC=1 $(BIN)/python -m pytest -q $(MODE_TESTS) tests/test_streams.py \
-		tests/test_migrate_examples.py
+	logs=$$(mktemp -d); rc=0; \
+	TORCHPORT_SIM_STRICT=1 $(MODE_PYTEST) $(MODE_TESTS) tests/test_sim_core_opset.py \
+		tests/test_sim_attention.py tests/test_ops_layer.py > $$logs/strict 2>&1 & strict=$$!; \
+	TORCHPORT_SIM_ASYNC=1 $(MODE_PYTEST) $(MODE_TESTS) tests/test_streams.py \
+		tests/test_migrate_examples.py > $$logs/async 2>&1 & async=$$!; \
+	wait $$strict || rc=1; wait $$async || rc=1; \
+	echo "== TORCHPORT_SIM_STRICT=1"; cat $$logs/strict; \
+	echo "== TORCHPORT_SIM_ASYNC=1"; cat $$logs/async; rm -rf $$logs; exit $$rc
 
 # Every OpInfo of PyTorch's op_db, sim vs CPU, in both sim memory modes, default
 # (reports/conformance.{json,md}) and TORCHPORT_SIM_STRICT=1 (reports/conformance-strict.*),

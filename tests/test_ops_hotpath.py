@@ -4,6 +4,7 @@ out= trial, and the allocator's deferred statistics -- each checked against the 
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import warnings
 
@@ -127,6 +128,7 @@ def test_statistics_of_mixed_small_and_large_blocks_are_exact(seed: int) -> None
     sizes = [100, 512, 4096, 300_000, 1 << 20, (1 << 20) + 1, 3 << 20, (8 << 20) - 7]
     dm = active_backend().device_module
     alloc = active_backend().allocators[0]
+    gc.collect()  # earlier tests' garbage must not be freed in the middle of the count
     dm.synchronize()
     warm = [torch.empty(n, dtype=torch.uint8, device="sim") for n in sizes for _ in range(3)]
     del warm

@@ -124,14 +124,14 @@ def test_record_stream_defers_reuse_until_stream_done(monkeypatch: pytest.Monkey
     x.record_stream(side)
     assert side in alloc.active[ptr].stream_uses
     del x
-    assert any(b.ptr == ptr for b, _ in alloc.pending_free)
+    assert any(b.ptr == ptr for b in alloc.pending_blocks())
     y = torch.empty(4096, device="sim")
     assert y.data_ptr() != ptr  # still pending: not reused
     busy["on"] = False
     side.synchronize()  # the side stream's work is done (asynchronous sim: really done)
     del y
     z = torch.empty(4096, device="sim")
-    assert not any(b.ptr == ptr for b, _ in alloc.pending_free)
+    assert not any(b.ptr == ptr for b in alloc.pending_blocks())
     w = torch.empty(4096, device="sim")
     assert ptr in (z.data_ptr(), w.data_ptr())
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,7 +148,10 @@ class DeviceAllocator:
         self.active: dict[int, Block] = {}
         self.segments: dict[int, Block] = {}
         self.fraction: float | None = None
-        self.pending_free: list[tuple[Block, list[Any]]] = []
+        # Freed blocks that queued work may still read or write, with the events that
+        # complete when it has run: one queue per allocation stream (its events complete
+        # in order, so each queue is released from its head).
+        self.pending_free: dict[int, deque[tuple[Block, list[Any]]]] = {}
         # Recently freed small blocks by (stream, size): a model allocates the same
         # sizes every step, so most requests are served here in O(1) without the
         # split/merge work; any other need (best-fit miss, empty_cache, statistics,
@@ -155,10 +159,14 @@ class DeviceAllocator:
         # towards the runtime is CUDA's.
         self.parked: dict[tuple[int, int], list[Block]] = {}
         self.num_parked = 0
-        # Stream-aware freeing (set by torchport.streams): record one event per stream a
-        # block was used on, poll them, release them once the block is reusable.
+        # Stream-aware freeing (set by torchport.streams): events on every stream that
+        # may still use a freed block (its allocation stream while that has queued work
+        # on an asynchronous runtime, and the streams of ``record_stream``); the block is
+        # handed out again once they completed, whichever path asks for memory, because
+        # the host writes device memory without queueing (results it computed, copies
+        # without a stream, another thread's work).
+        self.free_events: Callable[[Block], list[Any]] | None = None
         self.event_query: Callable[[Any], bool] | None = None
-        self.record_free_events: Callable[[list[Any]], list[Any]] | None = None
         self.event_release: Callable[[Any], None] | None = None
         self._hot_small = True  # the pool the deferred counts below belong to
         self.reset_stats()
@@ -274,7 +282,7 @@ class DeviceAllocator:
         if self.num_parked:  # the hot path: an exact-size reuse
             with self.lock:
                 ready = self.parked.get((id(stream), size))
-                if ready and not self.pending_free:
+                if ready:
                     block = ready.pop()
                     if block.small is not self._hot_small:
                         self._switch_hot(block.small)
@@ -436,9 +444,12 @@ class DeviceAllocator:
         if ptr is None:
             return
         with self.lock:
+            if self.pending_free:  # each free releases what became reusable
+                self._process_pending_frees()
             block = self.active.pop(ptr)
-            if self.num_parked < _MAX_PARKED and not block.adopted \
-                    and not (block.stream_uses and self.event_query is not None):
+            events = self.free_events(block) if self.free_events is not None and (
+                block.stream_uses or self.runtime.asynchronous) else None
+            if not events and self.num_parked < _MAX_PARKED and not block.adopted:
                 # the hot path: park it for an exact-size reuse (statistics deferred)
                 if block.small is not self._hot_small:
                     self._switch_hot(block.small)
@@ -452,11 +463,12 @@ class DeviceAllocator:
             small = block.small
             self._stat(small, ("allocation", -1), ("allocated_bytes", -block.size),
                        ("requested_bytes", -block.requested))
-            if block.stream_uses and self.event_query is not None:
-                events = self._record_stream_uses(block)
-                if events:
-                    self.pending_free.append((block, events))
-                    return
+            if events:
+                q = self.pending_free.get(id(block.stream))
+                if q is None:
+                    q = self.pending_free[id(block.stream)] = deque()
+                q.append((block, events))
+                return
             self._release_block(block)
 
     def _park(self, block: Block) -> None:
@@ -507,25 +519,24 @@ class DeviceAllocator:
                 del self.parked[key]
         return None
 
-    def _record_stream_uses(self, block: Block) -> list[Any]:
-        """Hook for stream-aware freeing; set by the stream layer."""
-        uses = list(block.stream_uses)
-        block.stream_uses.clear()
-        return self.record_free_events(uses) if self.record_free_events is not None else []
+    def pending_blocks(self) -> list[Block]:
+        """The freed blocks waiting for queued work (oldest first per stream)."""
+        with self.lock:
+            return [b for q in self.pending_free.values() for b, _ in q]
 
     def _process_pending_frees(self, force: bool = False) -> None:
-        if not self.pending_free:
-            return
-        keep = []
-        for block, events in self.pending_free:
-            if force or all(self.event_query(e) for e in events):
-                if self.event_release is not None:
+        """Release the pending blocks whose events completed (all of them: ``force``,
+        after the device was synchronised)."""
+        query, release = self.event_query, self.event_release
+        for key, q in list(self.pending_free.items()):
+            while q and (force or all(query(e) for e in q[0][1])):
+                block, events = q.popleft()
+                if release is not None:
                     for e in events:
-                        self.event_release(e)
+                        release(e)
                 self._release_block(block)
-            else:
-                keep.append((block, events))
-        self.pending_free = keep
+            if not q:
+                del self.pending_free[key]
 
     def _release_block(self, block: Block) -> None:
         small = block.small
@@ -550,14 +561,11 @@ class DeviceAllocator:
     def _return_to_pool(self, block: Block) -> None:
         pool = self.small if block.small else self.large
         for nb in (block.prev, block.next):
+            # (a pending block is still ``allocated`` until its events completed)
             if nb is not None and not nb.allocated and not nb.parked \
                     and nb.ptr not in self.active:
-                if not self._is_pending(nb):
-                    self._merge(block, nb, pool)
+                self._merge(block, nb, pool)
         pool.insert(block)
-
-    def _is_pending(self, b: Block) -> bool:
-        return any(p is b for p, _ in self.pending_free)
 
     @staticmethod
     def _merge(dst: Block, src: Block, pool: _Pool) -> None:

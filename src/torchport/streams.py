@@ -270,17 +270,16 @@ def _make(mod: types.ModuleType, b: Backend) -> None:
 
 
 def _install_stream_freeing(b: Backend) -> None:
-    """Give each allocator the hooks that defer frees until recorded streams finish."""
+    """Give each allocator the hook that names the work a freed block must wait for:
+    an event on each stream ``record_stream`` named, and on an asynchronous runtime one
+    on the block's allocation stream while that stream still has queued work."""
     rt = b.runtime
+    asynchronous = rt.asynchronous
 
-    def record_free_events(uses: list[Any]) -> list[tuple[int, Any]]:
-        events = []
-        for s in uses:
-            phys = b.phys(s.device_index)
-            ev = rt.create_event(phys)
-            rt.record_event(phys, ev, s.handle)
-            events.append((phys, ev))
-        return events
+    def record(phys: int, handle: Any) -> tuple[int, Any]:
+        ev = rt.create_event(phys)
+        rt.record_event(phys, ev, handle)
+        return (phys, ev)
 
     def event_query(e: tuple[int, Any]) -> bool:
         return bool(rt.query_event(e[0], e[1]))
@@ -289,7 +288,14 @@ def _install_stream_freeing(b: Backend) -> None:
         rt.destroy_event(e[0], e[1])
 
     for a in b.allocators:
-        a.record_free_events = record_free_events
+        def free_events(block: Any, phys: int = a.phys) -> list[tuple[int, Any]]:
+            events = [record(b.phys(s.device_index), s.handle) for s in block.stream_uses]
+            block.stream_uses.clear()
+            if asynchronous and not rt.query_stream(phys, block.stream):
+                events.append(record(phys, block.stream))
+            return events
+
+        a.free_events = free_events
         a.event_query = event_query
         a.event_release = event_release
 

@@ -21,6 +21,7 @@ import ctypes
 import os
 import queue
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -107,12 +108,18 @@ class SimAsyncError(RuntimeError):
     """Work queued on a sim stream failed; raised at the next synchronising call."""
 
 
+# Launches a stream may hold before the host waits for it to catch up (CUDA blocks the
+# host at about this depth): bounds memory in flight and what an interrupt abandons.
+MAX_QUEUED = 1024
+
+
 class _Worker:
     """One sim stream in asynchronous mode: a thread running its work in issue order.
 
     ``submitted``/``completed`` count tickets; the first failure is kept (with the
     op's name) until a synchronising call reports it; later work still runs, so the
-    device stays usable."""
+    device stays usable. The host waits once :data:`MAX_QUEUED` launches are queued;
+    ``abandon()`` drops what is queued (at interrupt and exit)."""
 
     def __init__(self, label: str) -> None:
         self.label = label
@@ -120,12 +127,19 @@ class _Worker:
         self.cv = threading.Condition()
         self.submitted = 0
         self.completed = 0
+        self.abandoned = False
         self.error: tuple[str, BaseException] | None = None
         self.thread = threading.Thread(target=self._loop, name=f"torchport-{label}", daemon=True)
         self.thread.start()
 
-    def submit(self, fn: Callable[[], Any], name: str) -> int:
+    def submit(self, fn: Callable[[], Any], name: str, bounded: bool = False) -> int:
+        """Queue ``fn``; a ``bounded`` launch first waits for room (kernels and copies,
+        never markers: an event is recorded while the allocator's lock is held, and
+        work that finishes frees memory under that lock)."""
         with self.cv:
+            if bounded and self.submitted - self.completed >= MAX_QUEUED \
+                    and threading.current_thread() is not self.thread:
+                self.cv.wait_for(lambda: self.submitted - self.completed < MAX_QUEUED)
             self.submitted += 1
             ticket = self.submitted
         self.q.put((ticket, fn, name))
@@ -134,15 +148,23 @@ class _Worker:
     def _loop(self) -> None:
         while True:
             ticket, fn, name = self.q.get()
-            try:
-                fn()
-            except BaseException as exc:  # reported at the next synchronising call
-                with self.cv:
-                    if self.error is None:
-                        self.error = (name, exc)
+            if not self.abandoned:
+                try:
+                    fn()
+                except BaseException as exc:  # reported at the next synchronising call
+                    with self.cv:
+                        if self.error is None:
+                            self.error = (name, exc)
             with self.cv:
                 self.completed = ticket
                 self.cv.notify_all()
+
+    def abandon(self) -> None:
+        """Drop the queued work: what runs now finishes, the rest is skipped."""
+        self.abandoned = True
+
+    def queued(self) -> int:
+        return self.submitted - self.completed
 
     def done(self, ticket: int | None = None) -> bool:
         return self.completed >= (self.submitted if ticket is None else ticket)
@@ -195,10 +217,33 @@ class SimRuntime(Runtime):
             atexit.register(self._drain)
 
     def _drain(self) -> None:
-        """At exit: let queued kernels finish, so no worker is inside ATen while the
-        interpreter shuts down (a C++ kernel running then aborts the process)."""
-        for w in list(self._workers.values()):
-            w.wait()
+        """At exit: no worker may be inside ATen while the interpreter shuts down (a C++
+        kernel running then aborts the process). Queued work finishes on a normal exit
+        (at most :data:`MAX_QUEUED` launches a stream) and is abandoned after Ctrl-C, or
+        at a second one during the wait; a failure no synchronising call reported is
+        printed, not lost."""
+        workers = list(self._workers.values())
+        if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+            for w in workers:
+                w.abandon()
+        for w in workers:
+            while True:
+                try:
+                    w.wait()
+                    break
+                except KeyboardInterrupt:
+                    for x in workers:
+                        x.abandon()
+        for w in workers:
+            if w.error is not None:
+                name, exc = w.error
+                print(f"torchport: sim: {name or 'work'} failed asynchronously on {w.label} "
+                      f"and no synchronising call reported it before exit: "
+                      f"{type(exc).__name__}: {exc}", file=sys.stderr)
+
+    def queued(self, index: int) -> int:
+        """Launches queued on ``index``'s streams and not yet run (asynchronous mode)."""
+        return sum(w.queued() for (i, _), w in list(self._workers.items()) if i == index)
 
     # ---- devices -------------------------------------------------------------
     def device_count(self) -> int:
@@ -383,7 +428,7 @@ class SimRuntime(Runtime):
             fn()
             return
         self._dev(index)
-        self._worker(index, stream).submit(fn, name)
+        self._worker(index, stream).submit(fn, name, bounded=True)
 
     def create_stream(self, index: int, priority: int = 0) -> SimStream:
         self._dev(index)
