@@ -28,6 +28,10 @@ K_LARGE_BUFFER = 20 << 20
 K_MIN_LARGE_ALLOC = 10 << 20
 K_ROUND_LARGE = 2 << 20
 _MAX_PARKED = 256
+# Parked blocks may hold up to the peak of the bytes allocated, or this much on a device
+# with little allocated: a training step's transient tensors fit, random sizes cannot
+# make the cache grow without bound.
+_PARK_FLOOR = 8 << 20
 _ALLOC_STATS = ("allocation", "active", "allocated_bytes", "active_bytes", "requested_bytes")
 
 _STAT_NAMES = ("allocation", "segment", "active", "inactive_split")
@@ -159,6 +163,11 @@ class DeviceAllocator:
         # towards the runtime is CUDA's.
         self.parked: dict[tuple[int, int], list[Block]] = {}
         self.num_parked = 0
+        self.parked_bytes = [0, 0]  # large, small
+        # Set when the device had no room for a segment, until ``empty_cache``: large
+        # blocks then merge when freed, as CUDA's do (parked ones would fragment a full
+        # device into OOMs), and small requests unpark before they take a new segment.
+        self.full = False
         # Stream-aware freeing (set by torchport.streams): events on every stream that
         # may still use a freed block (its allocation stream while that has queued work
         # on an asynchronous runtime, and the streams of ``record_stream``); the block is
@@ -180,6 +189,8 @@ class DeviceAllocator:
         # The statistics every malloc/free moves, all pools at once (the hot path).
         self._on_alloc = {small: [s for n in _ALLOC_STATS for s in self._pairs[(n, small)]]
                           for small in (True, False)}
+        self._allocated_pool = [self.stats[("allocated_bytes", "large_pool")],
+                                self.stats[("allocated_bytes", "small_pool")]]
         self.num_alloc_retries = 0
         self.num_ooms = 0
         self.num_sync_all_streams = 0
@@ -290,6 +301,7 @@ class DeviceAllocator:
                     block.allocated = True
                     block.requested = nbytes
                     self.num_parked -= 1
+                    self.parked_bytes[block.small] -= size
                     self.active[block.ptr] = block
                     self._hm = hm = self._hm + 1
                     if hm - self._hf > self._pn:
@@ -316,26 +328,50 @@ class DeviceAllocator:
                     block = ready.pop()
                     block.parked = False
                     self.num_parked -= 1
+                    self.parked_bytes[block.small] -= block.size
                     return self._hand_out(block, nbytes)
             block = pool.best_fit(stream, size)
             fresh = None
             if block is None and self.num_parked:
-                if small:
+                if small and not self.full:
                     # A new 2 MiB segment while the device has room: the parked blocks are
                     # sizes the step asks for again, and taking them apart would make them
                     # miss next time, a churn of slow allocations every step.
                     fresh = self._new_segment(size, small, stream, nbytes, retry=False)
                 if fresh is None:
                     block = self._unpark_for(small, stream, size)
-            if block is not None and not small and block.size >= size + K_LARGE_BUFFER \
-                    and block.size > 2 * size:
+            if block is not None and self._oversize(block, size):
                 block = None  # do not carve a small request out of a huge cached block
             if block is None:
-                block = fresh or self._new_segment(size, small, stream, nbytes)
+                block = fresh or self._new_segment(size, small, stream, nbytes, retry=False) \
+                    or self._from_cache(pool, stream, size, oversize=False) \
+                    or self._new_segment(size, small, stream, nbytes) \
+                    or self._from_cache(pool, stream, size, oversize=True)
+                if block is None:
+                    self.num_ooms += 1
+                    raise torch.OutOfMemoryError(self._oom_message(nbytes))
             else:
                 pool.remove(block)
             self._maybe_split(block, size, pool)
             return self._hand_out(block, nbytes)
+
+    def _from_cache(self, pool: _Pool, stream: Any, size: int, oversize: bool) -> Block | None:
+        """The device has no room for a new segment: a free block of ``size`` from what
+        the cache holds with the parked blocks merged (one much larger than ``size``
+        only if ``oversize``), or ``None``."""
+        self._unpark_all()
+        block = pool.best_fit(stream, size)
+        if block is not None and not oversize and self._oversize(block, size):
+            return None
+        if block is not None:
+            pool.remove(block)
+        return block
+
+    @staticmethod
+    def _oversize(block: Block, size: int) -> bool:
+        """Would a ``size`` request carve a huge cached block (kept for large ones)?"""
+        return not block.small and block.size >= size + K_LARGE_BUFFER \
+            and block.size > 2 * size
 
     def adopt(self, buffer: torch.UntypedStorage, stream: Any = None) -> Block | None:
         """A block over ``buffer`` (CPU memory the caller gives up) made device memory
@@ -398,21 +434,21 @@ class DeviceAllocator:
 
     def _new_segment(self, size: int, small: bool, stream: Any, requested: int,
                      retry: bool = True) -> Block | None:
-        """A new segment for a ``size`` request; without room, ``retry`` frees the cache
-        and tries again, then raises ``torch.OutOfMemoryError`` (else: ``None``)."""
+        """A new segment for a ``size`` request, or ``None``; without room, ``retry``
+        first waits for the device, releases the blocks its work held and returns every
+        free segment (``empty_cache``)."""
         seg_size = _segment_size(size)
         ptr = self._device_malloc(seg_size)
-        if ptr is None and not retry:
-            return None
         if ptr is None:
+            self.full = True
+        if ptr is None and retry:
             self.num_alloc_retries += 1
             self.runtime.synchronize(self.phys)
             self._process_pending_frees(force=True)
-            self.empty_cache()
+            self._release_free_segments()
             ptr = self._device_malloc(seg_size)
         if ptr is None:
-            self.num_ooms += 1
-            raise torch.OutOfMemoryError(self._oom_message(requested))
+            return None
         self.num_device_alloc += 1
         block = Block(ptr=ptr, size=seg_size, segment_size=seg_size, small=small,
                       stream=stream, is_segment_head=True)
@@ -449,7 +485,7 @@ class DeviceAllocator:
             block = self.active.pop(ptr)
             events = self.free_events(block) if self.free_events is not None and (
                 block.stream_uses or self.runtime.asynchronous) else None
-            if not events and self.num_parked < _MAX_PARKED and not block.adopted:
+            if not events and not block.adopted and self._may_park(block):
                 # the hot path: park it for an exact-size reuse (statistics deferred)
                 if block.small is not self._hot_small:
                     self._switch_hot(block.small)
@@ -471,6 +507,23 @@ class DeviceAllocator:
                 return
             self._release_block(block)
 
+    def _may_park(self, block: Block) -> bool:
+        """Is there room among the parked blocks of ``block``'s pool for it? Up to twice
+        the peak of the pool's allocated bytes (a step's transient tensors of every size
+        it uses), at least :data:`_PARK_FLOOR`; on a full device only that floor, and
+        no large block."""
+        small = block.small
+        if self.num_parked >= _MAX_PARKED or self.full and not small:
+            return False
+        held = self.parked_bytes[small] + block.size
+        if held <= _PARK_FLOOR:
+            return True
+        if self.full:
+            return False
+        alloc = self._allocated_pool[small]  # its peak, with the hot path's pending counts
+        pending = self._pb if self._hot_small is small else 0
+        return held <= 2 * max(alloc.peak, alloc.current + pending)
+
     def _park(self, block: Block) -> None:
         """Hold a free block, unmerged, for a request of its exact size (a training step
         asks for the same sizes every step: O(1), and the same addresses, whose host views
@@ -484,6 +537,7 @@ class DeviceAllocator:
         else:
             lst.append(block)
         self.num_parked += 1
+        self.parked_bytes[block.small] += block.size
 
     def _unpark_all(self) -> None:
         """Return every parked block to its pool (merging with free neighbours)."""
@@ -492,6 +546,7 @@ class DeviceAllocator:
         blocks = [b for lst in self.parked.values() for b in lst]
         self.parked.clear()
         self.num_parked = 0
+        self.parked_bytes = [0, 0]
         for b in blocks:  # one at a time: a parked neighbour merges when its turn comes
             b.parked = False
             self._return_to_pool(b)
@@ -509,6 +564,7 @@ class DeviceAllocator:
                     break  # a list holds one size: one pool
                 lst.pop()
                 self.num_parked -= 1
+                self.parked_bytes[b.small] -= b.size
                 b.parked = False
                 self._return_to_pool(b)  # b grows by the free neighbours it merged
                 if b.size >= size:
@@ -546,7 +602,7 @@ class DeviceAllocator:
             del self.segments[block.ptr]
             self._release_segment(block)
             return
-        if self.num_parked < _MAX_PARKED:
+        if self._may_park(block):
             self._park(block)
             return
         self._return_to_pool(block)
@@ -592,7 +648,12 @@ class DeviceAllocator:
                     self._stat(b.small, ("inactive_split", 1), ("inactive_split_bytes", b.size))
 
     def empty_cache(self) -> None:
-        """Return every fully free segment to the runtime."""
+        """Return every fully free segment to the runtime (``torch.<device>.empty_cache``:
+        the device has room again, so large blocks are parked again)."""
+        self._release_free_segments()
+        self.full = False
+
+    def _release_free_segments(self) -> None:
         if self.runtime.asynchronous:
             self.runtime.synchronize(self.phys)  # queued kernels may still use cached blocks
         with self.lock:
