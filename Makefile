@@ -18,23 +18,23 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/train_cnn.py
 
-# The whole suite on default (host-addressable) sim memory; then the core tests, the op
-# layer's and the conformance subsets (ops, modules, layouts) with device-only memory
+# The whole suite on default (host-addressable) sim memory; beside it, the core tests, the
+# op layer's and the conformance subsets (ops, modules, layouts) with device-only memory
 # (TORCHPORT_SIM_STRICT=1), where every byte must go through the runtime, and with
 # asynchronous streams (TORCHPORT_SIM_ASYNC=1), with the streams' tests and the migrated
-# examples. The two mode runs go side by side, one intra-op thread each (their logs are
-# printed when both ended).
+# examples. The three runs go side by side (the mode runs with one intra-op thread each;
+# their logs are printed when all ended).
 MODE_TESTS := tests/test_core_*.py tests/conformance tests/test_ops_hotpath.py \
 	tests/test_ops_derive.py tests/test_ops_device_routes.py tests/test_ops_cpu_parity.py \
 	tests/test_ops_layouts.py tests/test_dynamo_device.py
 MODE_PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15 tests
 	logs=$$(mktemp -d); rc=0; \
 	TORCHPORT_SIM_STRICT=1 $(MODE_PYTEST) $(MODE_TESTS) tests/test_sim_core_opset.py \
 		tests/test_sim_attention.py tests/test_ops_layer.py > $$logs/strict 2>&1 & strict=$$!; \
 	TORCHPORT_SIM_ASYNC=1 $(MODE_PYTEST) $(MODE_TESTS) tests/test_streams.py \
 		tests/test_migrate_examples.py > $$logs/async 2>&1 & async=$$!; \
+	$(BIN)/python -m pytest -q --durations=15 tests || rc=1; \
 	wait $$strict || rc=1; wait $$async || rc=1; \
 	echo "== TORCHPORT_SIM_STRICT=1"; cat $$logs/strict; \
 	echo "== TORCHPORT_SIM_ASYNC=1"; cat $$logs/async; rm -rf $$logs; exit $$rc
