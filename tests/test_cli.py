@@ -111,3 +111,20 @@ def test_console_script_subprocess(tmp_path: Path) -> None:
     bad = subprocess.run([str(exe), "info", "--nope"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_info_flags_a_bad_setting_instead_of_a_traceback(as_json: bool) -> None:
+    import os
+    env = dict(os.environ, TORCHPORT_SIM_MEMORY="banana")
+    args = [sys.executable, "-m", "torchport.cli", "info"] + (["--json"] if as_json else [])
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    if as_json:
+        data = json.loads(out.stdout)
+        assert "TORCHPORT_SIM_MEMORY='banana' is not a size" in data["backend"]["error"]
+        row = next(r for r in data["settings"] if r["name"] == "TORCHPORT_SIM_MEMORY")
+        assert (row["value"], row["source"]) == ("banana", "invalid")
+    else:
+        assert "cannot start" in out.stdout and "invalid" in out.stdout, out.stdout

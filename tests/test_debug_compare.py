@@ -172,3 +172,28 @@ def test_tensor_diff_rules():
     assert not tensor_diff(torch.zeros(2), torch.zeros(2, dtype=torch.float64)).ok
     z = tensor_diff(torch.tensor([1.0]), torch.tensor([0.0]))
     assert math.isinf(z.max_rel)
+
+
+def test_a_binary_manifest_is_bad_input(dumps, tmp_path):
+    (tmp_path / "manifest.jsonl").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe binary")
+    with pytest.raises(DumpFormatError, match="not a text manifest"):
+        debug.compare_dumps(tmp_path, dumps / "cpu")
+    torchport.cli._load()
+    r = CliRunner().invoke(torchport.cli.app, ["compare-dumps", str(tmp_path), str(dumps / "cpu")])
+    assert r.exit_code == 2 and "not a text manifest" in r.output, r.output
+
+
+def test_a_truncated_tensor_file_is_not_no_divergence(dumps, tmp_path):
+    import shutil
+    damaged = tmp_path / "damaged"
+    shutil.copytree(dumps / "good", damaged)
+    manifest = [json.loads(x) for x in (damaged / "manifest.jsonl").read_text().splitlines()]
+    name = next(c["file"] for c in manifest[1:] if c.get("file") and c["op"].startswith("addmm"))
+    data = (damaged / name).read_bytes()
+    (damaged / name).write_bytes(data[: len(data) // 2])
+    r = debug.compare_dumps(damaged, dumps / "cpu")
+    assert not r.ok and r.unreadable and r.unreadable[0].op.startswith("addmm")
+    assert "unreadable" in r.summary() and "no divergence among the readable calls" in r.summary()
+    torchport.cli._load()
+    res = CliRunner().invoke(torchport.cli.app, ["compare-dumps", str(damaged), str(dumps / "cpu")])
+    assert res.exit_code == 2, res.output

@@ -837,3 +837,50 @@ def test_outputs_that_would_write_into_the_source_or_cwd_are_refused(
     outcome = CliRunner().invoke(cli, ["migrate", str(src), *argv])
     assert outcome.exit_code == 2 and message in " ".join(outcome.output.split()), outcome.output
     assert _checksums(src) == before and _checksums(cwd) == here
+
+
+def test_relative_symlinks_keep_their_text_loops_included(tmp_path: Path, cli: typer.Typer) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "train.py").write_text("import torch\nx = torch.ones(2).cuda()\n")
+    os.symlink("b", src / "a")  # a -> b -> a: a loop, copied as a loop
+    os.symlink("a", src / "b")
+    os.symlink("train.py", src / "alias.py")
+    os.symlink("missing.py", src / "dangling.py")
+    outcome = CliRunner().invoke(cli, ["migrate", str(src), "-o", str(tmp_path / "out")])
+    assert outcome.exit_code == 0, outcome.output
+    out = tmp_path / "out"
+    assert {n: os.readlink(out / n) for n in ("a", "b", "alias.py", "dangling.py")} == \
+        {"a": "b", "b": "a", "alias.py": "train.py", "dangling.py": "missing.py"}
+
+
+@pytest.mark.parametrize("where, message", [
+    ("file", "is a file"),
+    ("file/below", "cannot write"),
+])
+def test_a_destination_that_cannot_be_one_is_a_usage_error(
+        tmp_path: Path, cli: typer.Typer, where: str, message: str) -> None:
+    (tmp_path / "in").mkdir()
+    src = make_tree(tmp_path / "in")
+    (tmp_path / "file").write_text("not a directory\n")
+    before = _checksums(src)
+    outcome = CliRunner().invoke(cli, ["migrate", str(src), "-o", str(tmp_path / where)])
+    assert outcome.exit_code == 2 and message in " ".join(outcome.output.split()), outcome.output
+    assert "internal error" not in outcome.output
+    assert (tmp_path / "file").read_text() == "not a directory\n"
+    assert _checksums(src) == before
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
+                    reason="root writes into read-only folders")
+def test_a_read_only_destination_is_a_usage_error(tmp_path: Path, cli: typer.Typer) -> None:
+    (tmp_path / "in").mkdir()
+    src = make_tree(tmp_path / "in")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        outcome = CliRunner().invoke(cli, ["migrate", str(src), "-o", str(ro / "out")])
+    finally:
+        ro.chmod(0o755)
+    assert outcome.exit_code == 2 and "not writable" in outcome.output, outcome.output

@@ -46,17 +46,20 @@ def env_settings() -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCHPORT_")}
 
 
-def settings() -> list[dict[str, Any]]:
+def settings(error: str | None = None) -> list[dict[str, Any]]:
     """Every known variable (value in effect and where it comes from) plus unknown ones set.
 
     An unknown ``TORCHPORT_*`` name is usually a typo that silently does nothing,
-    so it is listed with ``source: "unknown"``.
+    so it is listed with ``source: "unknown"``; a variable the backend's start-up
+    ``error`` names is listed with ``source: "invalid"``.
     """
     env = env_settings()
     rows = []
     for name, (default, meaning) in KNOWN_VARIABLES.items():
         if name in env:
-            rows.append({"name": name, "value": env[name], "source": "environment",
+            bad = error is not None and f"{name}=" in error
+            rows.append({"name": name, "value": env[name],
+                         "source": "invalid" if bad else "environment",
                          "default": default, "meaning": meaning})
         else:
             rows.append({"name": name, "value": default, "source": "default",
@@ -75,7 +78,18 @@ def collect(backend: str = "sim") -> dict[str, Any]:
     import torchport
     from torchport.run import load_backend
 
-    b = load_backend(backend)
+    versions = {"torchport": torchport.__version__, "torch": torch.__version__,
+                "python": platform.python_version()}
+    try:
+        b = load_backend(backend)
+    except typer.BadParameter:  # no such backend: a usage error
+        raise
+    except Exception as e:  # a bad setting: named in the table, not a traceback
+        error = f"{type(e).__name__}: {e}"
+        return {"versions": versions, "platform": platform.platform(),
+                "backend": {"name": backend, "error": error}, "devices": [],
+                "forced_fallback": [], "environment": env_settings(),
+                "settings": settings(error)}
     mod = getattr(torch, b.name)
     devices = []
     for i in range(b.device_count()):
@@ -98,8 +112,7 @@ def collect(backend: str = "sim") -> dict[str, Any]:
     except ImportError:  # pragma: no cover
         pass
     return {
-        "versions": {"torchport": torchport.__version__, "torch": torch.__version__,
-                     "python": platform.python_version()},
+        "versions": versions,
         "platform": platform.platform(),
         "backend": {"name": b.name, "runtime": type(b.runtime).__name__,
                     "memory": "host-addressable" if b.runtime.host_addressable
@@ -126,10 +139,14 @@ def register(app: typer.Typer) -> None:
                                                "or a module path."),
         as_json: bool = typer.Option(False, "--json", help="Print the information as JSON."),
     ) -> None:
-        """Show torchport/torch/Python versions, backend, devices and TORCHPORT_* settings."""
+        """Show torchport/torch/Python versions, backend, devices and TORCHPORT_* settings.
+        Exit status 1 when the backend cannot start (the setting at fault is marked)."""
         data = collect(backend)
+        failed = "error" in data["backend"]
         if as_json:
             typer.echo(json.dumps(data, indent=1))
+            if failed:
+                raise typer.Exit(1)
             return
         from rich.console import Console
         from rich.table import Table
@@ -139,18 +156,25 @@ def register(app: typer.Typer) -> None:
         con.print(f"torchport {v['torchport']}, torch {v['torch']}, Python {v['python']} "
                   f"({data['platform']})")
         b = data["backend"]
-        con.print(f"backend: {b['name']} ({b['runtime']}, {b['memory']} memory), "
-                  f"{b['device_count']} device(s)")
-        t = Table("device", "name", "capacity", "allocated", "reserved", "free")
-        for d in data["devices"]:
-            t.add_row(d["device"], d["name"], _gib(d["total_memory"]), str(d["allocated"]),
-                      str(d["reserved"]), _gib(d["free"]) if "free" in d else "-")
-        con.print(t)
+        if failed:
+            con.print(f"backend: {b['name']} [red]cannot start[/]: {b['error']}", markup=True,
+                      highlight=False)
+        else:
+            con.print(f"backend: {b['name']} ({b['runtime']}, {b['memory']} memory), "
+                      f"{b['device_count']} device(s)")
+            t = Table("device", "name", "capacity", "allocated", "reserved", "free")
+            for d in data["devices"]:
+                t.add_row(d["device"], d["name"], _gib(d["total_memory"]), str(d["allocated"]),
+                          str(d["reserved"]), _gib(d["free"]) if "free" in d else "-")
+            con.print(t)
         s = Table("variable", "value", "source", "meaning", title="settings")
         for row in data["settings"]:
-            style = {"environment": "bold", "unknown": "yellow"}.get(row["source"], "dim")
+            style = {"environment": "bold", "unknown": "yellow",
+                     "invalid": "bold red"}.get(row["source"], "dim")
             s.add_row(row["name"], "" if row["value"] is None else str(row["value"]),
                       f"[{style}]{row['source']}[/]", row["meaning"])
         con.print(s)
         if data["forced_fallback"]:
             con.print(f"forced to fallback: {', '.join(data['forced_fallback'])}")
+        if failed:
+            raise typer.Exit(1)

@@ -25,7 +25,8 @@ def register(app: typer.Typer) -> None:
         """Compare two op dumps (TORCHPORT_DUMP_DIR) call by call.
 
         Prints cosine similarity, max abs/rel error per aligned call and the first call
-        beyond tolerance. Exit code: 0 no divergence, 1 divergent, 2 bad input."""
+        beyond tolerance. Exit code: 0 no divergence, 1 divergent, 2 bad input (not a
+        dump, or saved tensors that cannot be read)."""
         from rich.console import Console
 
         from torchport.debug.compare import DumpFormatError, compare_dumps
@@ -49,4 +50,4 @@ def register(app: typer.Typer) -> None:
                 con.print(f"[red]error:[/red] cannot write {report}: {e}")
                 raise typer.Exit(2) from None
             con.print(f"report written to {report}")
-        raise typer.Exit(0 if result.ok else 1)
+        raise typer.Exit(0 if result.ok else 1 if result.divergent else 2)

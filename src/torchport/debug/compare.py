@@ -206,23 +206,27 @@ def load_dump(directory: str | Path) -> Dump:
         raise DumpFormatError(f"{root}: no {MANIFEST} (not a torchport op dump)")
     header: dict[str, Any] = {}
     entries = []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DumpFormatError(f"{path}:{n}: bad JSON ({e})") from None
-            if not isinstance(d, dict):
-                raise DumpFormatError(f"{path}:{n}: not a JSON object")
-            if d.get("format") == FORMAT:
-                header = d
-            elif "index" in d and "op" in d:
-                entries.append(DumpEntry(d, root))
-            else:
-                raise DumpFormatError(f"{path}:{n}: neither a header nor a call")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DumpFormatError(f"{path}: not a text manifest ({e.reason} at byte {e.start}); "
+                              f"point at the directory TORCHPORT_DUMP_DIR wrote") from None
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DumpFormatError(f"{path}:{n}: bad JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise DumpFormatError(f"{path}:{n}: not a JSON object")
+        if d.get("format") == FORMAT:
+            header = d
+        elif "index" in d and "op" in d:
+            entries.append(DumpEntry(d, root))
+        else:
+            raise DumpFormatError(f"{path}:{n}: neither a header nor a call")
     if not header:
         raise DumpFormatError(f"{path}: no {FORMAT} header line")
     entries.sort(key=lambda e: e.index)
@@ -243,7 +247,7 @@ class DumpRow:
     op: str
     index_a: int | None
     index_b: int | None
-    status: str  # "ok", "diverged", "only in A", "only in B", "no data"
+    status: str  # "ok", "diverged", "only in A", "only in B", "no data", "unreadable"
     cosine: float | None = None
     max_abs: float | None = None
     max_rel: float | None = None
@@ -287,8 +291,14 @@ class DumpComparison:
         return [r for r in self.rows if r.divergent]
 
     @property
+    def unreadable(self) -> list[DumpRow]:
+        """Calls whose saved tensors could not be read (a damaged or truncated file)."""
+        return [r for r in self.rows if r.status == "unreadable"]
+
+    @property
     def ok(self) -> bool:
-        return self.first_divergent is None
+        """Nothing diverged and every saved tensor could be read."""
+        return self.first_divergent is None and not self.unreadable
 
     def summary(self) -> str:
         """One line: what diverged first, or that nothing did."""
@@ -298,8 +308,12 @@ class DumpComparison:
                else f"rtol={self.rtol}, atol={self.atol}")
         head = f"{paired} calls aligned, {only} in one dump only ({tol}); "
         r = self.first_divergent
+        bad = self.unreadable
+        if bad:
+            head += (f"{len(bad)} call(s) unreadable, first: {bad[0].op} (A #{bad[0].index_a}, "
+                     f"B #{bad[0].index_b}) {bad[0].note}; ")
         if r is None:
-            return head + "no divergence"
+            return head + ("no divergence among the readable calls" if bad else "no divergence")
         return (head + f"{len(self.divergent)} divergent; first divergent call: {r.op} "
                 f"(A #{r.index_a}, B #{r.index_b}): max abs {r.max_abs:.3g}, "
                 f"max rel {r.max_rel:.3g}, cosine "
@@ -418,7 +432,8 @@ def _pair_row(a: DumpEntry, b: DumpEntry, rtol: float | None, atol: float | None
     try:
         ta, tb = a.tensors(), b.tensors()
     except Exception as e:  # a damaged file: report, do not abort the comparison
-        return DumpRow(a.op, a.index, b.index, "no data", note=f"cannot read tensors: {e}")
+        return DumpRow(a.op, a.index, b.index, "unreadable",
+                       note=f"cannot read tensors: {type(e).__name__}: {e}")
     outs, have = _compare_metas(_flat_meta(a.data.get("outputs", []), "out"),
                                 _flat_meta(b.data.get("outputs", []), "out"), ta, tb, rtol, atol)
     ins_a = {m["name"]: m for m in a.data.get("inputs", []) if not m.get("written")}

@@ -94,9 +94,15 @@ def migrate_path(
     else:
         raise MigrationError(f"source {src_path} is neither a file nor a directory")
     _check_plan(src_real, dst_path, plan)
+    if not dry_run and dst_path is not None:
+        _check_destination(src_real, dst_path)
 
     for item in plan:
-        _execute(item, backend, result, dry_run)
+        try:
+            _execute(item, backend, result, dry_run)
+        except OSError as exc:  # the destination refuses a write: say where
+            raise MigrationError(f"cannot write {item.dst}: {exc.strerror or exc}; choose a "
+                                 f"writable destination") from None
     if not dry_run:
         _copy_dir_modes(plan)
     if analyse:
@@ -176,13 +182,22 @@ def _plan_tree(src_real: Path, dst: Path | None, result: MigrationResult) -> lis
 def _plan_symlink(
     link: Path, src_real: Path, dst: Path | None, result: MigrationResult
 ) -> list[_Item]:
-    """Symlinks inside the tree are recreated (relative); ones leaving it are skipped."""
+    """Symlinks inside the tree are recreated: a relative one with its own text (so that
+    dangling links and loops stay what they were), an absolute one made relative; ones
+    leaving the tree are skipped."""
     rel = link.relative_to(src_real).as_posix()
-    target = _resolve(link)
-    if not _inside(target, src_real):
+    text = os.readlink(link)
+    if os.path.isabs(text):
+        target = _resolve(link)
+        inside = _inside(target, src_real)
+        text = os.path.relpath(target, _resolve(link.parent))
+    else:
+        target = Path(os.path.normpath(link.parent / text))
+        inside = _inside(target, src_real) and (
+            not os.path.exists(link) or _inside(_resolve(link), src_real))
+    if not inside:
         result.skipped.append(Skipped(rel, f"symlink points outside the source tree ({target})"))
         return []
-    text = os.path.relpath(target, _resolve(link.parent))
     return [_Item("symlink", link, None if dst is None else dst / rel, rel, link=text)]
 
 
@@ -197,6 +212,22 @@ def _check_plan(src_real: Path, dst: Path | None, plan: list[_Item]) -> None:
     for item in plan:
         if item.dst is not None and _inside(_resolve(item.dst), src_real):
             raise MigrationError(f"refusing to overwrite the source: {item.dst} is in {src_real}")
+
+
+def _check_destination(src_real: Path, dst: Path) -> None:
+    """A usage error, before anything is written, for a destination that cannot be one:
+    a file where a tree goes, or a folder that cannot be written."""
+    if src_real.is_dir() and os.path.lexists(dst) and not dst.is_dir():
+        raise MigrationError(f"the destination {dst} is a file; a source tree needs a "
+                             f"directory (a new path, or an existing directory)")
+    existing = dst if dst.is_dir() else dst.parent if src_real.is_file() else None
+    while existing is not None and not existing.exists() and existing != existing.parent:
+        existing = existing.parent  # the folder that will hold what is created
+    if existing is None and src_real.is_dir():
+        existing = next((p for p in dst.parents if p.exists()), None)
+    if existing is not None and existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+        raise MigrationError(f"the destination {existing} is not writable; choose another "
+                             f"output path or change its permissions")
 
 
 def _execute(item: _Item, backend: Backend, result: MigrationResult, dry_run: bool) -> None:
