@@ -884,3 +884,25 @@ def test_a_read_only_destination_is_a_usage_error(tmp_path: Path, cli: typer.Typ
     finally:
         ro.chmod(0o755)
     assert outcome.exit_code == 2 and "not writable" in outcome.output, outcome.output
+
+
+def test_files_above_the_size_limit_are_copied_unchanged_and_reported(
+        tmp_path: Path, cli: typer.Typer) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    small = "import torch\nx = torch.ones(2).cuda()\n"
+    big = small + "y = torch.zeros(3).cuda()\n" * 40
+    (src / "small.py").write_text(small)
+    (src / "generated.py").write_text(big)
+    seen: list[tuple[int, int, str]] = []
+    result = migrate_path(src, tmp_path / "out", max_file_bytes=len(small) + 1,
+                          progress=lambda done, total, rel: seen.append((done, total, rel)))
+    assert (tmp_path / "out" / "generated.py").read_text() == big
+    assert "torchport" in (tmp_path / "out" / "small.py").read_text()
+    assert [s.path for s in result.skipped] == ["generated.py"]
+    assert "limit" in result.skipped[0].reason
+    assert seen == [(1, 2, "small.py")]  # generated.py (first in order) was not rewritten
+    outcome = CliRunner().invoke(cli, ["migrate", str(src), "-o", str(tmp_path / "o2"),
+                                       "--max-file-size", "0"])
+    assert outcome.exit_code == 0, outcome.output
+    assert "torchport" in (tmp_path / "o2" / "generated.py").read_text()

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from torchport.migrate.model import BackendSpecError, MigrationResult
-from torchport.migrate.tree import MigrationError, check_report_dir, migrate_path
+from torchport.migrate.tree import MAX_FILE_BYTES, MigrationError, check_report_dir, migrate_path
 
 if TYPE_CHECKING:
     from torchport.debug.opcoverage import ScriptAnalysis
@@ -92,6 +93,14 @@ def migrate_command(
     analyse_timeout: Annotated[
         float, typer.Option(metavar="SECONDS", help="Time limit per analysed script.")
     ] = 600.0,
+    max_file_size: Annotated[
+        int,
+        typer.Option(
+            metavar="BYTES", min=0,
+            help="Copy Python files larger than this unchanged (listed as skipped); "
+            "0: no limit.",
+        ),
+    ] = MAX_FILE_BYTES,
 ) -> None:
     """Migrate SRC into -o DST and print a summary."""
     console = Console()
@@ -108,13 +117,23 @@ def migrate_command(
     try:
         check_report_dir(src, report_arg)  # also when the analysis writes the report
         report = None if report_arg is None else Path(report_arg)
-        result = migrate_path(
-            src,
-            output,
-            backend=backend,
-            report_dir=None if wanted else report,
-            dry_run=dry_run,
-        )
+        with Progress(TextColumn("migrating"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.description}"), console=errors,
+                      transient=True) as bar:
+            task = bar.add_task("", total=None)
+
+            def progress(done: int, total: int, path: str) -> None:
+                bar.update(task, completed=done, total=total, description=path)
+
+            result = migrate_path(
+                src,
+                output,
+                backend=backend,
+                report_dir=None if wanted else report,
+                dry_run=dry_run,
+                max_file_bytes=max_file_size or None,
+                progress=progress,
+            )
         if wanted:
             analyses = _analyse(result, chosen, script_args, report, analyse_timeout, console)
             if report is not None:

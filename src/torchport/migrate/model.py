@@ -87,7 +87,8 @@ class Failure:
 
 @dataclass
 class Skipped:
-    """A path that was deliberately not copied (e.g. a symlink leaving the source tree)."""
+    """A path that was not migrated: not copied (a symlink leaving the source tree) or
+    copied unchanged (a Python file above the size limit)."""
 
     path: str
     reason: str

@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 import tokenize
+from collections.abc import Callable
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
@@ -48,6 +49,11 @@ def _inside(path: Path, root: Path) -> bool:
     return path == root or path.is_relative_to(root)
 
 
+# Python files above this size are copied unchanged and listed as skipped: the rewriter
+# (libcst) takes minutes and gigabytes on multi-megabyte files, which are generated code.
+MAX_FILE_BYTES = 1 << 20
+
+
 def _resolve(path: Path) -> Path:
     return Path(os.path.realpath(path))
 
@@ -61,12 +67,17 @@ def migrate_path(
     dry_run: bool = False,
     analyse: bool = False,
     entry: str | os.PathLike[str] | None = None,
+    max_file_bytes: int | None = MAX_FILE_BYTES,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> MigrationResult:
     """Migrate ``src`` (a ``.py`` file or a directory tree) into ``dst``.
 
     With ``dry_run`` nothing is written to ``dst`` (it may be ``None``); the
     result (and the report, when ``report_dir`` is given) still lists every
-    change.  Raises ``MigrationError`` for refusals such as ``dst`` inside ``src``.
+    change.  Python files above ``max_file_bytes`` (``None``: no limit) are copied
+    unchanged and listed as skipped. ``progress(done, total, path)`` is called before
+    each Python file is rewritten. Raises ``MigrationError`` for refusals such as
+    ``dst`` inside ``src``.
     """
     backend = Backend.parse(backend)
     src_path = Path(src)
@@ -97,7 +108,19 @@ def migrate_path(
     if not dry_run and dst_path is not None:
         _check_destination(src_real, dst_path)
 
+    total = sum(item.kind == "python" for item in plan)
+    done = 0
     for item in plan:
+        if item.kind == "python":
+            if max_file_bytes is not None and item.src.stat().st_size > max_file_bytes:
+                size = item.src.stat().st_size
+                result.skipped.append(Skipped(item.rel, (
+                    f"{size} bytes, above the {max_file_bytes}-byte limit: copied unchanged "
+                    f"(--max-file-size raises the limit)")))
+                item = _Item("copy", item.src, item.dst, item.rel)
+            elif progress is not None:
+                progress(done, total, item.rel)
+            done += 1
         try:
             _execute(item, backend, result, dry_run)
         except OSError as exc:  # the destination refuses a write: say where
