@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test conformance bench lint clean
+.PHONY: demo test conformance stress bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -61,6 +61,21 @@ conformance: $(STAMP)
 		env $$mode TORCHPORT_FULL_MODELS=1 $(BIN)/python -m pytest -q tests/test_models_hf.py \
 			|| rc=1; \
 	done; \
+	exit $$rc
+
+# The long variants of the reliability tests: random programs with frees, random factories
+# and host computations in six threads on both devices against the CPU, in the three sim
+# modes (tests/stress_async.py; make test runs a short version), then the reliability tests.
+STRESS_ARGS ?= --threads 6 --steps 2000 --rounds 3
+stress: $(STAMP)
+	rc=0; \
+	$(BIN)/python -m tests.stress_async $(STRESS_ARGS) || rc=1; \
+	TORCHPORT_SIM_STRICT=1 $(BIN)/python -m tests.stress_async $(STRESS_ARGS) || rc=1; \
+	TORCHPORT_SIM_ASYNC=1 $(BIN)/python -m tests.stress_async $(STRESS_ARGS) || rc=1; \
+	TORCHPORT_SIM_ASYNC=1 TORCHPORT_SIM_STRICT=1 $(BIN)/python -m tests.stress_async \
+		$(STRESS_ARGS) || rc=1; \
+	$(BIN)/python -m pytest -q tests/test_reliability_async.py \
+		tests/test_reliability_allocator.py || rc=1; \
 	exit $$rc
 
 # Medians and ratios against native CPU in the same run (figures in the README).
