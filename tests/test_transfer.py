@@ -221,6 +221,24 @@ def test_amp_mapping(xfer):
         assert scaler.get_scale() > 0
 
 
+def test_unsupported_classes_stay_classes(xfer):
+    """Library code annotates with them (``torch.cuda.CUDAGraph | None`` in transformers),
+    subclasses and isinstance-checks them; only making one raises."""
+    for name in ("CUDAGraph", "graph", "MemPool", "CUDAPluggableAllocator", "ExternalStream"):
+        cls = getattr(torch.cuda, name)
+        assert isinstance(cls, type), name
+        assert (cls | None) is not None and not isinstance(object(), cls)
+
+        class Sub(cls):  # a library's own subclass is defined at import
+            pass
+
+        with pytest.raises(xfer.TransferError, match=rf"torch\.cuda\.{name}"):
+            Sub()
+    ns: dict = {}
+    exec("import torch\ndef f() -> torch.cuda.CUDAGraph | None: ...", ns)
+    assert ns["f"]() is None
+
+
 def test_unsupported_apis_are_named(xfer):
     with pytest.raises(xfer.TransferError, match=r"torch\.cuda\.CUDAGraph"):
         torch.cuda.CUDAGraph()

@@ -148,6 +148,20 @@ def _unsupported(api: str, why: str) -> Callable[..., Any]:
     return raiser
 
 
+def _unsupported_class(api: str, why: str, original: type) -> type:
+    """A stand-in for a class with no equivalent that is still a class: annotations
+    (``torch.cuda.CUDAGraph | None``), subclassing and ``isinstance`` work (no object is
+    ever an instance); making one raises :class:`TransferError`."""
+    raiser = _unsupported(api, why)
+
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+        return raiser()
+
+    return type(original.__name__, (), {"__new__": __new__, "__module__": original.__module__,
+                                        "__qualname__": original.__qualname__,
+                                        "__doc__": f"{api}: {why} (torchport.transfer)"})
+
+
 # ---- torch.device ------------------------------------------------------------------
 class _DeviceMeta(type):
     """Makes the ``torch.device`` stand-in answer ``isinstance`` like the C type."""
@@ -278,7 +292,9 @@ def _patch_cuda(patch: Callable[[Any, str, Any], None]) -> None:
         patch(cuda, name, fn)
     for name, why in _CUDA_UNSUPPORTED.items():
         if hasattr(cuda, name):
-            patch(cuda, name, _unsupported(f"torch.cuda.{name}", why))
+            obj = getattr(cuda, name)
+            patch(cuda, name, _unsupported_class(f"torch.cuda.{name}", why, obj)
+                  if isinstance(obj, type) else _unsupported(f"torch.cuda.{name}", why))
     if _S.backend is not None:
         patch(cuda, "default_generators", tuple(_S.backend.generators))
 
