@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test conformance stress bench lint clean
+.PHONY: demo test conformance examples stress bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,19 +22,21 @@ demo: $(STAMP)
 # op layer's and the conformance subsets (ops, modules, layouts) with device-only memory
 # (TORCHPORT_SIM_STRICT=1), where every byte must go through the runtime, and with
 # asynchronous streams (TORCHPORT_SIM_ASYNC=1), with the streams' tests and the migrated
-# examples. The three runs go side by side (the mode runs with one intra-op thread each;
+# examples; the real-scripts subset (tests/test_real_scripts.py) runs in the strict stage
+# only. The three runs go side by side (the mode runs with one intra-op thread each;
 # their logs are printed when all ended).
 MODE_TESTS := tests/test_core_*.py tests/conformance tests/test_ops_hotpath.py \
 	tests/test_ops_derive.py tests/test_ops_device_routes.py tests/test_ops_cpu_parity.py \
-	tests/test_ops_layouts.py tests/test_dynamo_device.py
+	tests/test_ops_layouts.py tests/test_dynamo_device.py tests/test_integrations_hf.py
 MODE_PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 test: $(STAMP)
 	logs=$$(mktemp -d); rc=0; \
 	TORCHPORT_SIM_STRICT=1 $(MODE_PYTEST) $(MODE_TESTS) tests/test_sim_core_opset.py \
-		tests/test_sim_attention.py tests/test_ops_layer.py > $$logs/strict 2>&1 & strict=$$!; \
+		tests/test_sim_attention.py tests/test_ops_layer.py tests/test_real_scripts.py \
+		> $$logs/strict 2>&1 & strict=$$!; \
 	TORCHPORT_SIM_ASYNC=1 $(MODE_PYTEST) $(MODE_TESTS) tests/test_streams.py \
 		tests/test_migrate_examples.py > $$logs/async 2>&1 & async=$$!; \
-	$(BIN)/python -m pytest -q --durations=15 tests || rc=1; \
+	$(BIN)/python -m pytest -q --durations=15 tests --ignore=tests/test_real_scripts.py || rc=1; \
 	wait $$strict || rc=1; wait $$async || rc=1; \
 	echo "== TORCHPORT_SIM_STRICT=1"; cat $$logs/strict; \
 	echo "== TORCHPORT_SIM_ASYNC=1"; cat $$logs/async; rm -rf $$logs; exit $$rc
@@ -62,6 +64,13 @@ conformance: $(STAMP)
 			|| rc=1; \
 	done; \
 	exit $$rc
+
+# Typical CUDA training scripts (examples/scripts/: torch.accelerator, .cuda() with checkpoint
+# resume, mp.spawn DDP, DataParallel, Hugging Face Trainer in fp32/bf16/fp16, accelerate), each
+# run unchanged (torchport run), migrated then run, and under torchport coverage, against the
+# original on the CPU; make test runs a subset. About 10 minutes on 2 cores.
+examples: $(STAMP)
+	TORCHPORT_FULL_SCRIPTS=1 $(BIN)/python -m pytest -q tests/test_real_scripts.py
 
 # The long variants of the reliability tests: random programs with frees, random factories
 # and host computations in six threads on both devices against the CPU, in the three sim

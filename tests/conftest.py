@@ -28,3 +28,15 @@ def sim_backend():
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def xfer():
+    """torchport.transfer enabled for one test, disabled (and device 0 current) after."""
+    import importlib
+
+    tp = importlib.import_module("torchport.transfer")
+    tp.enable()
+    yield tp
+    tp.disable()
+    torch.sim.set_device(0)

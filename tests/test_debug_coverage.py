@@ -218,3 +218,55 @@ def test_static_html_report(tmp_path):
     assert "Calls per path" in page and "<svg" in page and "static trace" in page
     assert "Static trace at" in page and "_local_scalar_dense" in page
     assert "host ms" not in page  # no timings for a trace that ran nothing
+
+
+def test_accelerator_script_runs_on_the_device_by_default(tmp_path):
+    """Scripts written against torch.accelerator (no "cuda" in their text) with a pinned
+    DataLoader: transfer is on by default, so they run as a CUDA user's script would."""
+    script = tmp_path / "accel.py"
+    script.write_text(
+        "import torch\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "dev = torch.accelerator.current_accelerator() if torch.accelerator.is_available() "
+        "else torch.device('cpu')\n"
+        "ds = TensorDataset(torch.arange(8.0).view(4, 2))\n"
+        "kwargs = {'batch_size': 2, 'pin_memory': True}\n"
+        "total = sum((b.to(dev, non_blocking=True) * 2).sum().item() for (b,) in "
+        "DataLoader(ds, **kwargs))\n"
+        "assert total == 56.0, total\n")
+    res = run_coverage(str(script))
+    assert res.exit_code == 0, res.error
+    assert res.device_ops and res.op("mul.Tensor") is not None
+
+
+def test_no_device_op_is_not_silent(tmp_path):
+    """A script that computed only on the CPU measured nothing: say so, exit 4."""
+    from typer.testing import CliRunner
+
+    from torchport import cli
+
+    if not cli.app.registered_commands:
+        cli._load()
+    script = tmp_path / "cpu_only.py"
+    script.write_text("import torch\nprint((torch.ones(3) * 2).sum().item())\n")
+    res = run_coverage(str(script))
+    assert res.exit_code == 0 and not res.device_ops
+    assert "no op ran on the sim device" in res.text()
+    out = CliRunner().invoke(cli.app, ["coverage", str(script)])
+    assert out.exit_code == 4, out.output
+    assert "no op ran on the sim device" in out.output
+
+
+def test_ops_of_child_processes_are_included(tmp_path):
+    """A script whose device work runs in processes it starts (mp.spawn workers, a
+    subprocess): the children register the backend (TORCHPORT_AUTOLOAD) and report their
+    ops to the coverage run, which would otherwise have measured nothing."""
+    (tmp_path / "child.py").write_text(
+        "import torch\nx = torch.ones(3, device='cuda')\nprint((x * 2).sum().item())\n")
+    script = tmp_path / "parent.py"
+    script.write_text("import subprocess, sys\n"
+                      "subprocess.run([sys.executable, 'child.py'], check=True, cwd=sys.path[0])\n")
+    res = run_coverage(str(script))
+    assert res.exit_code == 0, res.error
+    assert res.child_processes == 1 and res.op("mul.Tensor") is not None
+    assert "1 child processes included" in res.summary()

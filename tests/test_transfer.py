@@ -8,7 +8,6 @@ only what needs a fresh interpreter (env var, DDP ranks) runs in subprocesses.
 from __future__ import annotations
 
 import copyreg
-import importlib
 import io
 import os
 import pickle
@@ -30,15 +29,6 @@ EXAMPLES = ROOT / "examples" / "cuda"
 _ORIG_ZEROS = torch.zeros
 _ORIG_CUDA_AVAILABLE = torch.cuda.is_available
 _ORIG_TO, _ORIG_TENSOR = torch.Tensor.to, torch.tensor  # PyTorch's own
-
-
-@pytest.fixture
-def xfer():
-    tp = importlib.import_module("torchport.transfer")
-    tp.enable()
-    yield tp
-    tp.disable()
-    torch.sim.set_device(0)
 
 
 @pytest.fixture

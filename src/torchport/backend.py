@@ -107,6 +107,7 @@ class Backend:
         self.bad_fork = False
         self.device_module: Any = None
         self.registered = False
+        self.pinned_memory = False  # pin_memory() gives pinned memory (the C++ hooks serve)
         self._libs: list[torch.library.Library] = []
         from torchport.ops.native_views import ViewKernels
         self.view_kernels = ViewKernels()  # C++ view kernels, or the Python ones
@@ -328,7 +329,14 @@ class Backend:
             raise BackendError(f"PrivateUse1 is already renamed to {current!r} by another plug-in")
         import importlib
 
-        from torchport import device_module, dynamo_device, forking, serialization, tensor_types
+        from torchport import (
+            device_module,
+            dynamo_device,
+            forking,
+            pinned,
+            serialization,
+            tensor_types,
+        )
         from torchport.features import FEATURE_MODULES
 
         for feature in FEATURE_MODULES:
@@ -338,6 +346,9 @@ class Backend:
         self.device_module = device_module.make_device_module(self)
         _ACTIVE = self
         try:
+            # the hooks in C++ (pinned memory), where the library loads; first, since the
+            # set-up below keeps hooks registered before its Python ones
+            hooks_in_cpp = native.use_hooks(self.device_count())
             torch.utils.backend_registration._setup_privateuseone_for_python_backend(
                 self.name, backend_module=self.device_module, hook=_Hooks(self),
                 device_guard=_Guard())
@@ -351,6 +362,7 @@ class Backend:
             tensor_types.install(self)
             forking.install(self)
             dynamo_device.install(self)
+            pinned.install(self, hooks_in_cpp)
             # The Python device guard reports one device; the autograd engine's per-device
             # threads would assert on index >= 1 (see DESIGN-NOTES).
             torch.autograd.set_multithreading_enabled(False)

@@ -7,7 +7,8 @@ import importlib
 import typer
 
 app = typer.Typer(help="torchport: run PyTorch on a new accelerator, and port models to it.",
-                  no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False)  # tracebacks as Python prints them
 
 # Modules exposing ``register(app)``; a missing optional layer is skipped.
 _SUBCOMMANDS = ["torchport.info", "torchport.migrate.cli", "torchport.run",

@@ -26,8 +26,8 @@ On top of it run DDP (bucketing, ``no_sync``), SyncBatchNorm (its CUDA-only kern
 come from the backend, see ``backends/sim/syncbn_kernels.py``), FSDP2
 (``fully_shard``; needs the in-place storage resize installed here) and
 ``torch.distributed.checkpoint``. DDP's ``find_unused_parameters`` / ``static_graph``
-stay out of reach in PyTorch 2.13: the C++ Reducer stages its used-parameter map in
-pinned host memory, and a Python backend cannot provide the pinned allocator.
+need pinned host memory (the C++ Reducer stages its used-parameter map there): they work
+where torchport's C++ hooks give it (:mod:`torchport.pinned`), and raise without them.
 """
 
 from __future__ import annotations

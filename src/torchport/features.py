@@ -10,4 +10,7 @@ FEATURE_MODULES: list[str] = [
     "torchport.amp",
     "torchport.transfer_env",
     "torchport.storage",
+    "torchport.sharing",
+    "torchport.parallel_comm",
+    "torchport.integrations.huggingface",
 ]

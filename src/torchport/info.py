@@ -23,7 +23,11 @@ KNOWN_VARIABLES: dict[str, tuple[str | None, str]] = {
     "TORCHPORT_SIM_ASYNC": ("0", "1: sim streams run work on worker threads"),
     "TORCHPORT_LAUNCH_BLOCKING": ("0", "1: every launch synchronous"),
     "TORCHPORT_TRANSFER": ("0", "1: run CUDA code on the device"),
+    "TORCHPORT_AUTOLOAD": (None, "backend that import torch registers (set by torchport run)"),
+    "TORCHPORT_COVERAGE_CHILDREN": (None, "where child processes write op coverage (set by "
+                                           "torchport coverage)"),
     "TORCHPORT_VISIBLE_DEVICES": (None, "devices to use (default: all)"),
+    "TORCHPORT_HF_INTEGRATION": ("1", "0: leave accelerate/transformers' device choice alone"),
     "TORCHPORT_FALLBACK": ("1", "0: ops without a kernel raise instead of running on CPU"),
     "TORCHPORT_FALLBACK_WARN": ("1", "0: no warning when an op falls back"),
     "TORCHPORT_FORCE_FALLBACK_OPS": (None, "regexes of overloads forced to the CPU"),

@@ -3,7 +3,7 @@
 A Python backend pays a Python entry for each kernel PyTorch asks it for, and a training
 step's large kernels evict the interpreter from the caches in between, so each entry costs
 several times its warm price. Two kinds of entry need no Python at all, and are compiled
-here into one small library:
+here into one small library, with a third part that Python cannot provide at all:
 
 * the view ops (``ops/native_views.cpp``, switched by :mod:`torchport.ops.native_views`):
   PyTorch's own C++ view kernels, registered for the device;
@@ -11,13 +11,17 @@ here into one small library:
   from every method, several times per op (the autograd engine, stream guards), and
   answers device 0; this one answers from C++ with the thread's real current device, so
   that PyTorch's own resolution of an index-less name (``torch.tensor(x, device="sim")``,
-  ``Tensor.to("sim")``, ``torch.accelerator``) follows ``torch.<device>.set_device``.
+  ``Tensor.to("sim")``, ``torch.accelerator``) follows ``torch.<device>.set_device``;
+* the accelerator hooks (``native_hooks.cpp``): PyTorch's Python-backend hooks cannot give
+  pinned host memory, so ``Tensor.pin_memory()`` and ``DataLoader(pin_memory=True)`` raise
+  there; these give it (see :mod:`torchport.pinned`, which also holds the Python twin).
 
 The library is compiled once per source, torch and Python version (``$CXX``, default
 ``c++``, with the headers in the torch wheel) into ``TORCHPORT_CACHE_DIR`` (default
 ``~/.cache/torchport``); ``make`` builds it at set-up, so that no test process has to.
 Without a C++ compiler (one :class:`NativeCodeWarning` says why), or with
-``TORCHPORT_NATIVE=0``, the Python twins serve, with the same results.
+``TORCHPORT_NATIVE=0``, the Python twins serve, with the same results (but for pinned
+memory: there a pin request returns unpinned memory, with one warning).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from pathlib import Path
 import torch
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "ops" / "native_views.cpp", _HERE / "native_guard.cpp")
+SOURCES = (_HERE / "ops" / "native_views.cpp", _HERE / "native_guard.cpp",
+           _HERE / "native_hooks.cpp")
 _cpp: ctypes.CDLL | None = None
 _tried = False
 UNAVAILABLE = ""  # why the library could not be built or loaded, when it could not
@@ -115,8 +120,9 @@ def load() -> ctypes.CDLL | None:
         warnings.warn(f"torchport: the C++ library is unavailable ({UNAVAILABLE}); view ops "
                       f"and the device guard take the Python path (slower; a device name "
                       f"without an index in torch.tensor, torch.as_tensor, torch.asarray, "
-                      f"Tensor.to and Tensor.new_tensor means device 0; "
-                      f"TORCHPORT_NATIVE=0 silences this)", NativeCodeWarning, stacklevel=2)
+                      f"Tensor.to and Tensor.new_tensor means device 0; pin_memory() gives "
+                      f"unpinned copies; TORCHPORT_NATIVE=0 silences this)", NativeCodeWarning,
+                      stacklevel=2)
     return _cpp
 
 
@@ -149,3 +155,24 @@ def use_guard(device_count: int) -> GuardDevice | None:
     if not cpp.torchport_guard_enable(device_count):
         return None
     return GuardDevice(cpp)
+
+
+def use_hooks(device_count: int) -> bool:
+    """Register the C++ accelerator hooks of PrivateUse1 (pinned host memory) for
+    ``device_count`` visible devices, where the library loads. Must run before PyTorch's
+    Python-backend set-up, which registers its own hooks where none are; ``False`` where
+    they could not be registered (then that set-up's hooks serve)."""
+    cpp = load()
+    if cpp is None:
+        return False
+    cpp.torchport_hooks_enable.argtypes = [ctypes.c_int]
+    return bool(cpp.torchport_hooks_enable(device_count))
+
+
+def pinned_bytes() -> int:
+    """Bytes of pinned host memory alive now (0 without the C++ library)."""
+    cpp = loaded()
+    if cpp is None:
+        return 0
+    cpp.torchport_pinned_bytes.restype = ctypes.c_longlong
+    return int(cpp.torchport_pinned_bytes())

@@ -3,19 +3,25 @@
 Registers the backend, enables :mod:`torchport.transfer`, then executes the script
 with :mod:`runpy` as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` set as
 ``python script.py args...`` would, so ``if __name__ == "__main__"`` blocks,
-argparse and relative imports behave the same. For multi-process jobs launch it
-per rank: ``torchrun --nproc-per-node 2 --no-python torchport run ddp.py``.
+argparse and relative imports behave the same. Processes the script starts
+(``torch.multiprocessing.spawn``, ``multiprocessing``, ``subprocess`` running
+Python) inherit ``TORCHPORT_AUTOLOAD``/``TORCHPORT_TRANSFER`` and set up the same on
+``import torch``. Jobs can also be launched per rank:
+``torchrun --nproc-per-node 2 --no-python torchport run ddp.py``.
 Also runnable as ``python -m torchport.run [--backend B] script.py args...``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import runpy
 import sys
+from collections.abc import Iterator
 from typing import Any
 
+import click
 import typer
 
 
@@ -42,13 +48,39 @@ def load_backend(name: str) -> Any:
 
 def run_script(script: str, args: list[str], backend: str = "sim", module: bool = False,
                transfer: bool = True) -> None:
-    """Set up ``backend`` (+ transfer), then run ``script`` (or module) as ``__main__``."""
+    """Set up ``backend`` (+ transfer), then run ``script`` (or module) as ``__main__``.
+
+    While the script runs, ``TORCHPORT_AUTOLOAD`` (and ``TORCHPORT_TRANSFER``) are
+    exported, so Python processes it starts set up the same on ``import torch``.
+    """
     load_backend(backend)
     if transfer:
         from torchport import transfer as _transfer
 
         _transfer.enable()
-    exec_main(script, args, module=module)
+    with child_environment(backend, transfer):
+        exec_main(script, args, module=module)
+
+
+@contextlib.contextmanager
+def child_environment(backend: str, transfer: bool = True,
+                      extra: dict[str, str] | None = None) -> Iterator[None]:
+    """Export the variables that make child processes load ``backend`` (see
+    :mod:`_torchport_autoload`), and ``extra``; the previous environment comes back
+    afterwards."""
+    wanted = {"TORCHPORT_AUTOLOAD": backend, **(extra or {})}
+    if transfer:
+        wanted["TORCHPORT_TRANSFER"] = "1"
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def exec_main(script: str, args: list[str], module: bool = False,
@@ -75,6 +107,20 @@ def exec_main(script: str, args: list[str], module: bool = False,
             sys.path[:] = saved_path
 
 
+def print_script_error(e: BaseException) -> None:
+    """Print ``e`` as ``python script.py`` would: the traceback from the script's first
+    frame on (no torchport, runpy or command-line frames above it), through ``sys.excepthook``."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in _LAUNCH_FILES:
+        tb = tb.tb_next
+    if tb is not None:
+        e.__traceback__ = tb  # the default hook prints the exception's own traceback
+    sys.excepthook(type(e), e, e.__traceback__)
+
+
+_LAUNCH_FILES = (__file__, runpy.__file__, "<frozen runpy>")
+
+
 def register(app: typer.Typer) -> None:
     """Add the ``run`` command to the torchport CLI."""
 
@@ -90,7 +136,13 @@ def register(app: typer.Typer) -> None:
                 help="Backend: sim, a torchport.backends name, or a module path."),
             module: bool = typer.Option(False, "-m", "--module",
                                         help="Run SCRIPT as a module, like python -m.")) -> None:
-        run_script(script, list(ctx.args), backend=backend, module=module)
+        try:
+            run_script(script, list(ctx.args), backend=backend, module=module)
+        except (SystemExit, click.ClickException):
+            raise
+        except BaseException as e:  # the script's own error: print it as python would
+            print_script_error(e)
+            raise typer.Exit(130 if isinstance(e, KeyboardInterrupt) else 1) from None
 
 
 def main() -> None:

@@ -14,7 +14,9 @@ device before the value reaches C++:
   ``torch.set_default_device``, autocast/GradScaler and ``init_process_group``;
 * ``torch.cuda.*`` forwards, at call time, to ``torch.<device>`` (so names that
   layers add later, e.g. streams, are found), with clear errors or one-time
-  warnings for what has no equivalent (graphs, jiterator, nvtx, extensions);
+  warnings for what has no equivalent (graphs, jiterator, nvtx, extensions); so do
+  its submodules (``torch.cuda.random``, ``.memory``, ``.streams``, ...), whose
+  names are the same objects as ``torch.cuda``'s;
 * a serialization package maps storages tagged ``cuda:N`` to ``<device>:N``.
 
 Every patch is recorded, so :func:`disable` restores the exact previous objects;
@@ -221,6 +223,30 @@ _CUDA_UNSUPPORTED = {
     "caching_allocator_alloc": "CUDA-specific", "caching_allocator_delete": "CUDA-specific",
 }
 _NVTX = ("range_push", "range_pop", "range_start", "range_end", "mark", "range")
+# torch.cuda's submodules: names torch.cuda re-exports get torch.cuda's stand-in (the same
+# object); these rules cover the rest. amp, jiterator and nvtx have their own patches.
+_CUDA_SUBMODULES_DONE = ("amp", "jiterator", "nvtx")
+_CUDA_SUB_CONSTANTS: dict[str, Callable[..., Any]] = {
+    "nccl.is_available": lambda *a, **k: False,
+    "tunable.is_enabled": lambda: False, "tunable.tuning_is_enabled": lambda: False,
+    "tunable.record_untuned_is_enabled": lambda: False,
+}
+_PROFILER_NOOP = "there is no CUDA profiler on this device; start/stop are no-ops"
+_TUNABLE_NOOP = "TunableOp does not exist on this device; its settings are ignored"
+_CUDA_SUB_NOOPS = {  # profiling and tuning hints, which do not change results: one warning
+    "profiler.start": _PROFILER_NOOP, "profiler.stop": _PROFILER_NOOP,
+    **{f"tunable.{n}": _TUNABLE_NOOP for n in (
+        "enable", "tuning_enable", "record_untuned_enable", "set_filename",
+        "set_max_tuning_duration", "set_max_tuning_iterations", "set_rotating_buffer_size",
+        "set_numerical_check_tolerances")},
+}
+_CUDA_SUB_KEEP = ("profiler.profile",)  # calls the module's start/stop, patched above
+_CUDA_SUB_UNSUPPORTED = {
+    "gds": "GPUDirect Storage is CUDA-specific",
+    "nccl": "NCCL is CUDA's; use torch.distributed, whose 'nccl' backend maps to the device's",
+    "tunable": "TunableOp tunes CUDA GEMMs",
+    "graphs": "CUDA graphs cannot be captured",
+}
 
 
 class _ForwardMeta(type):
@@ -269,8 +295,21 @@ def _forward_function(name: str, original: Any) -> Callable[..., Any]:
     return forward
 
 
+def _forward_class(name: str, original: type) -> type:
+    return _ForwardMeta(name, (), {"_fwd_name": name, "__module__": "torch.cuda",
+                                   "__doc__": original.__doc__})
+
+
 def _patch_cuda(patch: Callable[[Any, str, Any], None]) -> None:
     cuda = torch.cuda
+    replaced: dict[int, Any] = {}  # id(original) -> stand-in, for the submodules' copies
+
+    def patch_cuda(mod: Any, name: str, value: Any) -> None:
+        old = getattr(mod, name, None)
+        if old is not None:
+            replaced[id(old)] = value
+        patch(mod, name, value)
+
     for name in dir(cuda):
         if name.startswith("__") or name in _CUDA_CONSTANTS or name in _CUDA_UNSUPPORTED:
             continue
@@ -284,17 +323,17 @@ def _patch_cuda(patch: Callable[[Any, str, Any], None]) -> None:
         if isinstance(obj, type):
             if issubclass(obj, BaseException) or name.endswith(("Tensor", "Storage")):
                 continue  # ``except torch.cuda.OutOfMemoryError`` needs the real class
-            patch(cuda, name, _ForwardMeta(name, (), {"_fwd_name": name, "__module__": "torch.cuda",
-                                                       "__doc__": obj.__doc__}))
+            patch_cuda(cuda, name, _forward_class(name, obj))
         else:
-            patch(cuda, name, _forward_function(name, obj))
+            patch_cuda(cuda, name, _forward_function(name, obj))
     for name, fn in _CUDA_CONSTANTS.items():
-        patch(cuda, name, fn)
+        patch_cuda(cuda, name, fn)
     for name, why in _CUDA_UNSUPPORTED.items():
         if hasattr(cuda, name):
             obj = getattr(cuda, name)
-            patch(cuda, name, _unsupported_class(f"torch.cuda.{name}", why, obj)
-                  if isinstance(obj, type) else _unsupported(f"torch.cuda.{name}", why))
+            patch_cuda(cuda, name, _unsupported_class(f"torch.cuda.{name}", why, obj)
+                       if isinstance(obj, type) else _unsupported(f"torch.cuda.{name}", why))
+    _patch_cuda_submodules(patch, replaced)
     if _S.backend is not None:
         patch(cuda, "default_generators", tuple(_S.backend.generators))
 
@@ -307,6 +346,61 @@ def _patch_cuda(patch: Callable[[Any, str, Any], None]) -> None:
     for name in _NVTX:
         if hasattr(nvtx, name):
             patch(nvtx, name, _nvtx_noop(name))
+
+
+def _cuda_submodules() -> list[tuple[str, types.ModuleType]]:
+    """torch.cuda's public submodules (imported: a script may import them after enable)."""
+    import importlib
+    import pkgutil
+
+    out = []
+    for info in pkgutil.iter_modules(torch.cuda.__path__):
+        if info.name.startswith("_") or info.name in _CUDA_SUBMODULES_DONE:
+            continue
+        try:
+            out.append((info.name, importlib.import_module(f"torch.cuda.{info.name}")))
+        except Exception:  # a submodule this build cannot import is not patched
+            continue
+    return out
+
+
+def _patch_cuda_submodules(patch: Callable[[Any, str, Any], None],
+                           replaced: dict[int, Any]) -> None:
+    """``torch.cuda.random.get_rng_state``, ``torch.cuda.streams.Stream``, ...: the same rules
+    as ``torch.cuda.*``, so ``from torch.cuda.memory import mem_get_info`` forwards too."""
+    for sub, mod in _cuda_submodules():
+        for name in dir(mod):
+            if name.startswith("_"):
+                continue
+            obj = getattr(mod, name)
+            if isinstance(obj, types.ModuleType) or not callable(obj) \
+                    or not getattr(obj, "__module__", "").startswith("torch.cuda"):
+                continue
+            api, key = f"torch.cuda.{sub}.{name}", f"{sub}.{name}"
+            if id(obj) in replaced:
+                patch(mod, name, replaced[id(obj)])
+            elif key in _CUDA_SUB_KEEP or isinstance(obj, type) and (
+                    issubclass(obj, BaseException) or name.endswith(("Tensor", "Storage"))):
+                continue
+            elif key in _CUDA_SUB_CONSTANTS:
+                patch(mod, name, _CUDA_SUB_CONSTANTS[key])
+            elif key in _CUDA_SUB_NOOPS:
+                patch(mod, name, _noop(f"torch.cuda.{sub}", name, _CUDA_SUB_NOOPS[key]))
+            elif sub in _CUDA_SUB_UNSUPPORTED:
+                why = _CUDA_SUB_UNSUPPORTED[sub]
+                patch(mod, name, _unsupported_class(api, why, obj) if isinstance(obj, type)
+                      else _unsupported(api, why))
+            else:
+                patch(mod, name, _forward_class(name, obj) if isinstance(obj, type)
+                      else _forward_function(name, obj))
+
+
+def _noop(api: str, name: str, message: str) -> Callable[..., Any]:
+    def noop(*args: Any, **kwargs: Any) -> None:
+        _warn_once(api, message)
+
+    noop.__name__ = name
+    return noop
 
 
 def _nvtx_noop(name: str) -> Callable[..., Any]:

@@ -1,6 +1,7 @@
 """``torchport coverage [--static] [--json F] [--html F] script.py args...``: op coverage of a script.
 
-Exit codes: the script's own exit code when it fails; otherwise 3 with
+Exit codes: the script's own exit code when it fails; otherwise 4 when no op ran on
+the device (the script computed on the CPU: the report measured nothing); 3 with
 ``--fail-on-fallback`` when an op fell back to the CPU; otherwise 0. Usage errors
 exit 2. Also runnable as ``python -m torchport.debug.cli_coverage``.
 """
@@ -11,6 +12,8 @@ import os
 from pathlib import Path
 
 import typer
+
+from torchport.debug.opcoverage import EXIT_NO_DEVICE_OPS
 
 EXIT_FALLBACK = 3
 
@@ -25,7 +28,8 @@ def register(app: typer.Typer) -> None:
         help="Report every ATen op a script uses on the device, with its path (native, "
              "decomposed, fallback, view), calls, dtypes and host time; fallback ops first. "
              "Options go before SCRIPT; the script's own arguments follow it. Exit code: the "
-             "script's if it fails, 3 with --fail-on-fallback when an op fell back, else 0.")
+             "script's if it fails, 4 when no op ran on the device, 3 with --fail-on-fallback "
+             "when an op fell back, else 0.")
     def coverage_cmd(
         ctx: typer.Context,
         script: str = typer.Argument(..., help="Python script (or module with -m)."),
@@ -41,8 +45,8 @@ def register(app: typer.Typer) -> None:
             False, "--fail-on-fallback", help="Exit 3 when any op fell back to the CPU."),
         transfer: bool | None = typer.Option(
             None, "--transfer/--no-transfer",
-            help="Run CUDA code on the device (torchport.transfer). Default: on when the "
-                 "script's source mentions cuda/nccl."),
+            help="Run CUDA code on the device (torchport.transfer), as torchport run does. "
+                 "Default: on."),
         backend: str = typer.Option(
             os.environ.get("TORCHPORT_BACKEND", "sim"), "--backend", "-b",
             help="Backend: sim, a torchport.backends name, or a module path."),
@@ -74,6 +78,10 @@ def register(app: typer.Typer) -> None:
                 console.print(f"{label}: {f}")
         if result.exit_code:
             raise typer.Exit(result.exit_code)
+        if not result.device_ops:
+            if quiet:
+                typer.echo(result.no_device_ops_text(), err=True)
+            raise typer.Exit(EXIT_NO_DEVICE_OPS)
         if fail_on_fallback and result.fallback_ops:
             raise typer.Exit(EXIT_FALLBACK)
 

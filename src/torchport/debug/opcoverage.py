@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+EXIT_NO_DEVICE_OPS = 4  # torchport coverage's exit code when no op ran on the device
 PATH_ORDER = ("fallback", "decomposed", "native", "view")  # worst first: the report's groups
 PATH_STYLE = {"fallback": "bold red", "decomposed": "yellow", "native": "green", "view": "cyan"}
 PATH_COLOR = {"fallback": "#d9534f", "decomposed": "#e0a800", "native": "#28a745",
@@ -69,6 +70,7 @@ class CoverageResult:
     stopped_at: str | None = None  # static mode: where the trace needed real data
     forced_fallback: list[str] = field(default_factory=list)
     wall_time_s: float = 0.0
+    child_processes: int = 0  # processes the script started whose ops are included
 
     # ---- queries ---------------------------------------------------------------
     def rows(self) -> list[OpCoverage]:
@@ -84,6 +86,11 @@ class CoverageResult:
     def path_of(self, name: str) -> str | None:
         o = self.op(name)
         return None if o is None else o.path
+
+    @property
+    def device_ops(self) -> int:
+        """Calls recorded on the device (0: the script computed on the CPU; nothing measured)."""
+        return sum(o.calls for o in self.ops)
 
     @property
     def fallback_ops(self) -> list[OpCoverage]:
@@ -121,6 +128,8 @@ class CoverageResult:
                 + ")"
         if self.stopped_at:
             text += f"; static trace {self.stopped_at}"
+        if self.child_processes:
+            text += f"; {self.child_processes} child processes included"
         if self.exit_code:
             text += f"; script exited {self.exit_code}"
         return text
@@ -131,7 +140,7 @@ class CoverageResult:
             "mode": self.mode, "backend": self.backend, "script": self.script,
             "args": list(self.args), "exit_code": self.exit_code, "error": self.error,
             "stopped_at": self.stopped_at, "forced_fallback": list(self.forced_fallback),
-            "wall_time_s": self.wall_time_s,
+            "wall_time_s": self.wall_time_s, "child_processes": self.child_processes,
             "totals": {"calls": self.calls_per_path(), "ops": self.ops_per_path(),
                        "host_time_s": self.time_per_path()},
             "ops": [o.to_dict() for o in self.rows()],
@@ -151,7 +160,23 @@ class CoverageResult:
                    exit_code=d.get("exit_code", 0), error=d.get("error"),
                    stopped_at=d.get("stopped_at"),
                    forced_fallback=list(d.get("forced_fallback", [])),
-                   wall_time_s=d.get("wall_time_s", 0.0))
+                   wall_time_s=d.get("wall_time_s", 0.0),
+                   child_processes=d.get("child_processes", 0))
+
+    def merge_ops(self, ops: list[OpCoverage]) -> None:
+        """Add another process's records of the same run (calls, paths, dtypes, time)."""
+        mine = {o.name: o for o in self.ops}
+        for o in ops:
+            m = mine.get(o.name)
+            if m is None:
+                mine[o.name] = m = OpCoverage(o.name, 0, {}, [])
+                self.ops.append(m)
+            m.calls += o.calls
+            for p, n in o.paths.items():
+                m.paths[p] = m.paths.get(p, 0) + n
+            m.dtypes = sorted(set(m.dtypes) | set(o.dtypes))
+            m.host_time_s += o.host_time_s
+            m.declined += o.declined
 
     def write_json(self, path: str | os.PathLike[str]) -> Path:
         p = Path(path)
@@ -223,6 +248,14 @@ class CoverageResult:
             con.print(f"[yellow]static trace {self.stopped_at}[/]")
         if self.error:
             con.print(f"[red]script failed (exit {self.exit_code}):[/] {self.error}")
+        elif not self.device_ops:
+            con.print(f"[yellow]{self.no_device_ops_text()}[/]")
+
+    def no_device_ops_text(self) -> str:
+        """Why a report with no device op measured nothing, and what to check."""
+        return (f"no op ran on the {self.backend or 'torchport'} device: the script computed on "
+                f"the CPU (does it choose its device from an API torchport does not answer, "
+                f"or is transfer off?)")
 
     def text(self, width: int = 120) -> str:
         """The terminal report as plain text (for logs and tests)."""
@@ -306,25 +339,20 @@ def _exit_code(code: object) -> int:
     return 1
 
 
-def mentions_cuda(script: str) -> bool:
-    """Does the script's source name CUDA? (then ``--transfer`` is on by default)."""
-    try:
-        return re.search(r"cuda|nccl", Path(script).read_text(encoding="utf-8",
-                                                             errors="replace")) is not None
-    except OSError:
-        return False
-
-
 def run_coverage(script: str, args: list[str] | None = None, *, static: bool = False,
                  transfer: bool | None = None, backend: str = "sim",
                  module: bool = False) -> CoverageResult:
     """Run ``script args`` in this process as ``__main__`` under :func:`coverage`.
 
-    ``transfer=None`` enables :mod:`torchport.transfer` when the script mentions CUDA
-    (an unmodified CUDA script then runs on the device, as with ``torchport run``).
+    ``transfer=None`` enables :mod:`torchport.transfer`, as ``torchport run`` does: a
+    CUDA script then runs on the device, and code written against ``torch.accelerator``
+    or a library choosing the device runs as on a CUDA machine (transfer changes nothing
+    else).
     The script's failure does not raise: it is in ``exit_code``/``error``.
     """
-    from torchport.run import exec_main, load_backend
+    import tempfile
+
+    from torchport.run import child_environment, exec_main, load_backend
 
     args = list(args or [])
     load_backend(backend)
@@ -333,7 +361,7 @@ def run_coverage(script: str, args: list[str] | None = None, *, static: bool = F
     from torchport import transfer as xfer  # importing it enables it: put it back below
 
     if transfer is None:
-        transfer = not module and mentions_cuda(script)
+        transfer = True
     if transfer:
         xfer.enable()
     elif xfer.is_enabled():
@@ -341,8 +369,10 @@ def run_coverage(script: str, args: list[str] | None = None, *, static: bool = F
     code, error = 0, None
     session = coverage(static=static, script=None if module else os.path.abspath(script))
     result = session.result
+    children = tempfile.TemporaryDirectory(prefix="torchport-cov-children-")
     try:
-        with session:
+        with session, child_environment(backend, transfer, extra={} if static else {
+                CHILDREN_VARIABLE: children.name}):
             exec_main(script, args, module=module, restore=True)
     except SystemExit as e:
         code = _exit_code(e.code)
@@ -358,9 +388,50 @@ def run_coverage(script: str, args: list[str] | None = None, *, static: bool = F
             xfer.disable()
         elif was_enabled and not xfer.is_enabled():
             xfer.enable()
+    with children:
+        for f in sorted(Path(children.name).glob("*.json")):
+            try:
+                child = CoverageResult.from_dict(json.loads(f.read_text(encoding="utf-8")))
+            except (OSError, ValueError, KeyError):
+                continue  # a child killed while writing: its ops are lost, not the report
+            result.merge_ops(child.ops)
+            result.child_processes += 1
     result.script, result.args = script, args
     result.exit_code, result.error = code, error
     return result
+
+
+CHILDREN_VARIABLE = "TORCHPORT_COVERAGE_CHILDREN"
+
+
+def record_child_process(directory: str) -> None:
+    """Record this process's device ops and write them to ``directory/<pid>.json`` when it
+    ends, for the ``torchport coverage`` run that started its parent. Multiprocessing
+    children end through ``os._exit`` (no ``atexit``), so a multiprocessing finalizer
+    writes too; whichever runs first writes."""
+    import atexit
+    import multiprocessing.util
+
+    from torchport.ops import stats
+
+    rec = stats.record().__enter__()
+    done: list[bool] = []
+
+    def write() -> None:
+        if done:
+            return
+        done.append(True)
+        rec.__exit__(None, None, None)
+        ops = [OpCoverage(name=n, calls=s.calls, paths=dict(s.paths), dtypes=sorted(s.dtypes),
+                          host_time_s=s.host_time_s, declined=s.declined)
+               for n, s in rec.ops.items() if s.calls]
+        path = Path(directory) / f"{os.getpid()}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(CoverageResult(ops=ops).to_json(), encoding="utf-8")
+        tmp.replace(path)
+
+    atexit.register(write)
+    multiprocessing.util.Finalize(None, write, exitpriority=100)
 
 
 # ---- many scripts, in subprocesses (torchport migrate --analyse) --------------------
@@ -399,7 +470,8 @@ class ScriptAnalysis:
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == 0 and self.result is not None
+        """The script ran to the end (possibly without a device op: see its summary)."""
+        return self.exit_code in (0, EXIT_NO_DEVICE_OPS) and self.result is not None
 
     @property
     def fallback_ops(self) -> list[OpCoverage]:
@@ -409,6 +481,8 @@ class ScriptAnalysis:
         if self.result is None:
             return f"failed (exit {self.exit_code}): {self.error or 'no result'}"
         text = self.result.summary()
+        if self.exit_code == EXIT_NO_DEVICE_OPS:
+            return f"{text}: no op ran on the device"
         if self.exit_code and self.error:
             text += f": {self.error.strip().splitlines()[-1] if self.error.strip() else ''}"
         return text

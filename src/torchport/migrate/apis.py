@@ -10,6 +10,7 @@ when the ``torch.sim`` mirror grows.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Literal
 
@@ -114,6 +115,33 @@ TORCH_API_FINDINGS: dict[str, tuple[FindingKind, str]] = {
         "unsupported",
         "NCCL-specific check; use torch.distributed.is_backend_available(<name>)",
     ),
+    "torch.backends.cudnn.is_available": (
+        "unsupported",
+        "answers for cuDNN: False on this backend, so code branching on it takes the "
+        "non-GPU path",
+    ),
+    "torch.backends.cudnn.version": (
+        "unsupported",
+        "the cuDNN version: None on this backend",
+    ),
+    "torch.backends.cuda.is_built": (
+        "unsupported",
+        "answers for CUDA: False on this backend, so code branching on it takes the "
+        "non-GPU path",
+    ),
+    "torch.version.cuda": (
+        "unsupported",
+        "the CUDA toolkit version: None without CUDA, so code branching on it takes the "
+        "non-GPU path",
+    ),
+    "torch.profiler.ProfilerActivity.CUDA": (
+        "no-effect",
+        "records CUDA kernels; there are none on this backend",
+    ),
+    "torch.autograd.ProfilerActivity.CUDA": (
+        "no-effect",
+        "records CUDA kernels; there are none on this backend",
+    ),
 }
 
 #: Third-party CUDA-only libraries, reported where they are imported.
@@ -135,6 +163,45 @@ NO_EFFECT_ENV_VARS: dict[str, str] = {
     "CUDA_LAUNCH_BLOCKING": "CUDA_LAUNCH_BLOCKING does not affect this backend",
 }
 
+#: Families of environment variables read by CUDA, its libraries or NCCL (by prefix),
+#: reported wherever their name is spelled; the longest prefix wins.
+CUDA_ENV_PREFIXES: dict[str, str] = {
+    "CUDA_": "read by the CUDA runtime or toolkit; no effect on this backend",
+    "NCCL_": "configures NCCL; the backend's collective library does not read it",
+    "TORCH_NCCL_": "configures PyTorch's NCCL process group; the backend's collective "
+                   "library does not read it",
+    "PYTORCH_CUDA_": "configures PyTorch's CUDA allocator; no effect on this backend",
+    "PYTORCH_NVML_": "NVML (NVIDIA driver) setting; no effect on this backend",
+    "TORCH_CUDA_": "selects CUDA architectures for extension builds",
+    "TORCH_CUDNN_": "cuDNN setting; no effect on this backend",
+    "CUBLAS_": "configures cuBLAS; no effect on this backend",
+    "CUBLASLT_": "configures cuBLASLt; no effect on this backend",
+    "CUDNN_": "configures cuDNN; no effect on this backend",
+    "NVIDIA_": "read by NVIDIA's container runtime or drivers; no effect on this backend",
+}
+
+_ENV_NAME_RE = re.compile(r"[A-Z][A-Z0-9]*(_[A-Z0-9]+)+")
+
+
+def classify_env_var(name: str) -> tuple[FindingKind, str] | None:
+    """A finding for a string spelling a CUDA/NCCL environment variable, else ``None``."""
+    if name in NO_EFFECT_ENV_VARS:
+        return "no-effect", NO_EFFECT_ENV_VARS[name]
+    if not _ENV_NAME_RE.fullmatch(name):
+        return None
+    prefix = max((p for p in CUDA_ENV_PREFIXES if name.startswith(p)), key=len, default=None)
+    return None if prefix is None else ("no-effect", CUDA_ENV_PREFIXES[prefix])
+
+
+#: APIs that pick the device at run time (the current accelerator): a script using them
+#: needs the backend imported even when nothing in it names CUDA.
+DEVICE_GENERIC_APIS: frozenset[str] = frozenset({"torch.accelerator", "torch.get_device_module"})
+
+#: GradScaler spellings whose ``device`` argument defaults to ``"cuda"``.
+GRAD_SCALERS: frozenset[str] = frozenset(
+    {"torch.amp.GradScaler", "torch.amp.grad_scaler.GradScaler", "torch.GradScaler"}
+)
+
 #: ``torch.cuda.amp`` callables the rewriter moves to ``torch.amp`` and how:
 #: "device-arg" inserts the device type as first positional argument,
 #: "device-kw" adds ``device_type=`` (the torch.amp decorators require it).
@@ -154,6 +221,7 @@ DEVICE_FIRST_ARG_CALLS: frozenset[str] = frozenset(
         "torch.amp.autocast_mode.autocast",
         "torch.amp.GradScaler",
         "torch.amp.grad_scaler.GradScaler",
+        "torch.GradScaler",
         "torch.amp.is_autocast_available",
         "torch.set_default_device",
         "torch.get_autocast_dtype",

@@ -2,13 +2,15 @@
 
 The lead's main typer app calls :func:`register`; nothing here runs at import.
 Exit codes: 0 success (even when unsupported APIs were found: they are in the
-report, and even when an analysed script failed: that is in the report too),
+report), 3 when ``--analyse`` ran a migrated script that failed (the migration is
+written all the same; the terminal and the report name the script and its error),
 2 usage errors and refusals, 1 internal failures.
 
 ``--analyse`` runs ``torchport coverage`` on each migrated entry script (a file
 with ``if __name__ == "__main__"``) in a subprocess, or on the scripts named
 with ``--analyse-script FILE`` and the arguments after ``--``; the ops that
-would fall back to the CPU go into the report.
+would fall back to the CPU go into the report. A script that fails is a failure,
+not a clean coverage result: its ops were only recorded up to the crash.
 """
 
 from __future__ import annotations
@@ -18,16 +20,21 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from torchport.migrate.model import BackendSpecError, MigrationResult
+from torchport.migrate.report import last_error_line
 from torchport.migrate.tree import MAX_FILE_BYTES, MigrationError, check_report_dir, migrate_path
 
 if TYPE_CHECKING:
     from torchport.debug.opcoverage import ScriptAnalysis
 
 _ROWS_SHOWN = 25
+#: Exit code when an analysed script failed (as ``torchport coverage``'s 3: a finding, not
+#: a usage error or a crash of the tool).
+EXIT_ANALYSIS_FAILED = 3
 
 
 def register(app: typer.Typer) -> None:
@@ -36,7 +43,9 @@ def register(app: typer.Typer) -> None:
         "migrate",
         help="Rewrite CUDA PyTorch code (a file or a tree) for a torchport backend. "
         "With --analyse, run the op-coverage analysis of the migrated scripts "
-        "(arguments for them follow --).",
+        "(arguments for them follow --). Exit code: 0 success, 3 when an analysed "
+        "script failed (the migration is still written; the failure is listed), "
+        "2 usage error, 1 internal error.",
         context_settings={"allow_extra_args": True},
     )(migrate_command)
 
@@ -71,7 +80,8 @@ def migrate_command(
         typer.Option(
             "--analyse",
             "--analyze",
-            help="Run torchport's op-coverage analysis on the migrated entry script.",
+            help="Run torchport's op-coverage analysis on the migrated entry scripts; "
+            "exit 3 if one of them fails.",
         ),
     ] = False,
     entry: Annotated[
@@ -106,6 +116,7 @@ def migrate_command(
     console = Console()
     errors = Console(stderr=True)
     script_args = list(ctx.args)
+    analyses: list[ScriptAnalysis] = []
     chosen = [*(analyse_script or []), *([entry] if entry is not None else [])]
     wanted = analyse or bool(chosen)
     if script_args and not chosen:
@@ -147,6 +158,8 @@ def migrate_command(
         errors.print(f"[bold red]internal error:[/] {type(exc).__name__}: {exc}")
         raise typer.Exit(1) from None
     _print_result(console, result)
+    if wanted and any(not a.ok for a in analyses):
+        raise typer.Exit(EXIT_ANALYSIS_FAILED)
 
 
 def _dst_script(result: MigrationResult, name: Path) -> Path:
@@ -196,29 +209,47 @@ def _analyse(
         analyses.append(run_script_coverage(script, args, report_dir=report, cwd=root,
                                             timeout=timeout, backend=spec, name=name,
                                             transfer=False))
-    ok = sum(a.ok for a in analyses)
-    fb = sorted({op.name for a in analyses for op in a.fallback_ops})
-    result.analysis = (f"{len(analyses)} script(s) analysed, {ok} ran, "
-                       f"{len(analyses) - ok} failed; fall back to CPU: "
-                       + (", ".join(fb) if fb else "none"))
-    if not analyses:
-        result.analysis = "no entry script found (name one with --analyse-script FILE)"
+    result.analysis = analysis_summary(analyses, root)
     _print_analyses(console, analyses, root)
     return analyses
+
+
+def _rel(script: Path, root: Path) -> str:
+    return script.relative_to(root).as_posix() if script.is_relative_to(root) else script.name
+
+
+def analysis_summary(analyses: list[ScriptAnalysis], root: Path) -> str:
+    """One line for the terminal and the report; a failed script is named as FAILED.
+
+    The fallback list only covers the ops that ran, so with a failure it is marked
+    incomplete rather than claiming every op has a device kernel.
+    """
+    if not analyses:
+        return "no entry script found (name one with --analyse-script FILE)"
+    ok = sum(a.ok for a in analyses)
+    failed = [a for a in analyses if not a.ok]
+    fb = sorted({op.name for a in analyses for op in a.fallback_ops})
+    text = (f"{len(analyses)} script(s) analysed, {ok} ran, {len(failed)} failed; "
+            "fall back to CPU: " + (", ".join(fb) if fb else "none"))
+    if failed:
+        text += (" (incomplete: only the ops that ran before the failure); FAILED: "
+                 + "; ".join(f"{_rel(a.script, root)} (exit {a.exit_code}: "
+                             f"{last_error_line(a.error)})" for a in failed))
+    return text
 
 
 def _print_analyses(console: Console, analyses: list[ScriptAnalysis], root: Path) -> None:
     if not analyses:
         return
     table = Table(title="Op coverage of the migrated scripts")
-    for column in ("script", "outcome", "overloads", "fall back to CPU"):
+    for column in ("script", "outcome", "overloads", "fall back to CPU", "error"):
         table.add_column(column, overflow="fold")
     for a in analyses:
-        rel = a.script.relative_to(root).as_posix() if a.script.is_relative_to(root) \
-            else a.script.name
-        outcome = "ok" if a.ok else f"[red]exit {a.exit_code}[/]"
-        table.add_row(rel, outcome, "" if a.result is None else str(len(a.result.ops)),
-                      ", ".join(op.name for op in a.fallback_ops) or "-")
+        outcome = "ok" if a.ok else f"[bold red]FAILED[/] (exit {a.exit_code})"
+        table.add_row(_rel(a.script, root), outcome,
+                      "" if a.result is None else str(len(a.result.ops)),
+                      ", ".join(op.name for op in a.fallback_ops) or "-",
+                      "" if a.ok else escape(last_error_line(a.error)))
     console.print(table)
 
 
@@ -243,7 +274,7 @@ def _print_result(console: Console, result: MigrationResult) -> None:
         console.print(changes)
         _more(console, len(result.changes))
 
-    findings = [*result.unsupported, *result.unknown]
+    findings = [*result.unsupported, *result.unknown, *result.no_effect]
     if findings:
         table = Table(title="Needs attention")
         for column in ("location", "kind", "API", "reason"):
@@ -261,7 +292,7 @@ def _print_result(console: Console, result: MigrationResult) -> None:
     for skipped in result.skipped:
         console.print(f"[yellow]skipped[/] {skipped.path}: {skipped.reason}")
     if result.analysis:
-        console.print(f"analysis: {result.analysis}")
+        console.print(f"analysis: {escape(result.analysis)}")
     for path in result.report_files:
         console.print(f"report: {path}")
 

@@ -79,7 +79,7 @@ def csv_rows(result: MigrationResult, analyses: list[ScriptAnalysis] | None = No
         script = _script_name(a, result)
         if a.result is None or a.exit_code:
             rows.append(("coverage-failure", script, "", "", "", " ".join(a.args), "",
-                         f"exit {a.exit_code}: {_last_line(a.error)}"))
+                         f"exit {a.exit_code}: {last_error_line(a.error)}"))
         if a.result is not None:
             rows.append(("coverage", script, "", "", "", " ".join(a.args), "",
                          a.result.summary()))
@@ -99,9 +99,10 @@ def _script_name(a: ScriptAnalysis, result: MigrationResult) -> str:
     return a.script.name
 
 
-def _last_line(text: str | None) -> str:
+def last_error_line(text: str | None) -> str:
+    """The last line of a failed script's output: its exception, usually."""
     lines = (text or "").strip().splitlines()
-    return lines[-1] if lines else "no result"
+    return lines[-1].strip() if lines else "no result"
 
 
 def _link(target: Path | None, report_dir: Path | None) -> str:
@@ -127,7 +128,7 @@ def render_analyses(result: MigrationResult, analyses: list[ScriptAnalysis],
               "| script | args | outcome | overloads | fall back to CPU | report |",
               "|---|---|---|---:|---:|---|"]
     for a in analyses:
-        outcome = "ok" if a.ok else f"failed (exit {a.exit_code})"
+        outcome = "ok" if a.ok else f"**FAILED** (exit {a.exit_code})"
         n = "" if a.result is None else str(len(a.result.ops))
         nfb = "" if a.result is None else str(len(a.fallback_ops))
         lines.append(f"| {_cell(_script_name(a, result))} | {_code(' '.join(a.args))} "
@@ -139,16 +140,20 @@ def render_analyses(result: MigrationResult, analyses: list[ScriptAnalysis],
         for a, op in fb:
             lines.append(f"| {_cell(_script_name(a, result))} | `{op.name}` | {op.calls} "
                          f"| {_cell(', '.join(op.dtypes))} |")
-    else:
+    failed = [a for a in analyses if not a.ok]
+    if failed:  # a crash stops the recording: no claim about the ops it never reached
+        note = ("Incomplete: " + ", ".join(_cell(_script_name(a, result)) for a in failed)
+                + " FAILED, so only the ops that ran before the failure were recorded.")
+        lines += ["", note] if fb else ["None recorded. " + note]
+    elif not fb:
         lines.append("None: every op the analysed scripts used has a device kernel, a "
                      "decomposition or is a view.")
-    failed = [a for a in analyses if not a.ok]
     if failed:
-        lines += ["", "### Scripts that failed (not fatal: the migration itself succeeded)", "",
+        lines += ["", "### Scripts that FAILED (the migration itself was written)", "",
                   "| script | exit code | error |", "|---|---:|---|"]
         for a in failed:
             lines.append(f"| {_cell(_script_name(a, result))} | {a.exit_code} "
-                         f"| {_cell(_last_line(a.error))} |")
+                         f"| {_cell(last_error_line(a.error))} |")
     return lines
 
 
@@ -201,12 +206,16 @@ def render_markdown(result: MigrationResult, report_dir: Path | None = None,
         [[f"{_cell(c.path)}:{c.line}", c.rule, _code(c.before), _code(c.after), _cell(c.note)]
          for c in result.changes], empty="No changes.")
     titles = {
-        "unsupported": "Unsupported APIs (left unchanged, need a human)",
+        "unsupported": "Unsupported (left unchanged, need a human)",
         "unknown": f"Unknown APIs (renamed; `torch.{backend.name}` is not known to provide them)",
         "no-effect": f"No effect on `{backend.name}` (left unchanged, harmless)",
     }
+    lines += ["", "## Needs attention", "",
+              "What still names CUDA after the migration, by location: what has no "
+              "equivalent or could not be proven a device, what was renamed on trust, and "
+              "what is accepted but does nothing."]
     for category, findings in _finding_groups(result):
-        lines += ["", f"## {titles[category]}", ""]
+        lines += ["", f"### {titles[category]}", ""]
         lines += _md_table(["location", "API", "reason"],
                            [[f"{_cell(f.path)}:{f.line}", _code(f.api), _cell(f.reason)]
                             for f in findings])

@@ -13,13 +13,16 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import libcst as cst
 from libcst.metadata import (
+    Assignment,
     MetadataWrapper,
     PositionProvider,
     QualifiedNameProvider,
     QualifiedNameSource,
+    ScopeProvider,
 )
 
 from torchport.migrate.apis import (
@@ -27,8 +30,10 @@ from torchport.migrate.apis import (
     CPP_EXTENSION_LOADERS,
     CUDA_AUTOCAST_POSITIONAL,
     DEVICE_FIRST_ARG_CALLS,
-    NO_EFFECT_ENV_VARS,
+    DEVICE_GENERIC_APIS,
+    GRAD_SCALERS,
     FindingKind,
+    classify_env_var,
     classify_module,
     classify_torch_api,
     is_unsupported,
@@ -49,6 +54,12 @@ _NO_SPACE = cst.SimpleWhitespace("")
 _DEVICE_RE = re.compile(r"cuda(:\d+)?")
 # "cuda:%d", "cuda:{}", "cuda:" ... used with %, .format() or +.
 _DEVICE_TEMPLATE_RE = re.compile(r"cuda(:(\d*|%[dis]|\{[^{}]*\}))?")
+# The same with the colon required: what a template must look like outside device positions.
+_STRICT_TEMPLATE_RE = re.compile(r"cuda:(\d*|%[dis]|\{[^{}]*\})")
+# "cpu:gloo,cuda:nccl": a collective spec naming NCCL.
+# Device types a list of devices may mix with "cuda" (("cuda", "mps", "cpu")).
+_DEVICE_TYPE_RE = re.compile(r"(cpu|cuda|mps|xpu|meta|hpu|mtia|xla|ipu|privateuseone)(:\d+)?")
+_COLLECTIVE_SPEC_RE = re.compile(r"([a-z]+:[a-z]+,)*[a-z]+:[a-z]+")
 
 
 def _code(node: cst.CSTNode) -> str:
@@ -122,10 +133,12 @@ def _collective_text(text: str, backend: Backend) -> str | None:
     return None if new == text else new
 
 
-def _rewrite_template(node: cst.BaseExpression, backend: Backend) -> cst.BaseExpression | None:
+def _rewrite_template(node: cst.BaseExpression, backend: Backend,
+                      strict: bool = False) -> cst.BaseExpression | None:
     if isinstance(node, cst.SimpleString):
         body = _string_body(node)
-        if body is not None and _DEVICE_TEMPLATE_RE.fullmatch(body):
+        pattern = _STRICT_TEMPLATE_RE if strict else _DEVICE_TEMPLATE_RE
+        if body is not None and pattern.fullmatch(body):
             return _with_body(node, backend.name + body[4:])
     return None
 
@@ -157,7 +170,8 @@ def _rewrite_elements(node: cst.Tuple | cst.List | cst.Set,
 
 
 def rewrite_device_expr(
-    node: cst.BaseExpression, backend: Backend, *, containers: bool = False
+    node: cst.BaseExpression, backend: Backend, *, containers: bool = False,
+    strict: bool = False,
 ) -> cst.BaseExpression | None:
     """Rewrite an expression that evaluates to a device; ``None`` when nothing changed.
 
@@ -165,7 +179,15 @@ def rewrite_device_expr(
     ``"cuda:%d" % r``, ``"cuda:{}".format(r)``, ``"cuda:" + str(r)``, both arms of
     ``a if cond else b``, ``x or "cuda"``, lambda bodies and, with ``containers``,
     dict keys/values and tuple/list/set elements.
+
+    ``strict`` is for places that are not known to take a device (any assignment,
+    ``return``, a keyword of an unknown call): there only what is a device string in
+    practice changes: ``"cuda"``/``"cuda:N"``, ``f"cuda:{i}"``, templates with the
+    colon, and dict *values* (a key ``"cuda"`` may be looked up elsewhere).
     """
+    def again(n: cst.BaseExpression, inner: bool = containers) -> cst.BaseExpression | None:
+        return rewrite_device_expr(n, backend, containers=inner, strict=strict)
+
     if isinstance(node, cst.SimpleString):
         body = _string_body(node)
         new = None if body is None else _device_text(body, backend)
@@ -175,34 +197,36 @@ def rewrite_device_expr(
         if not parts or not isinstance(parts[0], cst.FormattedStringText):
             return None
         text = parts[0].value
-        ok = _DEVICE_RE.fullmatch(text) if len(parts) == 1 else text == "cuda:"
+        if len(parts) == 1:
+            ok = _DEVICE_RE.fullmatch(text) is not None
+        else:  # strict: exactly f"cuda:{i}", not f"cuda:{i} is ready"
+            ok = text == "cuda:" and (not strict or len(parts) == 2)
         if not ok:
             return None
         parts[0] = parts[0].with_changes(value=backend.name + text[4:])
         return node.with_changes(parts=parts)
     if isinstance(node, (cst.IfExp, cst.BooleanOperation)):
-        return _rewrite_arms(
-            node, lambda n: rewrite_device_expr(n, backend, containers=containers))
+        return _rewrite_arms(node, again)
     if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, (cst.Add, cst.Modulo)):
-        left = _rewrite_template(node.left, backend)
+        left = _rewrite_template(node.left, backend, strict)
         return None if left is None else node.with_changes(left=left)
     if (
         isinstance(node, cst.Call)
         and isinstance(node.func, cst.Attribute)
         and node.func.attr.value == "format"
     ):
-        fmt = _rewrite_template(node.func.value, backend)
+        fmt = _rewrite_template(node.func.value, backend, strict)
         return None if fmt is None else node.with_changes(func=node.func.with_changes(value=fmt))
     if isinstance(node, cst.Lambda):
-        body = rewrite_device_expr(node.body, backend, containers=containers)
+        body = again(node.body)
         return None if body is None else node.with_changes(body=body)
     if containers and isinstance(node, cst.Dict):
         changed = False
         elements: list[cst.BaseDictElement] = []
         for element in node.elements:
             if isinstance(element, cst.DictElement):
-                key = rewrite_device_expr(element.key, backend)
-                value = rewrite_device_expr(element.value, backend, containers=True)
+                key = None if strict else again(element.key, False)
+                value = again(element.value, True)
                 if key is not None or value is not None:
                     changed = True
                     element = element.with_changes(
@@ -211,23 +235,53 @@ def rewrite_device_expr(
             elements.append(element)
         return node.with_changes(elements=elements) if changed else None
     if containers and isinstance(node, (cst.Tuple, cst.List, cst.Set)):
-        return _rewrite_elements(node, lambda n: rewrite_device_expr(n, backend))
+        if strict and not _all_devices(node, backend):
+            return None  # ("", "cuda", "a-b"): not a list of devices
+        return _rewrite_elements(node, lambda n: again(n, False))
     return None
+
+
+def _all_devices(node: cst.Tuple | cst.List | cst.Set, backend: Backend) -> bool:
+    """Whether every string literal in ``node`` names a device (type)."""
+    for element in node.elements:
+        if isinstance(element.value, cst.SimpleString):
+            body = _string_body(element.value) or ""
+            if not (_DEVICE_TYPE_RE.fullmatch(body) or body.split(":")[0] == backend.name):
+                return False
+    return True
 
 
 def rewrite_collective_expr(
-    node: cst.BaseExpression, backend: Backend, *, containers: bool = False
+    node: cst.BaseExpression, backend: Backend, *, containers: bool = False,
+    strict: bool = False,
 ) -> cst.BaseExpression | None:
-    """Rewrite an expression naming a torch.distributed backend (``"nccl"``)."""
+    """Rewrite an expression naming a torch.distributed backend (``"nccl"``).
+
+    ``strict`` (places not known to take a backend) only accepts ``"nccl"`` itself and
+    ``"cpu:gloo,cuda:nccl"``-style specs.
+    """
     if isinstance(node, cst.SimpleString):
         body = _string_body(node)
-        new = None if body is None else _collective_text(body, backend)
+        if body is None or (strict and not _is_collective_text(body)):
+            return None
+        new = _collective_text(body, backend)
         return None if new is None else _with_body(node, new)
     if isinstance(node, (cst.IfExp, cst.BooleanOperation)):
-        return _rewrite_arms(node, lambda n: rewrite_collective_expr(n, backend))
+        return _rewrite_arms(
+            node, lambda n: rewrite_collective_expr(n, backend, strict=strict))
     if containers and isinstance(node, (cst.Tuple, cst.List, cst.Set)):
-        return _rewrite_elements(node, lambda n: rewrite_collective_expr(n, backend))
+        return _rewrite_elements(
+            node, lambda n: rewrite_collective_expr(n, backend, strict=strict))
     return None
+
+
+def _is_collective_text(text: str) -> bool:
+    return text == "nccl" or (
+        _COLLECTIVE_SPEC_RE.fullmatch(text) is not None and ":nccl" in text)
+
+
+def _is_device_text(text: str) -> bool:
+    return _DEVICE_RE.fullmatch(text) is not None
 
 
 def _hint(text: str) -> str | None:
@@ -293,18 +347,175 @@ class SourceResult:
 
 
 def _rule(kind: str) -> str:
-    return "device-string" if kind == "device" else "collective"
+    return "collective" if kind == "backend" else "device-string"
+
+
+class _ArgRule(NamedTuple):
+    """How one call argument is rewritten: ``kind`` is "device", "backend", "any" (a device
+    or collective string in practice, ``strict``) or "prefix" (``.startswith("cuda")``)."""
+
+    kind: str
+    containers: bool = False
+    strict: bool = False
+
+
+def _combine(kinds: Sequence[str | None]) -> str | None:
+    """All ints: "int"; all known not None: "value"; else unknown."""
+    if None in kinds or not kinds:
+        return None
+    return "int" if set(kinds) == {"int"} else "value"
+
+
+_LEFT_DEVICE = ("a CUDA device string where no device is known to go (a log message, "
+                "a dict key, an argument of an unknown function): left unchanged; use the "
+                "backend's name if it names the device")
+
+
+def _is_none(node: cst.CSTNode | None) -> bool:
+    return isinstance(node, cst.Name) and node.value == "None"
+
+
+def _is_main_guard(stmt: cst.CSTNode) -> bool:
+    """``if __name__ == "__main__":`` (either operand order)."""
+    if not isinstance(stmt, cst.If) or not isinstance(stmt.test, cst.Comparison):
+        return False
+    test = stmt.test
+    if len(test.comparisons) != 1 or not isinstance(test.comparisons[0].operator, cst.Equal):
+        return False
+    operands = [test.left, test.comparisons[0].comparator]
+    names = [o.value for o in operands if isinstance(o, cst.Name)]
+    texts = [_string_body(o) for o in operands if isinstance(o, cst.SimpleString)]
+    return names == ["__name__"] and texts == ["__main__"]
+
+
+def _not_none_names(test: cst.BaseExpression) -> set[str]:
+    """Expressions an ``if`` test proves are not ``None`` in its body."""
+    if isinstance(test, cst.Comparison) and len(test.comparisons) == 1:
+        target = test.comparisons[0]
+        if isinstance(target.operator, cst.IsNot) and _is_none(target.comparator):
+            return {_code(test.left)}
+        return set()
+    if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.And):
+        return _not_none_names(test.left) | _not_none_names(test.right)
+    if isinstance(test, (cst.Name, cst.Attribute)) and not _is_none(test):
+        return {_code(test)}
+    return set()
+
+
+_STRICT_PROBE = Backend()
+
+
+def _is_strict_device(node: cst.BaseExpression) -> bool:
+    """Whether ``node`` is, or has an arm that is, a device string in practice."""
+    return rewrite_device_expr(node, _STRICT_PROBE, containers=True, strict=True) is not None
+
+
+@dataclass
+class _Survey:
+    """What a first look at the whole module tells the rewriting pass.
+
+    ``device_names``: spellings (``dev``, ``args.accel``) that are assigned a device
+    string or used as a device, so that ``dev == "cuda"`` is a device comparison;
+    ``device_attrs``: argparse destinations defaulting to a device string;
+    ``int_attrs``: argparse destinations that are always ints (``type=int``, int default);
+    ``bindings``: the value (and annotation) bound to each assigned ``Name`` node,
+    to tell what a ``.cuda(x)`` argument holds; ``entry_point``: the module runs as a
+    script (``if __name__ == "__main__":``).
+    """
+
+    device_names: set[str] = field(default_factory=set)
+    device_attrs: set[str] = field(default_factory=set)
+    int_attrs: set[str] = field(default_factory=set)
+    bindings: dict[int, tuple[cst.BaseExpression | None, cst.Annotation | None]] = field(
+        default_factory=dict)
+    entry_point: bool = False
+
+
+class _SurveyVisitor(cst.CSTVisitor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.survey = _Survey()
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self.survey.entry_point = any(_is_main_guard(stmt) for stmt in node.body)
+
+    def _bind(self, target: cst.BaseExpression, value: cst.BaseExpression | None,
+              annotation: cst.Annotation | None = None) -> None:
+        if isinstance(target, cst.Name):
+            self.survey.bindings[id(target)] = (value, annotation)
+        elif (isinstance(target, (cst.Tuple, cst.List)) and isinstance(value, (cst.Tuple, cst.List))
+              and len(target.elements) == len(value.elements)):
+            for t, v in zip(target.elements, value.elements, strict=True):
+                if not isinstance(t, cst.StarredElement) and not isinstance(v, cst.StarredElement):
+                    self._bind(t.value, v.value)
+        if value is not None and _is_strict_device(value):
+            self.survey.device_names.add(_code(target))
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        for target in node.targets:
+            self._bind(target.target, node.value)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        self._bind(node.target, node.value, node.annotation)
+
+    def _device_use(self, value: cst.BaseExpression) -> None:
+        if isinstance(value, (cst.Name, cst.Attribute, cst.Subscript)):
+            self.survey.device_names.add(_code(value))
+
+    def visit_Call(self, node: cst.Call) -> None:
+        func = node.func
+        dotted = _dotted(func) or ""
+        method = func.attr.value if isinstance(func, cst.Attribute) else None
+        positional = [a for a in node.args if a.keyword is None and not a.star]
+        if positional and (method in {"to", "cuda"} or dotted.endswith("device")):
+            self._device_use(positional[0].value)
+        for arg in node.args:
+            if arg.keyword is not None and _device_keyword(arg.keyword.value):
+                self._device_use(arg.value)
+        if method == "add_argument":
+            self._argparse_option(node, positional)
+
+    def _argparse_option(self, node: cst.Call, positional: list[cst.Arg]) -> None:
+        options = [_string_body(a.value) or "" for a in positional
+                   if isinstance(a.value, cst.SimpleString)]
+        keywords = {a.keyword.value: a.value for a in node.args if a.keyword is not None}
+        dest = next((o for o in options if o.startswith("--")), options[0] if options else "")
+        dest_keyword = keywords.get("dest")
+        if isinstance(dest_keyword, cst.SimpleString):
+            dest = _string_body(dest_keyword) or dest
+        dest = dest.lstrip("-").replace("-", "_")
+        if not dest:
+            return
+        default = keywords.get("default")
+        if default is not None and _is_strict_device(default):
+            self.survey.device_attrs.add(dest)
+        kind = keywords.get("type")
+        if (isinstance(kind, cst.Name) and kind.value == "int" and isinstance(default, cst.Integer)
+                and "nargs" not in keywords):
+            self.survey.int_attrs.add(dest)
 
 
 class _Rewriter(cst.CSTTransformer):
     """Applies every rule in one pass; records changes and findings as it goes."""
 
-    METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
+    METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider, ScopeProvider)
 
-    def __init__(self, backend: Backend, path: str) -> None:
+    def __init__(self, backend: Backend, path: str, survey: _Survey | None = None) -> None:
         super().__init__()
         self.backend = backend
         self.path = path
+        self.survey = survey or _Survey()
+        self._arg_rules: dict[int, list[_ArgRule | None]] = {}  # per Call, from visit_Call
+        self._device_arg_ids: set[int] = set()  # argument values in device positions
+        self._in_device_arg = 0  # inside one: the enclosing rule rewrites the whole value
+        self._guards: list[set[str]] = []  # names proven not None by enclosing `if`s
+        # CUDA-looking strings seen, by the id of the node passed up: the ones still in the
+        # final tree were not rewritten and are reported.
+        self._leftovers: dict[int, tuple[cst.CSTNode, int, int, FindingKind, str, str]] = {}
+        self._cuda_sources: list[tuple[cst.CSTNode, str]] = []  # "kernel.cu" literals
+        # torch.accelerator & co. pick the backend at run time: it must be imported
+        self.uses_accelerator = False
+        self.imports_torch = False
         self.changes: list[Change] = []
         self.findings: list[Finding] = []
         self._finding_keys: set[tuple[int, int, str]] = set()
@@ -319,8 +530,20 @@ class _Rewriter(cst.CSTTransformer):
         self._unfixable_amp_calls: set[int] = set()  # amp calls we cannot give a device
         self._import_depth = 0
         self._def_depth = 0
-        self.imports_torch = False
         self.has_backend_import = False
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if id(node) in self._device_arg_ids:
+            self._in_device_arg += 1
+        return super().on_visit(node)
+
+    def on_leave(
+        self, original_node: cst.CSTNode, updated_node: cst.CSTNode
+    ) -> cst.CSTNode | cst.RemovalSentinel | cst.FlattenSentinel[cst.CSTNode]:
+        result = super().on_leave(original_node, updated_node)
+        if id(original_node) in self._device_arg_ids:
+            self._in_device_arg -= 1
+        return result
 
     # ----------------------------------------------------------------- helpers
 
@@ -359,6 +582,10 @@ class _Rewriter(cst.CSTTransformer):
 
     def _finding(self, node: cst.CSTNode, kind: FindingKind, api: str, reason: str) -> None:
         line, column = self._pos(node)
+        self._add_finding(line, column, kind, api, reason)
+
+    def _add_finding(self, line: int, column: int, kind: FindingKind, api: str,
+                     reason: str) -> None:
         if (line, column, api) in self._finding_keys:
             return
         self._finding_keys.add((line, column, api))
@@ -403,6 +630,18 @@ class _Rewriter(cst.CSTTransformer):
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         self._def_depth += 1
+        if isinstance(node.body, cst.IndentedBlock):
+            for stmt in node.body.body:
+                if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "cuda":
+                    self._finding(stmt, "unsupported", f"{node.name.value}.cuda",
+                                  "defines a .cuda() method: calls to .cuda() were rewritten "
+                                  "to .to(), which does not run it")
+
+    def visit_If_body(self, node: cst.If) -> None:
+        self._guards.append(_not_none_names(node.test))
+
+    def leave_If_body(self, node: cst.If) -> None:
+        self._guards.pop()
 
     def leave_ClassDef(
         self, original_node: cst.ClassDef, updated_node: cst.ClassDef
@@ -423,6 +662,11 @@ class _Rewriter(cst.CSTTransformer):
             else:
                 self._recorded_by_call.add(id(node.func))
         self._called_ids.add(id(node.func))
+        rules = self._rules_for(node, qname)
+        self._arg_rules[id(node)] = rules
+        for arg, rule in zip(node.args, rules, strict=True):
+            if rule is not None and rule.kind == "device" and not rule.strict:
+                self._device_arg_ids.add(id(arg.value))
 
     def visit_Decorator(self, node: cst.Decorator) -> None:
         self._called_ids.add(id(node.decorator))
@@ -488,6 +732,12 @@ class _Rewriter(cst.CSTTransformer):
         if original_node.attr.value == "is_cuda":
             result = result.with_changes(attr=cst.Name(f"is_{self.backend.name}"))
             self._change_nodes(original_node, result, "is_cuda")
+        if (original_node.attr.value == "cuda" and node_id not in self._value_ids
+                and node_id not in self._called_ids
+                and qname is not None and qname.startswith(("torch.Tensor.", "torch.nn."))):
+            self._finding(original_node, "unsupported", _code(original_node),
+                          "a .cuda method used without calling it: rewrite by hand, e.g. "
+                          f"lambda t: t.to({self.backend.name!r})")
         if node_id not in self._value_ids and qname is not None:
             self._reference(original_node, qname)
             if (
@@ -510,6 +760,8 @@ class _Rewriter(cst.CSTTransformer):
 
     def _reference(self, node: cst.CSTNode, qname: str) -> None:
         """Report the API named by the outermost part of a dotted chain, if notable."""
+        if any(qname == api or qname.startswith(api + ".") for api in DEVICE_GENERIC_APIS):
+            self.uses_accelerator = True
         if self._is_amp_callable(qname) and id(node) not in self._called_ids:
             if self._goes_to_torch_amp(node) and not isinstance(node, cst.Attribute):
                 self._finding(
@@ -526,21 +778,73 @@ class _Rewriter(cst.CSTTransformer):
         self, original_node: cst.SimpleString, updated_node: cst.SimpleString
     ) -> cst.SimpleString:
         body = _string_body(original_node)
-        if body in NO_EFFECT_ENV_VARS:
-            self._finding(original_node, "no-effect", body, NO_EFFECT_ENV_VARS[body])
+        if body is None:
+            return updated_node
+        env = classify_env_var(body)
+        if env is not None:
+            self._finding(original_node, env[0], body, env[1])
+        elif body.endswith((".cu", ".cuh")) and not any(c.isspace() for c in body):
+            self._cuda_sources.append((original_node, body))
+        elif _is_device_text(body) or _STRICT_TEMPLATE_RE.fullmatch(body):  # "cuda:%d" too
+            self._leftover(original_node, updated_node, "unsupported", _code(original_node),
+                           _LEFT_DEVICE)
+        elif _is_collective_text(body):
+            self._leftover(original_node, updated_node, "unsupported", _code(original_node),
+                           "names NCCL where no collective backend is known to go: left "
+                           f"unchanged; the backend's library is {self.backend.collective!r}")
+        elif body.startswith("torch.cuda.") and body[11:].isidentifier():
+            self._leftover(original_node, updated_node, "unsupported", _code(original_node),
+                           "names a CUDA tensor type (x.type(...)); use .to() with a dtype")
         return updated_node
+
+    def leave_FormattedString(
+        self, original_node: cst.FormattedString, updated_node: cst.FormattedString
+    ) -> cst.FormattedString:
+        if rewrite_device_expr(original_node, self.backend, strict=True) is not None:
+            self._leftover(original_node, updated_node, "unsupported", _code(original_node),
+                           _LEFT_DEVICE)
+        return updated_node
+
+    def _leftover(self, original: cst.CSTNode, updated: cst.CSTNode, kind: FindingKind,
+                  api: str, reason: str) -> None:
+        """Remember a CUDA string; reported at the end if no rule rewrote it."""
+        line, column = self._pos(original)
+        self._leftovers[id(updated)] = (updated, line, column, kind, api, reason)
+
+    def _report_leftovers(self, module: cst.Module) -> None:
+        found: list[int] = []
+
+        class _Strings(cst.CSTVisitor):
+            def visit_SimpleString(self, node: cst.SimpleString) -> None:
+                found.append(id(node))
+
+            def visit_FormattedString(self, node: cst.FormattedString) -> None:
+                found.append(id(node))
+
+        module.visit(_Strings())
+        for node_id in found:
+            if node_id in self._leftovers:
+                _, line, column, kind, api, reason = self._leftovers[node_id]
+                self._add_finding(line, column, kind, api, reason)
+        lines = {f.line for f in self.findings}
+        for node, body in self._cuda_sources:  # unless the call building it was reported
+            line, column = self._pos(node)
+            if line not in lines:
+                self._add_finding(line, column, "unsupported", body,
+                                  "a CUDA source file: port the kernels to the backend")
 
     # ----------------------------------------------------------------- calls
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         func = original_node.func
         qname = self._qname(func)
-        if (
-            isinstance(func, cst.Attribute)
-            and func.attr.value == "cuda"
-            and not (qname is not None and qname.startswith("torch."))
-        ):
-            return self._cuda_method(original_node, updated_node)
+        rules = self._arg_rules.pop(id(original_node), None)
+        method = func.attr.value if isinstance(func, cst.Attribute) else None
+        if method == "cuda":
+            if not (qname is not None and qname.startswith("torch.")):
+                return self._cuda_method(original_node, updated_node)
+            self._finding(original_node, "unsupported", qname,  # torch.Tensor.cuda(x)
+                          f"unbound .cuda call: use x.to({self.backend.name!r})")
         if self._is_amp_callable(qname) and self._goes_to_torch_amp(func):
             assert qname is not None
             if id(original_node) not in self._unfixable_amp_calls:
@@ -550,22 +854,22 @@ class _Rewriter(cst.CSTTransformer):
                 self._finding(original_node, "unsupported", qname, reason)
         if qname in CPP_EXTENSION_LOADERS:
             self._cpp_extension(original_node, qname)
-        updated_node = self._pin_memory_off(original_node, updated_node)
-        return self._call_args(original_node, updated_node, qname)
+        result = self._call_args(original_node, updated_node, qname, rules)
+        if qname in GRAD_SCALERS and isinstance(result, cst.Call):
+            result = self._default_device(original_node, result, qname)
+        return result
 
-    def _pin_memory_off(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        """``pin_memory=<expr>`` -> ``pin_memory=False``: page-locked memory for the device
-        needs a host-allocator hook PyTorch 2.13 gives no Python backend, and with the
-        CUDA test migrated to the device the expression would turn it on."""
-        args = list(updated.args)
-        for i, arg in enumerate(args):
-            if arg.keyword is not None and arg.keyword.value == "pin_memory" and not (
-                    isinstance(arg.value, cst.Name) and arg.value.value == "False"):
-                args[i] = arg.with_changes(value=cst.Name("False"))
-                self._change(original.args[i], "pin-memory", _code(original.args[i].value),
-                             "False", "pinned host memory is not available for the device "
-                             "in PyTorch 2.13; copies stay correct, without overlap")
-        return updated.with_changes(args=args) if args != list(updated.args) else updated
+    def _default_device(self, original: cst.Call, updated: cst.Call, qname: str) -> cst.Call:
+        """``torch.amp.GradScaler()`` means ``GradScaler("cuda")``: name the backend."""
+        if any(arg.star or arg.keyword is None or arg.keyword.value == "device"
+               for arg in updated.args):
+            return updated
+        device = cst.Arg(value=cst.SimpleString(f'"{self.backend.name}"'))
+        result = updated.with_changes(args=_layout([device, *updated.args],
+                                                   _trailing(updated.args)))
+        self._change_nodes(original, result, "default-device",
+                           f"{qname.rsplit('.', 1)[1]}'s device defaults to \"cuda\"")
+        return result
 
     def _cuda_method(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         """``x.cuda(...)`` -> ``x.to("<name>...", ...)``, keeping the other arguments."""
@@ -574,12 +878,13 @@ class _Rewriter(cst.CSTTransformer):
             self._finding(original, "unsupported", ".cuda(*args)", "starred call; edit by hand")
             return updated
         device_arg: cst.Arg | None = None
+        device_orig: cst.BaseExpression | None = None
         rest: list[cst.Arg] = []
         positional = 0
-        for arg in args:
+        for orig_arg, arg in zip(original.args, args, strict=True):
             if arg.keyword is None:
                 if positional == 0:
-                    device_arg = arg
+                    device_arg, device_orig = arg, orig_arg.value
                 elif positional == 1:  # Tensor.cuda(device, non_blocking)
                     rest.append(arg.with_changes(keyword=cst.Name("non_blocking"), equal=_eq()))
                 else:
@@ -587,10 +892,11 @@ class _Rewriter(cst.CSTTransformer):
                     return updated
                 positional += 1
             elif arg.keyword.value == "device":
-                device_arg = arg
+                device_arg, device_orig = arg, orig_arg.value
             else:
                 rest.append(arg)
-        device, note = self._cuda_device_value(None if device_arg is None else device_arg.value)
+        device, note = self._cuda_device_value(
+            None if device_arg is None else device_arg.value, device_orig)
         if device_arg is None:
             first = cst.Arg(value=device)
         else:
@@ -607,32 +913,99 @@ class _Rewriter(cst.CSTTransformer):
         return result
 
     def _cuda_device_value(
-        self, value: cst.BaseExpression | None
+        self, value: cst.BaseExpression | None, original: cst.BaseExpression | None
     ) -> tuple[cst.BaseExpression, str]:
+        """The ``.to()`` argument for ``.cuda(value)``.
+
+        ``.cuda()`` takes None (the current device), an index, a string or a torch.device,
+        and so does ``.to()`` except for None (no move) and an index (the current
+        accelerator's device N, the backend's here). So: a literal becomes ``"sim..."``, a
+        value proven to be an int ``f"sim:{n}"``, one proven not None stays as it is, and
+        one that may be None becomes ``"sim" if x is None else x``.
+        """
         name = self.backend.name
-        if value is None or (isinstance(value, cst.Name) and value.value == "None"):
+        if value is None or _is_none(value):
             return cst.SimpleString(f'"{name}"'), ""
         if isinstance(value, cst.Integer):
             return cst.SimpleString(f'"{name}:{value.evaluated_value}"'), ""
         rewritten = rewrite_device_expr(value, self.backend)
         if rewritten is not None:
             return rewritten, ""
-        if isinstance(value, (cst.SimpleString, cst.FormattedString, cst.Call)):
-            return value, ""  # already a device (torch.device(...)) or not a CUDA string
-        code = _code(value)
-        note = f"assumes `{code}` is a device index"
-        if not any(ch in code for ch in "\"'\\\n#{}"):
-            fstring = cst.FormattedString(
-                parts=[
-                    cst.FormattedStringText(f"{name}:"),
-                    cst.FormattedStringExpression(expression=value),
-                ],
-                start='f"',
-                end='"',
-            )
-            return fstring, note
-        fmt = cst.Attribute(value=cst.SimpleString(f'"{name}:{{}}"'), attr=cst.Name("format"))
-        return cst.Call(func=fmt, args=[cst.Arg(value=value)]), note
+        if isinstance(value, (cst.SimpleString, cst.FormattedString, cst.ConcatenatedString)):
+            return value, ""  # not a CUDA string: .to() reads it as .cuda() did
+        assert original is not None
+        kind = self._value_kind(original)
+        code = _code(original)
+        if kind == "int":
+            if not any(ch in code for ch in "\"'\\\n#{}"):
+                fstring = cst.FormattedString(
+                    parts=[
+                        cst.FormattedStringText(f"{name}:"),
+                        cst.FormattedStringExpression(expression=value),
+                    ],
+                    start='f"',
+                    end='"',
+                )
+                return fstring, ""
+            fmt = cst.Attribute(value=cst.SimpleString(f'"{name}:{{}}"'), attr=cst.Name("format"))
+            return cst.Call(func=fmt, args=[cst.Arg(value=value)]), ""
+        if kind is not None or any(code in guard for guard in self._guards):
+            return value, ""
+        if isinstance(value, (cst.Name, cst.Attribute, cst.Subscript)):
+            test = cst.Comparison(left=value.deep_clone(), comparisons=[
+                cst.ComparisonTarget(operator=cst.Is(), comparator=cst.Name("None"))])
+            choice = cst.IfExp(test=test, body=cst.SimpleString(f'"{name}"'), orelse=value)
+            return choice, f"`{code}` may be None, which .cuda() takes as the current device"
+        return value, f"assumes `{code}` is not None (.cuda(None) is the current device)"
+
+    def _value_kind(self, node: cst.BaseExpression, depth: int = 0) -> str | None:
+        """"int", "value" (anything but None) or None (unknown) for a ``.cuda()`` argument."""
+        if isinstance(node, cst.Integer):
+            return "int"
+        if isinstance(node, (cst.SimpleString, cst.FormattedString, cst.ConcatenatedString)):
+            return "value"
+        if isinstance(node, cst.Call):
+            qname = self._qname(node.func) or _dotted(node.func) or ""
+            if qname in {"int", "len"}:
+                return "int"
+            return "value" if qname == "str" or qname.startswith("torch.") else None
+        if isinstance(node, cst.BinaryOperation):
+            sides = {self._value_kind(node.left, depth), self._value_kind(node.right, depth)}
+            return "int" if sides == {"int"} else "value"
+        if isinstance(node, cst.IfExp):
+            return _combine([self._value_kind(node.body, depth),
+                             self._value_kind(node.orelse, depth)])
+        if isinstance(node, cst.Name) and depth < 4:
+            return _combine([self._binding_kind(b, depth) for b in self._referents(node)] or
+                            [None])
+        if isinstance(node, cst.Attribute) and node.attr.value in self.survey.int_attrs:
+            return "int"  # args.gpu, from add_argument("--gpu", type=int, default=0)
+        return None
+
+    def _referents(self, node: cst.Name) -> list[cst.CSTNode | None]:
+        scope = self.get_metadata(ScopeProvider, node, None)
+        if scope is None:
+            return []
+        for access in scope.accesses[node.value]:
+            if access.node is node:
+                return [r.node if isinstance(r, Assignment) else None for r in access.referents]
+        return []
+
+    def _binding_kind(self, binding: cst.CSTNode | None, depth: int) -> str | None:
+        if isinstance(binding, cst.Param):
+            annotation, default = binding.annotation, binding.default
+        elif binding is not None and id(binding) in self.survey.bindings:
+            default, annotation = self.survey.bindings[id(binding)]
+            if default is not None and annotation is None:
+                return self._value_kind(default, depth + 1)
+        else:
+            return None
+        if annotation is None or _is_none(default):
+            return None
+        spelled = _code(annotation.annotation)
+        if spelled == "int":
+            return "int"
+        return "value" if spelled in {"str", "torch.device"} else None
 
     def _amp_call(self, original: cst.Call, updated: cst.Call, qname: str) -> cst.BaseExpression:
         """``torch.cuda.amp.autocast(...)`` -> ``torch.amp.autocast("<name>", ...)`` etc."""
@@ -683,11 +1056,9 @@ class _Rewriter(cst.CSTTransformer):
             reason = "builds CUDA sources; port the kernels to the backend"
             self._finding(original, "unsupported", qname, reason)
 
-    def _call_args(
-        self, original: cst.Call, updated: cst.Call, qname: str | None
-    ) -> cst.BaseExpression:
-        """Device / collective strings in the arguments of ordinary calls."""
-        func = original.func
+    def _rules_for(self, call: cst.Call, qname: str | None) -> list[_ArgRule | None]:
+        """What each argument of ``call`` holds, judged on the original node."""
+        func = call.func
         method = func.attr.value if isinstance(func, cst.Attribute) else None
         first_is_device = (
             qname in DEVICE_FIRST_ARG_CALLS
@@ -695,64 +1066,128 @@ class _Rewriter(cst.CSTTransformer):
             or (method == "to" and qname is None)
         )
         first_is_collective = (qname or method or "").endswith("init_process_group")
+        positional_values = [a.value for a in call.args if a.keyword is None and not a.star]
         argparse_hint = None
         if method == "add_argument":
-            for arg in original.args:
-                if arg.keyword is None and isinstance(arg.value, cst.SimpleString):
-                    argparse_hint = argparse_hint or _hint(_string_body(arg.value) or "")
-        args = list(updated.args)
+            for value in positional_values:
+                if isinstance(value, cst.SimpleString):
+                    argparse_hint = argparse_hint or _hint(_string_body(value) or "")
+        # os.environ.get("DEVICE", "cuda"), os.getenv("LOCAL_DEVICE", "cuda:0")
+        lookup_hint = None
+        if (method in {"get", "getenv", "setdefault", "pop"} and positional_values
+                and isinstance(positional_values[0], cst.SimpleString)):
+            lookup_hint = _hint(_string_body(positional_values[0]) or "")
+        # str(x.device).startswith("cuda")
+        prefix_test = (method in {"startswith", "endswith"} and isinstance(func, cst.Attribute)
+                       and self._is_device_operand(func.value))
+        rules: list[_ArgRule | None] = []
         positional = 0
-        changed = False
-        for index, (orig_arg, arg) in enumerate(zip(original.args, args, strict=True)):
+        for arg in call.args:
+            rule: _ArgRule | None = None
             if arg.star:
+                rules.append(None)
                 continue
-            kind: str | None = None
-            containers = False
             if arg.keyword is None:
                 if positional == 0 and first_is_device:
-                    kind = "device"
+                    rule = _ArgRule("device")
                 elif positional == 1 and qname == "torch.load":
-                    kind, containers = "device", True
+                    rule = _ArgRule("device", containers=True)
                 elif positional == 0 and first_is_collective:
-                    kind = "backend"
+                    rule = _ArgRule("backend")
+                elif positional == 1 and lookup_hint:
+                    rule = _ArgRule(lookup_hint)
+                elif positional == 0 and prefix_test:
+                    rule = _ArgRule("prefix")
                 positional += 1
             else:
                 keyword = arg.keyword.value
                 if _device_keyword(keyword) or (qname == "torch.device" and keyword == "type"):
-                    kind, containers = "device", keyword == "map_location"
+                    rule = _ArgRule("device", containers=keyword == "map_location")
                 elif "backend" in keyword.lower():
-                    kind = "backend"
+                    rule = _ArgRule("backend")
                 elif keyword in {"default", "choices"} and argparse_hint:
-                    kind, containers = argparse_hint, keyword == "choices"
-            new_value = None if kind is None else self._rewrite_value(arg.value, kind, containers)
+                    rule = _ArgRule(argparse_hint, containers=keyword == "choices")
+                else:  # f(accel="cuda"), add_argument(default="cuda")
+                    rule = _ArgRule("any", containers=True, strict=True)
+            rules.append(rule)
+        return rules
+
+    def _call_args(
+        self, original: cst.Call, updated: cst.Call, qname: str | None,
+        rules: list[_ArgRule | None] | None = None,
+    ) -> cst.BaseExpression:
+        """Device / collective strings in the arguments of ordinary calls."""
+        if rules is None:
+            rules = self._rules_for(original, qname)
+        args = list(updated.args)
+        changed = False
+        for index, (orig_arg, arg, rule) in enumerate(
+                zip(original.args, args, rules, strict=True)):
+            if rule is None:
+                continue
+            new_value = self._rewrite_value(arg.value, rule.kind, rule.containers, rule.strict)
             if new_value is None:
                 continue
             args[index] = arg.with_changes(value=new_value)
             changed = True
             note = ""
-            if containers and isinstance(arg.value, cst.Dict):
+            if rule.containers and rule.kind == "device" and isinstance(arg.value, cst.Dict):
                 note = "map_location keys name the device a checkpoint was saved on"
-            self._change_nodes(orig_arg, args[index], _rule(kind or ""), note)
+            self._change_nodes(orig_arg, args[index], self._rule_of(rule.kind, arg.value), note)
         return updated.with_changes(args=args) if changed else updated
 
     def _rewrite_value(
-        self, value: cst.BaseExpression, kind: str, containers: bool = False
+        self, value: cst.BaseExpression, kind: str, containers: bool = False,
+        strict: bool = False,
     ) -> cst.BaseExpression | None:
         if kind == "device":
-            return rewrite_device_expr(value, self.backend, containers=containers)
-        return rewrite_collective_expr(value, self.backend, containers=containers)
+            new = rewrite_device_expr(value, self.backend, containers=containers)
+            if new is None and containers is False:  # devices = ["cuda:0", "cuda:1"]
+                new = rewrite_device_expr(value, self.backend, containers=True, strict=True)
+            return new
+        if kind == "backend":
+            return rewrite_collective_expr(value, self.backend, containers=containers,
+                                           strict=strict)
+        if kind == "prefix":
+            if isinstance(value, cst.SimpleString) and _string_body(value) in {"cuda", "cuda:"}:
+                return _with_body(value, self.backend.name + (_string_body(value) or "")[4:])
+            return rewrite_device_expr(value, self.backend)
+        # "any": a place that takes no particular kind of string
+        return (rewrite_device_expr(value, self.backend, containers=containers, strict=True)
+                or rewrite_collective_expr(value, self.backend, containers=containers,
+                                           strict=True))
+
+    @staticmethod
+    def _rule_of(kind: str, before: cst.BaseExpression) -> str:
+        if kind != "any":
+            return _rule(kind)
+        return "device-string" if _is_strict_device(before) else "collective"
+
+    def _is_device_operand(self, node: cst.BaseExpression) -> bool:
+        """``x.device.type``, ``*device*``, ``str(dev)`` where ``dev`` holds a device..."""
+        if isinstance(node, cst.Attribute) and node.attr.value == "type":
+            return True
+        if (isinstance(node, cst.Call) and isinstance(node.func, cst.Name)
+                and node.func.value in {"str", "repr"} and len(node.args) == 1):
+            return self._is_device_operand(node.args[0].value)
+        code = _code(node)
+        if _hint(code) == "device" or code in self.survey.device_names:
+            return True
+        return isinstance(node, cst.Attribute) and node.attr.value in self.survey.device_attrs
 
     # ----------------------------------------------------------------- other contexts
 
     def leave_Comparison(
         self, original_node: cst.Comparison, updated_node: cst.Comparison
     ) -> cst.BaseExpression:
+        """``x.device.type == "cuda"``, ``"cuda" in str(device)``, ``dev == "cuda"``: CUDA's
+        answer is the spec, so the literal becomes the backend's name."""
         kind = None
         for operand in [original_node.left, *(c.comparator for c in original_node.comparisons)]:
             if isinstance(operand, (cst.SimpleString, cst.Tuple, cst.List, cst.Set)):
                 continue
-            if isinstance(operand, cst.Attribute) and operand.attr.value == "type":
-                kind = kind or "device"  # x.device.type == "cuda"
+            if self._is_device_operand(operand):
+                kind = kind or "device"
             kind = kind or _hint(_code(operand))
         if kind is None:
             return updated_node
@@ -771,23 +1206,32 @@ class _Rewriter(cst.CSTTransformer):
         self._change_nodes(original_node, result, _rule(kind))
         return result
 
+    def _strict_value(self, value: cst.BaseExpression, kind: str | None
+                      ) -> tuple[cst.BaseExpression | None, str]:
+        """Rewrite a value whose place says nothing (``kind`` None) or names its kind."""
+        if kind is None:
+            new = self._rewrite_value(value, "any", containers=True, strict=True)
+            return new, self._rule_of("any", value)
+        return self._rewrite_value(value, kind), _rule(kind)
+
     def _assigned(
         self,
         original: cst.Assign | cst.AnnAssign,
         updated: cst.Assign | cst.AnnAssign,
         targets: Sequence[cst.BaseExpression],
     ) -> cst.Assign | cst.AnnAssign:
-        """``device = "cuda"`` / ``backend = "nccl"``: the target's name says what it holds."""
+        """``device = "cuda"`` / ``backend = "nccl"``: the target's name says what it holds;
+        ``dev = "cuda"``, ``args.accel = "cuda:0"``: the value is a device string anyway."""
+        if updated.value is None:
+            return updated
         kind = None
         for target in targets:
             kind = kind or _hint(_code(target))
-        if kind is None or updated.value is None:
-            return updated
-        new = self._rewrite_value(updated.value, kind)
+        new, rule = self._strict_value(updated.value, kind)
         if new is None:
             return updated
         result = updated.with_changes(value=new)
-        self._change_nodes(original, result, _rule(kind))
+        self._change_nodes(original, result, rule)
         return result
 
     def leave_Assign(self, original_node: cst.Assign, updated_node: cst.Assign) -> cst.Assign:
@@ -805,27 +1249,63 @@ class _Rewriter(cst.CSTTransformer):
         return result
 
     def leave_Param(self, original_node: cst.Param, updated_node: cst.Param) -> cst.Param:
-        kind = _hint(original_node.name.value)
-        if kind is None or updated_node.default is None:
+        if updated_node.default is None:
             return updated_node
-        new = self._rewrite_value(updated_node.default, kind)
+        new, rule = self._strict_value(updated_node.default, _hint(original_node.name.value))
         if new is None:
             return updated_node
         result = updated_node.with_changes(default=new)
-        self._change_nodes(original_node, result, _rule(kind))
+        self._change_nodes(original_node, result, rule)
         return result
 
     def leave_DictElement(
         self, original_node: cst.DictElement, updated_node: cst.DictElement
     ) -> cst.DictElement:
-        if not isinstance(original_node.key, cst.SimpleString):
-            return updated_node
-        kind = _hint(_string_body(original_node.key) or "")
-        new = None if kind is None else self._rewrite_value(updated_node.value, kind)
+        key = original_node.key
+        body = _string_body(key) if isinstance(key, cst.SimpleString) else None
+        kind = _hint(body or "")
+        if kind is None and self._in_device_arg:
+            return updated_node  # map_location={...}: rewritten as a whole by the call
+        new, rule = self._strict_value(updated_node.value, kind)
         if new is None:
             return updated_node
         result = updated_node.with_changes(value=new)
-        self._change_nodes(original_node, result, _rule(kind or ""))
+        self._change_nodes(original_node, result, rule)
+        return result
+
+    def _strict_child(self, original: cst.CSTNode, updated: cst.CSTNode,
+                      field_name: str) -> cst.CSTNode:
+        """``return "cuda"``, ``lambda: "cuda:0"``, ``for d in ("cuda", "cpu")``."""
+        value = getattr(updated, field_name)
+        if value is None or not isinstance(value, cst.BaseExpression):
+            return updated
+        new, rule = self._strict_value(value, None)
+        if new is None:
+            return updated
+        result = updated.with_changes(**{field_name: new})
+        self._change(original, rule, _code(getattr(original, field_name)), _code(new))
+        return result
+
+    def leave_Return(self, original_node: cst.Return, updated_node: cst.Return) -> cst.Return:
+        result = self._strict_child(original_node, updated_node, "value")
+        assert isinstance(result, cst.Return)
+        return result
+
+    def leave_Yield(self, original_node: cst.Yield, updated_node: cst.Yield) -> cst.Yield:
+        result = self._strict_child(original_node, updated_node, "value")
+        assert isinstance(result, cst.Yield)
+        return result
+
+    def leave_Lambda(self, original_node: cst.Lambda, updated_node: cst.Lambda) -> cst.Lambda:
+        if self._in_device_arg:
+            return updated_node  # map_location=lambda s, loc: "cuda": the call's rule
+        result = self._strict_child(original_node, updated_node, "body")
+        assert isinstance(result, cst.Lambda)
+        return result
+
+    def leave_For(self, original_node: cst.For, updated_node: cst.For) -> cst.For:
+        result = self._strict_child(original_node, updated_node, "iter")
+        assert isinstance(result, cst.For)
         return result
 
     # ----------------------------------------------------------------- imports
@@ -992,7 +1472,14 @@ class _Rewriter(cst.CSTTransformer):
     # ----------------------------------------------------------------- module
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
-        if self.has_backend_import or not (self.imports_torch or self.changes):
+        self._report_leftovers(updated_node)
+        # A module changed for the device needs the backend, and so do one asking for the
+        # current accelerator and a script using torch (its device may come from the
+        # command line, or from a library such as transformers' Trainer picking the
+        # accelerator); a CPU-only module it imports stays byte-identical.
+        needed = (bool(self.changes) or self.uses_accelerator
+                  or (self.survey.entry_point and self.imports_torch))
+        if self.has_backend_import or not needed:
             return updated_node
         index, anchor, where = self._insertion_point(original_node)
         added = backend_import_line(self.backend)
@@ -1097,7 +1584,9 @@ def rewrite_source(
     """
     backend = Backend.parse(backend)
     wrapper = MetadataWrapper(cst.parse_module(source))
-    rewriter = _Rewriter(backend, path)
+    survey = _SurveyVisitor()
+    wrapper.module.visit(survey)
+    rewriter = _Rewriter(backend, path, survey.survey)
     new_module = wrapper.visit(rewriter)
     findings = sorted(rewriter.findings, key=lambda f: (f.line, f.column))
     if not rewriter.changes:

@@ -350,10 +350,19 @@ def _analyse(
         parameters = {}
     if report_dir is not None and "report_dir" in parameters:
         kwargs["report_dir"] = Path(report_dir)
+    if "transfer" in parameters:  # the migrated code must run on the device on its own
+        kwargs["transfer"] = False
     try:
         report = run_script_coverage(script, **kwargs)
     except Exception as exc:  # advisory only: the migration itself succeeded
-        return f"failed on {script}: {type(exc).__name__}: {exc}", None
+        return f"FAILED on {script}: {type(exc).__name__}: {exc}", None
+    if getattr(report, "ok", True) is False:  # the script crashed: its coverage is partial
+        from torchport.migrate.report import last_error_line
+
+        html = getattr(report, "html_path", None)
+        return (f"FAILED: {script} exited {getattr(report, 'exit_code', '?')}: "
+                f"{last_error_line(getattr(report, 'error', None))}",
+                Path(html) if html is not None else None)
     path = Path(report) if isinstance(report, (str, os.PathLike)) else None
     if path is not None and path.exists():
         return f"coverage of {script}", path

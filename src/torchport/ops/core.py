@@ -67,12 +67,19 @@ def copy_between(backend: Backend, dst: torch.Tensor, src: torch.Tensor,
         if src.device.type == name and src.device != dst.device and _plain_bytes(src, dst):
             rt = backend.runtime
             n = dst.numel() * dst.element_size()
-            if not non_blocking:
-                backend.host_sync(src.device.index)
-                backend.host_sync(dst.device.index)
-            rt.copy_d2d(backend.phys(dst.device.index), dst.data_ptr(),
-                        backend.phys(src.device.index), src.data_ptr(), n,
-                        backend.current_stream_handle(dst.device.index) if non_blocking else None)
+            di, si = dst.device.index, src.device.index
+            stream = backend.current_stream_handle(di) if non_blocking else None
+            if stream is None:  # the runtime copies now: after both devices' queued work
+                backend.host_sync(si)
+                backend.host_sync(di)
+                rt.copy_d2d(backend.phys(di), dst.data_ptr(), backend.phys(si), src.data_ptr(), n)
+                return dst
+            if rt.asynchronous:  # CUDA's two-way barrier between the two current streams
+                _stream_waits(backend, di, stream, si, backend.current_stream_handle(si))
+            rt.copy_d2d(backend.phys(di), dst.data_ptr(), backend.phys(si), src.data_ptr(), n,
+                        stream)
+            if rt.asynchronous:
+                _stream_waits(backend, si, backend.current_stream_handle(si), di, stream)
             return dst
         if src.device.type == name:
             src = _host_values(backend, src)
@@ -86,6 +93,20 @@ def copy_between(backend: Backend, dst: torch.Tensor, src: torch.Tensor,
                            f"go through the CPU")
     dst.copy_(_host_values(backend, src))
     return dst
+
+
+def _stream_waits(backend: Backend, index: int, stream: Any, other: int, other_stream: Any) -> None:
+    """Make later work on ``stream`` of device ``index`` wait for the work queued so far on
+    ``other_stream`` of device ``other``. A non-blocking copy between two devices is ordered
+    this way both ways, as CUDA's is: after what the source's current stream queued (its
+    producer) and what the destination's did, and before what either queues next (a write
+    to the source, a free of its block)."""
+    rt = backend.runtime
+    p = backend.phys(other)
+    event = rt.create_event(p)
+    rt.record_event(p, event, other_stream)
+    rt.stream_wait_event(backend.phys(index), stream, event)
+    rt.destroy_event(p, event)  # as CUDA allows once the wait is queued
 
 
 def _assert_no_partial_overlap(dst: torch.Tensor, src: torch.Tensor) -> None:

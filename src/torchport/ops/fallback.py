@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -63,6 +64,9 @@ _FORCED_CACHE: dict[str, bool] = {}
 _ENABLED = os.environ.get("TORCHPORT_FALLBACK", "1") != "0"
 _WARN = os.environ.get("TORCHPORT_FALLBACK_WARN", "1") != "0"
 _WARNED: set[str] = set()
+_HAS_CPU_KERNEL: dict[str, bool] = {}  # qualified op name -> the CPU can run it
+_INTERNAL_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep
+                       for m in (torch, sys.modules["torchport"]))
 
 
 _SLOW_LISTENERS: list[Callable[[bool], None]] = []
@@ -207,6 +211,16 @@ def _dtype_text(args: tuple, kwargs: dict) -> str:
 def run_cpu(backend: Backend, op: Any, name: str, args: tuple, kwargs: dict,
             forced: bool = False) -> Any:
     """The CPU fallback proper (raises when it is turned off and the op is not forced)."""
+    qualified = op.name()
+    has_cpu = _HAS_CPU_KERNEL.get(qualified)
+    if has_cpu is None:
+        has_cpu = _HAS_CPU_KERNEL[qualified] = \
+            torch._C._dispatch_has_computed_kernel_for_dispatch_key(qualified, "CPU")
+    if not has_cpu:
+        raise NotImplementedError(
+            f"{name} ({_dtype_text(args, kwargs)}) has no {backend.name} kernel and PyTorch has "
+            f"no CPU kernel to fall back to (a CUDA-only op); add a {backend.name} kernel for "
+            f"it, or use an op the device supports")
     if not forced:
         if not _ENABLED:
             raise NotImplementedError(
@@ -217,7 +231,7 @@ def run_cpu(backend: Backend, op: Any, name: str, args: tuple, kwargs: dict,
             warnings.warn(
                 f"{name} ({_dtype_text(args, kwargs)}) has no {backend.name} kernel; running it "
                 f"on the CPU (TORCHPORT_FALLBACK_WARN=0 silences this)", FallbackWarning,
-                stacklevel=2)
+                stacklevel=_user_stacklevel())
     if not stats.ENABLED:
         return hostexec.run_on_host(backend, op, args, kwargs)
     t0 = time.perf_counter()
@@ -225,6 +239,15 @@ def run_cpu(backend: Backend, op: Any, name: str, args: tuple, kwargs: dict,
         return hostexec.run_on_host(backend, op, args, kwargs)
     finally:
         stats.add(name, "fallback", args, kwargs, time.perf_counter() - t0)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` naming the first frame outside torch and torchport: the user's
+    line that led to the op, as a warning about their code should."""
+    frame, level = sys._getframe(2), 2  # run_cpu's caller
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 def _choose_path(backend: Backend, op: Any, name: str, args: tuple,

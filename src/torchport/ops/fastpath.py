@@ -54,6 +54,17 @@ def in_place(op: torch._ops.OpOverload) -> bool:
             and not p.has_device_arg and all(a == first for a in p.return_alias))
 
 
+def writes_lists_in_place(op: torch._ops.OpOverload) -> bool:
+    """An in-place op writing several tensor lists and returning nothing: the fused
+    optimizers (``_fused_adamw_`` updates parameters, gradients, moments). Like
+    :func:`in_place` ops, they never resize and draw no random numbers."""
+    p = plan_for(op)
+    types = {a.name: str(a.type) for a in op._schema.arguments}
+    return (op._schema.name.endswith("_") and p.num_returns == 0 and len(p.write_args) > 1
+            and not p.random and not p.has_device_arg
+            and all(types[n] == "List[Tensor]" for n in p.write_args))
+
+
 def _device_views(args: tuple, kwargs: dict, views: hostviews.HostViews,
                   bits: bool = True, key: list | None = None) -> list | None:
     """``args`` with every device tensor (also inside tensor lists) replaced by the chip's
@@ -131,6 +142,43 @@ def _inplace_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostview
         return args[0] if returns_self else None
 
     return _on_views(op, views, general, slow, body)
+
+
+def _lists_inplace_kernel(backend: Backend, op: torch._ops.OpOverload,
+                          views: hostviews.HostViews, general: Callable[[tuple, dict], Any],
+                          slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
+    """:func:`writes_lists_in_place` ops on the chip's zero-copy views, the keyword tensors
+    (a fused optimizer's ``lr``, ``grad_scale``, ``found_inf``) mapped too: the CPU kernel
+    updates device memory directly, with no per-tensor schema walk. With an asynchronous
+    runtime the host computes after the work queued on the device's current stream, as
+    the general path does for every in-place op."""
+    asynchronous = backend.runtime.asynchronous
+    boxed = op._handle.redispatch_boxed
+    bits = _sees_view_bits(op)
+    fb = fallback
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if slow is not None and fb.SLOW:
+            return slow(args, kwargs)
+        named = [k for k, v in kwargs.items() if isinstance(v, Tensor)]
+        if named:
+            rest = {k: v for k, v in kwargs.items() if k not in named}
+            mapped = _device_views((*args, *(kwargs[k] for k in named)), rest, views, bits)
+            if mapped is None:
+                return general(args, kwargs)
+            cargs = mapped[:len(args)]
+            ckwargs = {**rest, **dict(zip(named, mapped[len(args):], strict=True))}
+        else:
+            cargs = _device_views(args, kwargs, views, bits)
+            if cargs is None:
+                return general(args, kwargs)
+            ckwargs = kwargs
+        if asynchronous:
+            backend.host_sync(next(hostexec._iter_tensors(args, kwargs)).device.index)
+        boxed(_CPU_KS, *cargs, **ckwargs)
+        return None
+
+    return kernel
 
 
 def _on_views(op: torch._ops.OpOverload, views: hostviews.HostViews,
@@ -483,6 +531,10 @@ def host_kernel(backend: Backend, op: torch._ops.OpOverload, to_cpu: Callable[[T
     if in_place(op):
         return _inplace_kernel(backend, op, hostviews.for_to_cpu(to_cpu, backend.devices),
                                general, slow)
+    if writes_lists_in_place(op):
+        return _lists_inplace_kernel(backend, op,
+                                     hostviews.for_to_cpu(to_cpu, backend.devices), general,
+                                     slow)
     if factory(op):
         return _factory_kernel(backend, op, hostviews.for_to_cpu(to_cpu, backend.devices),
                                general, slow)

@@ -73,8 +73,10 @@ MODEL_OPS = [
     "bernoulli", "bernoulli_", "normal", "normal_", "uniform_", "random_", "exponential_",
     "native_dropout", "native_dropout_backward", "randperm", "multinomial", "rand", "randn",
     "randint",
-    # optimizer support
+    # optimizer support (the fused optimizers: torch.optim's fused=True, the Trainer's
+    # default AdamW; their CPU kernels compute what CPU optimizers with fused=True do)
     "_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_",
+    "_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_",
 ]
 
 # The rest of the Core ATen opset (overloads tagged torch.Tag.core with a backend
