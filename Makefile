@@ -28,9 +28,6 @@ demo: $(STAMP)
 MODE_TESTS := tests/test_core_*.py tests/conformance tests/test_ops_hotpath.py \
 	tests/test_ops_derive.py tests/test_ops_device_routes.py tests/test_ops_cpu_parity.py \
 	tests/test_ops_layouts.py tests/test_dynamo_device.py tests/test_integrations_hf.py
-# The porting tools' tests (mostly subprocesses) run as a fourth process in the default mode.
-TOOL_TESTS := $(wildcard tests/test_migrate*.py tests/test_transfer*.py tests/test_debug_*.py) \
-	tests/test_cli.py tests/test_porting_errors.py
 MODE_PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 test: $(STAMP)
 	logs=$$(mktemp -d); rc=0; \
@@ -39,11 +36,8 @@ test: $(STAMP)
 		> $$logs/strict 2>&1 & strict=$$!; \
 	TORCHPORT_SIM_ASYNC=1 $(MODE_PYTEST) $(MODE_TESTS) tests/test_streams.py \
 		tests/test_migrate_examples.py > $$logs/async 2>&1 & async=$$!; \
-	$(MODE_PYTEST) $(TOOL_TESTS) > $$logs/tools 2>&1 & tools=$$!; \
-	$(BIN)/python -m pytest -q --durations=15 tests --ignore=tests/test_real_scripts.py \
-		$(TOOL_TESTS:%=--ignore=%) || rc=1; \
-	wait $$strict || rc=1; wait $$async || rc=1; wait $$tools || rc=1; \
-	echo "== porting tools"; cat $$logs/tools; \
+	$(BIN)/python -m pytest -q --durations=15 tests --ignore=tests/test_real_scripts.py || rc=1; \
+	wait $$strict || rc=1; wait $$async || rc=1; \
 	echo "== TORCHPORT_SIM_STRICT=1"; cat $$logs/strict; \
 	echo "== TORCHPORT_SIM_ASYNC=1"; cat $$logs/async; rm -rf $$logs; exit $$rc
 
@@ -93,7 +87,7 @@ stress: $(STAMP)
 		tests/test_reliability_allocator.py || rc=1; \
 	exit $$rc
 
-# Medians and ratios against native CPU in the same run (figures in the README).
+# Medians and ratios against native CPU in the same run (figures in docs/performance.md).
 bench: $(STAMP)
 	$(BIN)/python benchmarks/op_overhead.py
 	$(BIN)/python benchmarks/op_overhead.py --cold --number 300

@@ -47,12 +47,13 @@ class Case:
 
 
 CASES = {
-    "mnist": Case("mnist_accelerator.py", ["--epochs", "1", "--dropout", "0"], quick=WAYS),
+    "mnist": Case("mnist_accelerator.py", ["--epochs", "1", "--dropout", "0"],
+                  quick=("run", "migrate")),
     "classic": Case("classic_cuda.py", ["--epochs", "2"]),
     "data_parallel": Case("data_parallel.py", ["--steps", "3"], rel=1e-12),
     "ddp_spawn": Case("ddp_spawn.py", ["--epochs", "1"], rel=1e-6, timeout=400),
-    "trainer_fp32": Case("hf_trainer.py", ["--steps", "4"], env={"TORCHPORT_VISIBLE_DEVICES": "0"},
-                         quick=("run",)),
+    "trainer_fp32": Case("hf_trainer.py", ["--steps", "4"],
+                         env={"TORCHPORT_VISIBLE_DEVICES": "0"}),
     # Under transfer the Trainer sees two GPUs: nn.DataParallel over sim:0/sim:1 with 4
     # samples each, against one CPU batch of 8; transformers logs the loss times n_gpu
     # there (trainer.py: ``loss *= ... n_gpu``), as on two GPUs. Migrated, the device is

@@ -45,6 +45,107 @@ KNOWN_VARIABLES: dict[str, tuple[str | None, str]] = {
 }
 
 
+# The long description of each variable, for docs/configuration.md (``torchport info`` shows
+# the short meaning above): name -> (default as documented, description in Markdown).
+# A variable missing here is documented with its short meaning.
+VARIABLE_DOCS: dict[str, tuple[str, str]] = {
+    "TORCHPORT_SIM_DEVICES": ("`2`", "number of sim devices"),
+    "TORCHPORT_SIM_MEMORY": ("`8GiB`", "memory per sim device (`512MiB`, `8GiB`, bytes)"),
+    "TORCHPORT_SIM_STRICT": ("`0`", "`1`: device-only memory (fake addresses, runtime copies "
+                                    "only)"),
+    "TORCHPORT_SIM_ASYNC": ("`0`", "`1`: sim streams run runtime work on worker threads "
+                                   "(see [streams](streams-rng-amp.md))"),
+    "TORCHPORT_LAUNCH_BLOCKING": ("`0`", "`1`: every launch synchronous (debugging)"),
+    "TORCHPORT_TRANSFER": ("`0`", "`1`: run CUDA code on the device (see [Running CUDA code "
+                                  "unchanged](cuda-code.md))"),
+    "TORCHPORT_AUTOLOAD": (
+        "none",
+        "backend (as `--backend`) that every `import torch` registers, through PyTorch's "
+        "device-backend autoload; `torchport run` exports it with `TORCHPORT_TRANSFER=1`, so "
+        "processes the script starts (`torch.multiprocessing.spawn`, `multiprocessing`, "
+        "`subprocess`) run on the device too (`TORCH_DEVICE_BACKEND_AUTOLOAD=0` turns autoload "
+        "off)"),
+    "TORCHPORT_VISIBLE_DEVICES": ("all", "comma list of physical devices to use, renumbered "
+                                         "from 0 (like `CUDA_VISIBLE_DEVICES`)"),
+    "TORCHPORT_HF_INTEGRATION": (
+        "`1`",
+        "`0`: leave Hugging Face accelerate and transformers alone (see [Hugging Face Trainer "
+        "and accelerate](cuda-code.md)); by default they choose the device as a GPU"),
+    "TORCHPORT_BACKEND": ("`sim`", "backend for `torchport run` / `coverage` / `info`"),
+    "TORCHPORT_FORCE_FALLBACK_OPS": (
+        "none",
+        "comma-separated regexes matched in full against overload names (`add.out`, "
+        "`.*\\.Scalar`, `addmm` or `addmm.default`): those ops run on the CPU"),
+    "TORCHPORT_FALLBACK": ("`1`", "`0`: an op with no kernel raises `NotImplementedError` "
+                                  "(naming op and dtypes) instead of running on the CPU"),
+    "TORCHPORT_FALLBACK_WARN": ("`1`", "`0`: no `FallbackWarning` (one per op) when an op "
+                                       "first falls back"),
+    "TORCHPORT_OP_STATS": ("`0`", "`1`: record op statistics for the whole process, print the "
+                                  "table at exit"),
+    "TORCHPORT_NATIVE": (
+        "`1`",
+        "`0`: no C++ library: view ops run the Python view kernels instead of PyTorch's C++ "
+        "ones, `pin_memory()` returns unpinned copies (one warning), and the device guard is "
+        "PyTorch's Python one, which resolves an index-less device name to 0 in "
+        "`torch.tensor`, `Tensor.to` and `torch.accelerator` (see "
+        "[Limitations](limitations.md))"),
+    "TORCHPORT_CACHE_DIR": ("`~/.cache/torchport`", "where the C++ library (view kernels, "
+                                                    "device guard) is compiled, once per torch "
+                                                    "and Python version"),
+    "TORCHPORT_AUTOCOMPARE": ("none", "op regexes (same rules) checked against the CPU on "
+                                      "every call (see [porting tools](porting-tools.md))"),
+    "TORCHPORT_AUTOCOMPARE_RAISE": ("`0`", "`1`: the first autocompare mismatch raises"),
+    "TORCHPORT_DUMP_OPS": ("`0`", "`1`-`3`: print each device op (path; + argument metadata; "
+                                  "+ values) to stderr"),
+    "TORCHPORT_DUMP_DIR": ("none", "write each op call's inputs/outputs (safetensors) and "
+                                   "`manifest.jsonl` there"),
+    "TORCHPORT_DUMP_FILTER": ("all", "dump only these ops (op regexes)"),
+    "TORCHPORT_DUMP_RANGE": ("all", "dump only call indices `start:end`"),
+    "TORCHPORT_DUMP_MAX_BYTES": ("all", "dump tensors up to this size (larger: statistics "
+                                        "only)"),
+    "TORCHPORT_DUMP_CPU": ("`0`", "`1`: dump the ATen ops of a CPU run in the same format (the "
+                                  "reference)"),
+}
+
+# Settings the test suite reads (not torchport itself): ``torchport info`` lists them when
+# set, as "test", instead of flagging them unknown.
+# name -> (default, short meaning, long description).
+TEST_VARIABLES: dict[str, tuple[str, str, str]] = {
+    "TORCHPORT_FULL_MODELS": ("0", "1: tests/test_models_hf.py runs all 29 architectures",
+                              "`1`: `tests/test_models_hf.py` runs all 29 architectures "
+                              "(`make conformance`), not its seven"),
+    "TORCHPORT_FULL_SCRIPTS": ("0", "1: tests/test_real_scripts.py runs every script every way",
+                               "`1`: `tests/test_real_scripts.py` runs every script every way "
+                               "(`make examples`), not its subset"),
+}
+
+CONFIGURATION_INTRO = (
+    "torchport reads these environment variables; `torchport info` shows each one's value "
+    "in effect and where it comes from (environment, default, or `unknown`: a name torchport "
+    "does not read, usually a typo). The last ones are settings of the test suite, not of "
+    "torchport. This page is generated from `src/torchport/info.py` (`KNOWN_VARIABLES`, "
+    "`VARIABLE_DOCS`, `TEST_VARIABLES`): edit it there and run "
+    "`python -m torchport.info --markdown > docs/configuration.md`."
+)
+
+
+def configuration_markdown() -> str:
+    """docs/configuration.md: every variable with its long description and default."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["# Configuration: environment variables", "", CONFIGURATION_INTRO, "",
+             "| variable | meaning | default |", "| --- | --- | --- |"]
+    for name, (default, meaning) in KNOWN_VARIABLES.items():
+        doc_default, doc = VARIABLE_DOCS.get(
+            name, ("none" if default is None else f"`{default}`", meaning))
+        lines.append(f"| `{name}` | {cell(doc)} | {doc_default} |")
+    for name, (default, _meaning, doc) in TEST_VARIABLES.items():
+        lines.append(f"| `{name}` | test setting: {cell(doc)} | `{default}` |")
+    return "\n".join(lines) + "\n"
+
+
 def env_settings() -> dict[str, str]:
     """Every ``TORCHPORT_*`` variable set in this process."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCHPORT_")}
@@ -69,7 +170,11 @@ def settings(error: str | None = None) -> list[dict[str, Any]]:
             rows.append({"name": name, "value": default, "source": "default",
                          "default": default, "meaning": meaning})
     for name, value in env.items():
-        if name not in KNOWN_VARIABLES:
+        if name in TEST_VARIABLES:
+            default, meaning, _doc = TEST_VARIABLES[name]
+            rows.append({"name": name, "value": value, "source": "test", "default": default,
+                         "meaning": meaning})
+        elif name not in KNOWN_VARIABLES:
             rows.append({"name": name, "value": value, "source": "unknown", "default": None,
                          "meaning": "not read by torchport (typo?)"})
     return rows
@@ -182,3 +287,11 @@ def register(app: typer.Typer) -> None:
             con.print(f"forced to fallback: {', '.join(data['forced_fallback'])}")
         if failed:
             raise typer.Exit(1)
+
+
+if __name__ == "__main__":  # python -m torchport.info --markdown > docs/configuration.md
+    import sys
+
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python -m torchport.info --markdown > docs/configuration.md")
+    sys.stdout.write(configuration_markdown())
