@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "ops" / "native_views.cpp", _HERE / "native_guard.cpp",
-           _HERE / "native_hooks.cpp")
+# every ``native_*.cpp`` beside this file is a part of the one library
+SOURCES = (_HERE / "ops" / "native_views.cpp", *sorted(_HERE.glob("native_*.cpp")))
 _cpp: ctypes.CDLL | None = None
 _tried = False
 UNAVAILABLE = ""  # why the library could not be built or loaded, when it could not
