@@ -65,6 +65,13 @@ def test_info_json(app: typer.Typer, monkeypatch: pytest.MonkeyPatch) -> None:
     assert dev["device"] == "sim:0" and dev["total_memory"] > 0
     assert {"allocated", "reserved", "name"} <= dev.keys()
     assert data["environment"]["TORCHPORT_FALLBACK_WARN"] == "0"
+    from torchport import native
+
+    layer = data["backend"]["layer"]
+    if native.loaded() is not None:
+        assert layer.startswith("C++: ") and "device guard" in layer, layer
+    else:
+        assert layer.startswith("Python ("), layer
     by_name = {s["name"]: s for s in data["settings"]}
     assert set(KNOWN_VARIABLES) <= by_name.keys()
     assert by_name["TORCHPORT_FALLBACK_WARN"]["source"] == "environment"

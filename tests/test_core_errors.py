@@ -42,11 +42,16 @@ try:
 except TypeError as e:
     print("ERR", e)
 print(x.cpu().tolist(), torch.sim.get_amp_supported_dtype())
+from torchport import native
+if native.loaded() is not None:
+    cap = torch.accelerator.get_device_capability()["supported_dtypes"]
+    print("CAP", torch.float64 in cap, torch.qint8 in cap, torch.float32 in cap)
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "ERR sim does not support torch.float64" in r.stdout
     assert "[1.0, 1.0]" in r.stdout
+    assert "CAP" not in r.stdout or "CAP False False True" in r.stdout
 
 
 @pytest.mark.parametrize("make", [

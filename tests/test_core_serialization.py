@@ -55,3 +55,19 @@ def test_load_with_fewer_devices_is_clear(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "ERR" in r.stdout and "map_location" in r.stdout
     assert r.stdout.strip().endswith("sim:0")
+
+
+def test_backend_metadata_travels_through_a_checkpoint(tmp_path):
+    from torchport import native
+
+    x = torch.randn(3, device="sim:1")
+    torch._utils.set_tensor_metadata(x, {"nz_format": True, "cached": False})
+    if native.loaded() is None:  # no C++ hook: PyTorch drops backend entries, as elsewhere
+        assert torch._utils.get_tensor_metadata(x) == {}
+        return
+    assert torch._utils.get_tensor_metadata(x) == {"nz_format": True, "cached": False}
+    torch.save({"x": x, "plain": x.clone()}, tmp_path / "ck.pt")
+    back = torch.load(tmp_path / "ck.pt")
+    assert back["x"].device == torch.device("sim:1") and torch.equal(back["x"].cpu(), x.cpu())
+    assert torch._utils.get_tensor_metadata(back["x"]) == {"nz_format": True, "cached": False}
+    assert torch._utils.get_tensor_metadata(back["plain"]) == {}

@@ -335,6 +335,7 @@ class Backend:
             forking,
             pinned,
             serialization,
+            streams,
             tensor_types,
         )
         from torchport.features import FEATURE_MODULES
@@ -354,6 +355,10 @@ class Backend:
                 device_guard=_Guard())
             # the guard in C++, where the library loads: the real current device
             self._guard_device = native.use_guard(self.device_count())
+            if self._guard_device is not None:  # its streams and events are the device's
+                streams.connect_guard(self, self._guard_device)
+                self._guard_device.set_unsupported(self.runtime.unsupported_dtypes
+                                                   | QUANTIZED_DTYPES)
             torch.utils.generate_methods_for_privateuse1_backend(
                 for_tensor=False, for_module=False, for_packed_sequence=False, for_storage=True,
                 unsupported_dtype=list(self.runtime.unsupported_dtypes))
@@ -363,14 +368,31 @@ class Backend:
             forking.install(self)
             dynamo_device.install(self)
             pinned.install(self, hooks_in_cpp)
-            # The Python device guard reports one device; the autograd engine's per-device
-            # threads would assert on index >= 1 (see DESIGN-NOTES).
-            torch.autograd.set_multithreading_enabled(False)
+            if self._guard_device is None:
+                self._autograd_in_calling_threads()
         except Exception:
             _ACTIVE = None
             raise
         self.registered = True
         return self
+
+
+    def _autograd_in_calling_threads(self) -> None:
+        """Without the C++ guard PyTorch's Python guard reports one device, and the autograd
+        engine's per-device threads would assert on an index >= 1; its switch to run backward
+        in the calling thread is per thread, so it is turned on here and in every thread at
+        its first device allocation (backward makes its first gradient on the device)."""
+        torch.autograd.set_multithreading_enabled(False)
+        done = threading.local()
+        done.off = True
+        for alloc in self.allocators:
+            def malloc(nbytes: int, stream: Any = None, _malloc: Any = alloc.malloc) -> Any:
+                if not getattr(done, "off", False):
+                    done.off = True
+                    torch.autograd.set_multithreading_enabled(False)
+                return _malloc(nbytes, stream)
+
+            alloc.malloc = malloc  # type: ignore[method-assign]
 
 
 def active_backend() -> Backend:

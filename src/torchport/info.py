@@ -185,6 +185,7 @@ def collect(backend: str = "sim") -> dict[str, Any]:
     import torch
 
     import torchport
+    from torchport import native
     from torchport.run import load_backend
 
     versions = {"torchport": torchport.__version__, "torch": torch.__version__,
@@ -226,7 +227,7 @@ def collect(backend: str = "sim") -> dict[str, Any]:
         "backend": {"name": b.name, "runtime": type(b.runtime).__name__,
                     "memory": "host-addressable" if b.runtime.host_addressable
                     else "device-only",
-                    "device_count": b.device_count()},
+                    "device_count": b.device_count(), "layer": native.describe()},
         "devices": devices,
         "forced_fallback": forced,
         "environment": env_settings(),
@@ -271,6 +272,7 @@ def register(app: typer.Typer) -> None:
         else:
             con.print(f"backend: {b['name']} ({b['runtime']}, {b['memory']} memory), "
                       f"{b['device_count']} device(s)")
+            con.print(f"device layer: {b['layer']}", highlight=False)
             t = Table("device", "name", "capacity", "allocated", "reserved", "free")
             for d in data["devices"]:
                 t.add_row(d["device"], d["name"], _gib(d["total_memory"]), str(d["allocated"]),

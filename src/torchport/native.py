@@ -33,8 +33,9 @@ import shlex
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,6 +45,22 @@ SOURCES = (_HERE / "ops" / "native_views.cpp", *sorted(_HERE.glob("native_*.cpp"
 _cpp: ctypes.CDLL | None = None
 _tried = False
 UNAVAILABLE = ""  # why the library could not be built or loaded, when it could not
+ENABLED: list[str] = []  # the parts of the C++ device layer this process registered
+
+
+def enabled(part: str) -> None:
+    """Note that ``part`` of the C++ device layer serves (``torchport info`` lists them)."""
+    if part not in ENABLED:
+        ENABLED.append(part)
+
+
+def describe() -> str:
+    """Which device layer serves this process: the C++ parts, or why the Python one."""
+    if not wanted():
+        return "Python (TORCHPORT_NATIVE=0)"
+    if _cpp is None:
+        return f"Python (C++ library unavailable: {UNAVAILABLE or 'not loaded'})"
+    return "C++: " + (", ".join(ENABLED) or "view kernels")
 
 
 class NativeCodeWarning(RuntimeWarning):
@@ -97,7 +114,8 @@ def build() -> Path:
         done = subprocess.CompletedProcess(cmd, 1, "", str(e))
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines()
-        failed.write_text(f"{cmd[0]} failed: {lines[-1] if lines else done.returncode} "
+        errors = [line for line in lines if "error" in line] or lines  # the first error
+        failed.write_text(f"{cmd[0]} failed: {errors[0] if errors else done.returncode} "
                           f"(remove {where} to try again)")
         raise RuntimeError(failed.read_text())
     os.replace(partial, path)  # atomic: a process building at the same time is harmless
@@ -131,17 +149,55 @@ def loaded() -> ctypes.CDLL | None:
     return _cpp
 
 
+# The guard's callback into the stream layer: (op, a, b, c, int out, float out) -> status.
+GUARD_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
+                                  ctypes.c_longlong, ctypes.c_longlong,
+                                  ctypes.POINTER(ctypes.c_longlong),
+                                  ctypes.POINTER(ctypes.c_double))
+
+
 class GuardDevice:
-    """The C++ guard's per-thread current device, read and written from Python: one
-    state for torchport, ``torch.accelerator`` and PyTorch's own index resolution."""
+    """The C++ guard's per-thread state, read and written from Python: one current device
+    and one current stream per device for torchport, ``torch.accelerator``, ``torch.Stream``
+    and PyTorch's own index resolution and autograd engine."""
 
     def __init__(self, cpp: ctypes.CDLL) -> None:
-        self.get: Callable[[], int] = cpp.torchport_guard_get_device
-        self.get.restype = ctypes.c_int
-        self.get.argtypes = []
-        self.set: Callable[[int], None] = cpp.torchport_guard_set_device
-        self.set.restype = None
-        self.set.argtypes = [ctypes.c_int]
+        self.get: Callable[[], int] = _fn(cpp.torchport_guard_get_device, ctypes.c_int)
+        self.set: Callable[[int], None] = _fn(cpp.torchport_guard_set_device, None,
+                                              ctypes.c_int)
+        self.get_stream: Callable[[int], int] = _fn(cpp.torchport_guard_get_stream,
+                                                    ctypes.c_longlong, ctypes.c_int)
+        self.set_stream: Callable[[int, int], None] = _fn(
+            cpp.torchport_guard_set_stream, None, ctypes.c_int, ctypes.c_longlong)
+        self.fail: Callable[[bytes], None] = _fn(cpp.torchport_guard_fail, None,
+                                                 ctypes.c_char_p)
+        self._set_callback = _fn(cpp.torchport_guard_set_callback, None, GUARD_CALLBACK)
+        self._set_unsupported = _fn(cpp.torchport_guard_set_unsupported, None,
+                                    ctypes.c_char_p)
+        self._callback: Any = None  # the ctypes callback object, kept alive while set
+
+    def set_callback(self, fn: Callable[..., int] | None) -> None:
+        """Route the guard's stream and event work to ``fn`` (``None``: to nowhere)."""
+        self._callback = GUARD_CALLBACK() if fn is None else GUARD_CALLBACK(fn)  # () is NULL
+        self._set_callback(self._callback)
+
+    def set_unsupported(self, dtypes: Iterable[torch.dtype]) -> None:
+        """The dtypes ``torch.accelerator.get_device_capability`` reports unsupported."""
+        # a dtype's C++ name is the one in its legacy tensor type: torch.DoubleTensor
+        names = [_QUANTIZED_NAMES.get(d) or
+                 torch.empty(0, dtype=d).type().rsplit(".", 1)[-1][:-len("Tensor")]
+                 for d in dtypes]
+        self._set_unsupported(",".join(names).encode())
+
+
+_QUANTIZED_NAMES = {torch.qint8: "QInt8", torch.quint8: "QUInt8", torch.qint32: "QInt32",
+                    torch.quint4x2: "QUInt4x2", torch.quint2x4: "QUInt2x4"}
+
+
+def _fn(f: Any, restype: Any, *argtypes: Any) -> Any:
+    f.restype = restype
+    f.argtypes = list(argtypes)
+    return f
 
 
 def use_guard(device_count: int) -> GuardDevice | None:
@@ -154,6 +210,7 @@ def use_guard(device_count: int) -> GuardDevice | None:
     cpp.torchport_guard_enable.argtypes = [ctypes.c_int]
     if not cpp.torchport_guard_enable(device_count):
         return None
+    enabled("device guard (current device, streams, events)")
     return GuardDevice(cpp)
 
 
@@ -166,7 +223,10 @@ def use_hooks(device_count: int) -> bool:
     if cpp is None:
         return False
     cpp.torchport_hooks_enable.argtypes = [ctypes.c_int]
-    return bool(cpp.torchport_hooks_enable(device_count))
+    if not cpp.torchport_hooks_enable(device_count):
+        return False
+    enabled("accelerator hooks (pinned memory)")
+    return True
 
 
 def pinned_bytes() -> int:

@@ -9,6 +9,7 @@ own allocator instead.
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,3 +36,17 @@ def install(backend: Backend) -> None:
         return out.untyped_storage()
 
     torch.UntypedStorage.__new__ = staticmethod(storage_new)
+    _keep_backend_metadata()
+
+
+def _keep_backend_metadata() -> None:
+    """Backend entries of ``torch._utils.set_tensor_metadata`` kept on device tensors and
+    through ``torch.save``/``torch.load`` (``native_metadata.cpp``), where the C++ library
+    loads; without it PyTorch ignores them, as for any device without the hook."""
+    from torchport import native
+
+    cpp = native.load()
+    if cpp is not None:
+        cpp.torchport_metadata_enable.restype = ctypes.c_int
+        if cpp.torchport_metadata_enable():
+            native.enabled("backend metadata in checkpoints")

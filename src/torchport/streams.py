@@ -15,6 +15,7 @@ so no other stream is handed memory that pending work still reads.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import types
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,11 @@ _DEVICE_TYPE_PRIVATEUSE1 = 20  # c10::DeviceType::PrivateUse1
 
 
 class _StreamState:
-    """Per-backend stream bookkeeping: default streams, ids, per-thread current streams."""
+    """Per-backend stream bookkeeping: default streams, ids, per-thread current streams.
+
+    With the C++ guard (:meth:`connect`) the current streams are the guard's, one state
+    with ``torch.accelerator``, ``torch.Stream`` and the autograd engine; without it they
+    are kept here per thread."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -39,20 +44,112 @@ class _StreamState:
         self.by_id: dict[tuple[int, int], Any] = {}  # (logical index, stream id) -> Stream
         self.tls = threading.local()
         self.defaults: list[Any] = []
+        self.guard: Any = None  # native.GuardDevice, once connected
+        self.events: dict[int, tuple[int, Any, bool]] = {}  # guard event id -> (index, handle, timing)
+        self.next_event = 1
 
     def current(self, index: int) -> Any:
+        guard = self.guard
+        if guard is not None:
+            sid = guard.get_stream(index)
+            return self.defaults[index] if sid == 0 else self.by_id[(index, sid)]
         cur: dict[int, Any] | None = getattr(self.tls, "current", None)
         if cur is not None and index in cur:
             return cur[index]
         return self.defaults[index]
 
     def set_current(self, stream: Any) -> None:
+        if self.guard is not None:
+            self.guard.set_stream(stream.device_index, stream.stream_id)
+            return
         cur = getattr(self.tls, "current", None)
         if cur is None:
             cur = self.tls.current = {}
         cur[stream.device_index] = stream
-        if self.backend.stream_hook is None:  # from now on, ask which stream is current
+        self.watch()
+
+    def watch(self) -> None:
+        """From now on, let new work ask which stream is current (until a stream other than
+        the default one exists, or is current without the guard, nothing needs asking)."""
+        if self.backend.stream_hook is None:
             self.backend.stream_hook = lambda index: self.current(index).handle
+
+    def stream(self, index: int, sid: int) -> Any:
+        return self.defaults[index] if sid == 0 else self.by_id[(index, sid)]
+
+    def connect(self, guard: Any, new_stream: Any) -> None:
+        """Serve the C++ guard's stream and event calls from now on (see native_guard.cpp)."""
+        b = self.backend
+        rt = b.runtime
+        events = self.events
+
+        def event(eid: int) -> tuple[int, Any, bool]:
+            return events[eid]
+
+        def call(op: int, a: int, b_: int, c: int, iout: Any, dout: Any) -> int:
+            try:
+                if op == _NEW_STREAM:
+                    iout[0] = new_stream(a, b_).stream_id
+                elif op == _QUERY_STREAM:
+                    return int(self.stream(a, b_).query())
+                elif op == _SYNC_STREAM:
+                    self.stream(a, b_).synchronize()
+                elif op == _SYNC_DEVICE:
+                    b.synchronize(a)
+                elif op == _EVENT_CREATE:
+                    with self.lock:
+                        eid = self.next_event
+                        self.next_event += 1
+                    events[eid] = (a, rt.create_event(b.phys(a), bool(b_), False), bool(b_))
+                    iout[0] = eid
+                elif op == _EVENT_RECORD:
+                    index, handle, _ = event(a)
+                    if index != b_:
+                        raise RuntimeError(
+                            f"Event device index {index} does not match recording stream's "
+                            f"device index {b_}.")
+                    rt.record_event(b.phys(index), handle, self.stream(b_, c).handle)
+                elif op == _EVENT_BLOCK:
+                    rt.stream_wait_event(b.phys(b_), self.stream(b_, c).handle, event(a)[1])
+                elif op == _EVENT_QUERY:
+                    index, handle, _ = event(a)
+                    return int(bool(rt.query_event(b.phys(index), handle)))
+                elif op == _EVENT_SYNC:
+                    index, handle, _ = event(a)
+                    rt.synchronize_event(b.phys(index), handle)
+                elif op == _EVENT_ELAPSED:
+                    (i0, h0, t0), (i1, h1, t1) = event(a), event(b_)
+                    if not (t0 and t1):
+                        raise RuntimeError("Both events must be created with argument "
+                                           "'enable_timing=True'.")
+                    rt.synchronize_event(b.phys(i0), h0)
+                    rt.synchronize_event(b.phys(i1), h1)
+                    dout[0] = float(rt.event_elapsed_time(b.phys(i0), h0, h1))
+                elif op == _EVENT_DESTROY:
+                    found = events.pop(a, None)
+                    if found is not None:
+                        rt.destroy_event(b.phys(found[0]), found[1])
+                elif op == _RECORD_DATA:
+                    _record_use(b, a, b_, self.stream(b_, c))
+                return 0
+            except BaseException as e:  # noqa: BLE001 -- becomes the C++ caller's error
+                guard.fail(f"{b.name}: {e}".encode(errors="replace"))
+                return -1
+
+        self.guard = guard
+        guard.set_callback(call)
+        for index in range(len(self.defaults)):  # what this thread made current so far
+            cur = getattr(self.tls, "current", None) or {}
+            if index in cur:
+                guard.set_stream(index, cur[index].stream_id)
+        if len(self.by_id) > len(self.defaults):
+            self.watch()
+        atexit.register(guard.set_callback, None)  # no Python from C++ destructors at exit
+
+
+# The guard's calls (native_guard.cpp's Op).
+(_NEW_STREAM, _QUERY_STREAM, _SYNC_STREAM, _SYNC_DEVICE, _EVENT_CREATE, _EVENT_RECORD,
+ _EVENT_BLOCK, _EVENT_QUERY, _EVENT_SYNC, _EVENT_ELAPSED, _EVENT_DESTROY, _RECORD_DATA) = range(12)
 
 
 def _make(mod: types.ModuleType, b: Backend) -> None:
@@ -91,6 +188,8 @@ def _make(mod: types.ModuleType, b: Backend) -> None:
             self.handle = handle
             self._priority = int(priority)
             state.by_id[(idx, sid)] = self
+            if sid and state.guard is not None:  # PyTorch may make it current from C++
+                state.watch()
             return self
 
         def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
@@ -300,24 +399,36 @@ def _install_stream_freeing(b: Backend) -> None:
         a.event_release = event_release
 
 
+def _record_use(b: Backend, address: int, index: int, stream: Any) -> None:
+    """Keep the allocator block at ``address`` on device ``index`` from reuse until the
+    work queued so far on ``stream`` ran (``Tensor.record_stream``)."""
+    alloc = b.allocator(index)
+    with alloc.lock:
+        block = alloc.active.get(address)
+        if block is None:
+            return  # memory not from this allocator (nothing to protect)
+        if stream.device_index == index and stream.handle is block.stream:
+            return  # the allocation stream is ordered already
+        block.stream_uses.add(stream)
+
+
 def _register_record_stream(b: Backend, own: Any) -> None:
     """``Tensor.record_stream`` for device tensors: remember the stream on the block."""
 
     def record_stream(self: torch.Tensor, s: torch.Stream) -> None:
         stream = own(s)
         st = self.untyped_storage()
-        if st.nbytes() == 0:
-            return
-        alloc = b.allocator(self.device.index)
-        with alloc.lock:
-            block = alloc.active.get(st.data_ptr())
-            if block is None:
-                return  # memory not from this allocator (nothing to protect)
-            if stream.device_index == self.device.index and stream.handle is block.stream:
-                return  # the allocation stream is ordered already
-            block.stream_uses.add(stream)
+        if st.nbytes() != 0:
+            _record_use(b, st.data_ptr(), self.device.index, stream)
 
     b.library().impl("record_stream", record_stream, "PrivateUse1")
+
+
+def connect_guard(b: Backend, guard: Any) -> None:
+    """Make the C++ guard's per-thread streams the device's current streams and serve its
+    stream and event calls (``torch.Stream``, ``torch.Event``, ``torch.accelerator``)."""
+    mod = b.device_module
+    mod._stream_state.connect(guard, lambda index, priority: mod.Stream(index, priority))
 
 
 device_module.extend(_make)
