@@ -334,6 +334,7 @@ class Backend:
             dynamo_device,
             forking,
             pinned,
+            profiling,
             serialization,
             tensor_types,
         )
@@ -363,6 +364,7 @@ class Backend:
             forking.install(self)
             dynamo_device.install(self)
             pinned.install(self, hooks_in_cpp)
+            profiling.install(self)
             # The Python device guard reports one device; the autograd engine's per-device
             # threads would assert on index >= 1 (see DESIGN-NOTES).
             torch.autograd.set_multithreading_enabled(False)
