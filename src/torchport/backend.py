@@ -334,6 +334,7 @@ class Backend:
             dynamo_device,
             forking,
             pinned,
+            profiling,
             serialization,
             streams,
             tensor_types,
@@ -368,6 +369,7 @@ class Backend:
             forking.install(self)
             dynamo_device.install(self)
             pinned.install(self, hooks_in_cpp)
+            profiling.install(self)
             if self._guard_device is None:
                 self._autograd_in_calling_threads()
         except Exception:
