@@ -330,6 +330,7 @@ class Backend:
         import importlib
 
         from torchport import (
+            accelerator_memory,
             device_module,
             dynamo_device,
             forking,
@@ -363,6 +364,7 @@ class Backend:
             forking.install(self)
             dynamo_device.install(self)
             pinned.install(self, hooks_in_cpp)
+            accelerator_memory.install(self)
             # The Python device guard reports one device; the autograd engine's per-device
             # threads would assert on index >= 1 (see DESIGN-NOTES).
             torch.autograd.set_multithreading_enabled(False)
