@@ -330,6 +330,7 @@ class Backend:
         import importlib
 
         from torchport import (
+            accelerator_memory,
             device_module,
             dynamo_device,
             forking,
@@ -370,6 +371,7 @@ class Backend:
             dynamo_device.install(self)
             pinned.install(self, hooks_in_cpp)
             profiling.install(self)
+            accelerator_memory.install(self)
             if self._guard_device is None:
                 self._autograd_in_calling_threads()
         except Exception:
