@@ -225,3 +225,14 @@ def test_a_merge_for_one_request_leaves_the_other_sizes_held():
     assert alloc.num_parked == held - 5  # the small blocks keep their exact-size reuse
     assert len(alloc.parked.get((id(None), round_size(3000)), [])) >= 4
     del whole
+
+
+def test_reading_the_statistics_changes_none_of_them():
+    keep = [torch.empty(n, device="sim") for n in (3000, 5000, 7000)]
+    del keep[1]  # a free block inside a split segment
+    first = torch.sim.memory_stats()
+    assert first == torch.sim.memory_stats() == torch.sim.memory_stats()
+    for pool in ("all", "small_pool", "large_pool"):
+        for name in ("inactive_split", "inactive_split_bytes"):
+            s = {m: first[f"{name}.{pool}.{m}"] for m in ("current", "allocated", "freed")}
+            assert s["allocated"] - s["freed"] == s["current"]

@@ -639,13 +639,20 @@ class DeviceAllocator:
         dst.size += src.size
 
     def _recount_inactive_split(self) -> None:
-        for p in _POOLS:
-            self.stats[("inactive_split", p)].current = 0
-            self.stats[("inactive_split_bytes", p)].current = 0
+        """Free blocks that are part of a split segment, counted now; the change since the
+        last count goes through the statistics as one step (allocated - freed == current)."""
+        now = {(name, p): 0 for name in ("inactive_split", "inactive_split_bytes")
+               for p in _POOLS}
         for pool in (self.small, self.large):
             for b in pool:
                 if b.prev is not None or b.next is not None:
-                    self._stat(b.small, ("inactive_split", 1), ("inactive_split_bytes", b.size))
+                    for p in ("all", "small_pool" if b.small else "large_pool"):
+                        now[("inactive_split", p)] += 1
+                        now[("inactive_split_bytes", p)] += b.size
+        for key, n in now.items():
+            stat = self.stats[key]
+            if n != stat.current:
+                stat.add(n - stat.current)
 
     def empty_cache(self) -> None:
         """Return every fully free segment to the runtime (``torch.<device>.empty_cache``:
