@@ -124,17 +124,3 @@ def test_fork_rng() -> None:
         torch.rand(10, device="sim:1")
     after = torch.sim.get_rng_state_all()
     assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
-
-
-def test_generator_argument_is_a_clear_error() -> None:
-    with pytest.raises(RuntimeError, match="manual_seed"):
-        torch.rand(3, device="sim", generator=torch.Generator())
-    with pytest.raises(RuntimeError, match="manual_seed"):
-        torch.empty(3, device="sim").normal_(generator=torch.Generator())
-
-
-def test_device_generator_unavailable_in_torch() -> None:
-    """PyTorch 2.13 asks the C++ PrivateUse1 hooks for ``getNewGenerator``, which a Python
-    backend cannot provide: ``torch.Generator(device="sim")`` raises (documented limit)."""
-    with pytest.raises((NotImplementedError, RuntimeError)):
-        torch.Generator(device="sim")

@@ -97,10 +97,12 @@ class Backend:
         self.allocators = [DeviceAllocator(runtime, p, i, name) for i, p in enumerate(self.visible)]
         self._devices: list[torch.device] | None = None
         self.stream_hook: Any = None  # index -> current stream handle (set by the stream layer)
-        self.generators = [torch.Generator() for _ in self.visible]
-        for g in self.generators:
-            g.manual_seed(DEFAULT_SEED)
-        self.initial_seeds = [DEFAULT_SEED for _ in self.visible]
+        # the state of each device's random numbers: its random ops draw from it, and with
+        # the C++ library it is the state of the device's default generator too
+        self.generators = [torch.Generator().manual_seed(DEFAULT_SEED) for _ in self.visible]
+        # torch.<device>.default_generators: these, or (made at registration, with the C++
+        # library) torch.Generator objects of the device holding them
+        self.default_generators: tuple[torch.Generator, ...] = tuple(self.generators)
         self._tls = threading.local()
         self._guard_device: native.GuardDevice | None = None
         self.initialized = False  # some device memory was taken from the runtime

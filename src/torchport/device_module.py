@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import forking
+from torchport import forking, native
 from torchport.allocator import format_size
 
 if TYPE_CHECKING:
@@ -161,31 +161,31 @@ def make_device_module(backend: Backend) -> types.ModuleType:
         return f"{b.name}:{_index(device)}: process listing is not available for {b.name}"
 
     # ---- random numbers --------------------------------------------------------
-    def _gens(device: Any = None) -> list[torch.Generator]:
-        return [b.generators[_index(device)]]
+    # One state per device, shared by its random ops (which draw from the CPU generator
+    # b.generators[i]) and, with the C++ library, by the device's default generator, a
+    # torch.Generator of the device holding that CPU generator (native_generator.cpp).
+    device_generators = native.use_generators(b.generators)
+    if device_generators is not None:
+        b.default_generators = device_generators
+    default_generators = b.default_generators
 
     def manual_seed(seed: int) -> None:
-        seed = int(seed)
-        i = b.current_device()
-        b.generators[i].manual_seed(seed)
-        b.initial_seeds[i] = seed
+        b.generators[b.current_device()].manual_seed(int(seed))
 
     def manual_seed_all(seed: int) -> None:
         seed = int(seed)
-        for i, g in enumerate(b.generators):
+        for g in b.generators:
             g.manual_seed(seed)
-            b.initial_seeds[i] = seed
 
     def seed() -> None:
-        i = b.current_device()
-        b.initial_seeds[i] = b.generators[i].seed()
+        b.generators[b.current_device()].seed()
 
     def seed_all() -> None:
         s = torch.Generator().seed()
         manual_seed_all(s)
 
     def initial_seed() -> int:
-        return b.initial_seeds[b.current_device()]
+        return b.generators[b.current_device()].initial_seed()
 
     def get_rng_state(device: Any = b.name) -> torch.Tensor:
         return b.generators[_index(device)].get_state()
@@ -209,7 +209,8 @@ def make_device_module(backend: Backend) -> types.ModuleType:
         return torch.bfloat16 not in b.runtime.unsupported_dtypes
 
     for name, value in list(locals().items()):
-        if not name.startswith("__") and name not in ("mod", "b", "backend", "_gens"):
+        if not name.startswith("__") and name not in ("mod", "b", "backend",
+                                                       "device_generators"):
             setattr(mod, name, value)
     mod.backend = b
     mod.OutOfMemoryError = torch.OutOfMemoryError

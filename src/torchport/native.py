@@ -14,11 +14,17 @@ here into one small library, with a third part that Python cannot provide at all
   ``Tensor.to("sim")``, ``torch.accelerator``) follows ``torch.<device>.set_device``;
 * the accelerator hooks (``native_hooks.cpp``): PyTorch's Python-backend hooks cannot give
   pinned host memory, so ``Tensor.pin_memory()`` and ``DataLoader(pin_memory=True)`` raise
-  there; these give it (see :mod:`torchport.pinned`, which also holds the Python twin).
+  there; these give it (see :mod:`torchport.pinned`, which also holds the Python twin);
+* the device generators (``native_generator.cpp``): PyTorch makes ``torch.Generator(device=
+  "sim")`` and the per-device default generators only through C++ hooks; each holds a CPU
+  generator, which the device's CPU kernels draw from (the Python twin: the CPU generators
+  of :attr:`Backend.generators`, with no ``torch.Generator`` of the device).
 
 The library is compiled once per source, torch and Python version (``$CXX``, default
 ``c++``, with the headers in the torch wheel) into ``TORCHPORT_CACHE_DIR`` (default
-``~/.cache/torchport``); ``make`` builds it at set-up, so that no test process has to.
+``~/.cache/torchport``); ``make`` builds it at set-up, so that no test process has to. The
+generators' bridge to Python objects needs Python's headers and ``libtorch_python``; it is
+left out where the headers are missing (then the device has no ``torch.Generator``).
 Without a C++ compiler (one :class:`NativeCodeWarning` says why), or with
 ``TORCHPORT_NATIVE=0``, the Python twins serve, with the same results (but for pinned
 memory: there a pin request returns unpinned memory, with one warning).
@@ -32,6 +38,7 @@ import os
 import shlex
 import subprocess
 import sys
+import sysconfig
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -43,6 +50,7 @@ _HERE = Path(__file__).parent
 # every ``native_*.cpp`` beside this file is a part of the one library
 SOURCES = (_HERE / "ops" / "native_views.cpp", *sorted(_HERE.glob("native_*.cpp")))
 _cpp: ctypes.CDLL | None = None
+_py: ctypes.PyDLL | None = None  # the same library, for the functions taking Python objects
 _tried = False
 UNAVAILABLE = ""  # why the library could not be built or loaded, when it could not
 ENABLED: list[str] = []  # the parts of the C++ device layer this process registered
@@ -79,12 +87,22 @@ def _cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "torchport"
 
 
+def _python_flags() -> list[str]:
+    """Compiler flags for the parts that take Python objects (the generators' bridge):
+    Python's headers where they are installed, and libtorch_python (torch.Generator)."""
+    include = sysconfig.get_paths().get("include")
+    if not include or not (Path(include) / "Python.h").exists():
+        return []  # native_generator.cpp leaves its Python part out
+    return [f"-isystem{include}"]
+
+
 def _name() -> str:
     """The library's name: a new build for every source, torch or Python version."""
     h = hashlib.sha256()
     for source in SOURCES:
         h.update(source.read_bytes())
     h.update(f"{torch.__version__} {sys.version} {torch._C._GLIBCXX_USE_CXX11_ABI}".encode())
+    h.update(" ".join(_python_flags()).encode())
     return f"torchport_native_{h.hexdigest()[:16]}"
 
 
@@ -105,9 +123,9 @@ def build() -> Path:
     partial = where / f"{name}.{os.getpid()}.tmp"
     cmd = [*shlex.split(os.environ.get("CXX", "c++")), "-O2", "-std=c++20", "-shared", "-fPIC",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           *(f"-isystem{p}" for p in cpp_extension.include_paths()), *map(str, SOURCES),
-           *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu",
-           "-o", str(partial)]
+           *(f"-isystem{p}" for p in cpp_extension.include_paths()), *_python_flags(),
+           *map(str, SOURCES), *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10",
+           "-ltorch_cpu", "-ltorch_python", "-o", str(partial)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:  # no compiler
@@ -139,7 +157,8 @@ def load() -> ctypes.CDLL | None:
                       f"and the device guard take the Python path (slower; a device name "
                       f"without an index in torch.tensor, torch.as_tensor, torch.asarray, "
                       f"Tensor.to and Tensor.new_tensor means device 0; pin_memory() gives "
-                      f"unpinned copies; TORCHPORT_NATIVE=0 silences this)", NativeCodeWarning,
+                      f"unpinned copies; torch.Generator(device=...) is unavailable; "
+                      f"TORCHPORT_NATIVE=0 silences this)", NativeCodeWarning,
                       stacklevel=2)
     return _cpp
 
@@ -236,3 +255,54 @@ def pinned_bytes() -> int:
         return 0
     cpp.torchport_pinned_bytes.restype = ctypes.c_longlong
     return int(cpp.torchport_pinned_bytes())
+
+
+def _python_api() -> ctypes.PyDLL | None:
+    """The library's functions that take or return Python objects, called holding the GIL
+    (a ``ctypes.CDLL`` call releases it) and raising the Python error they set; ``None``
+    where the library is unavailable or was built without Python's headers."""
+    global _py
+    if _py is None:
+        cpp = load()
+        if cpp is None or not hasattr(cpp, "torchport_generators_adopt"):
+            return None
+        py = ctypes.PyDLL(cpp._name)  # the same loaded library
+        py.torchport_generators_adopt.argtypes = [ctypes.py_object]
+        py.torchport_generators_adopt.restype = ctypes.c_int
+        py.torchport_generator_default.argtypes = [ctypes.c_int]
+        py.torchport_generator_default.restype = ctypes.py_object
+        py.torchport_generator_inner.argtypes = [ctypes.py_object]
+        py.torchport_generator_inner.restype = ctypes.py_object
+        _py = py
+    return _py
+
+
+def use_generators(cpu_generators: list[torch.Generator]) -> tuple[torch.Generator, ...] | None:
+    """Make ``cpu_generators`` (one per visible device) the states of the devices' default
+    generators in C++, which ``torch.Generator(device=...)`` needs; the default generators
+    (``torch.Generator`` objects of the device), or ``None`` where the library cannot
+    provide them (then the device has no ``torch.Generator`` of its own)."""
+    py = _python_api()
+    if py is None:
+        return None
+    n = py.torchport_generators_adopt(list(cpu_generators))
+    return tuple(py.torchport_generator_default(i) for i in range(n))
+
+
+def why_no_generators() -> str:
+    """Why the device has no ``torch.Generator`` of its own (for error messages)."""
+    if not wanted():
+        return "torchport's C++ library is switched off: TORCHPORT_NATIVE=0"
+    if _cpp is None:
+        return f"torchport's C++ library is unavailable: {UNAVAILABLE}"
+    return "torchport's C++ library was built without Python's headers"
+
+
+def generator_state(generator: torch.Generator) -> torch.Generator:
+    """The CPU generator holding the state of ``generator``, a ``torch.Generator`` of the
+    device: what the device's CPU kernels draw from in its place."""
+    py = _python_api()
+    if py is None:  # no device generator can exist then
+        raise TypeError(f"expected a generator made by torchport's C++ library, got one of "
+                        f"device {generator.device}")
+    return py.torchport_generator_inner(generator)

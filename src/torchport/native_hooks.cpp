@@ -13,6 +13,8 @@
 // for any address inside one, as CUDA answers for its page-locked blocks. The sim's copies
 // are host memcpys, so page-locking would only tie up RAM; a vendor's C++ layer would lock
 // (register) the block with its driver here.
+// The device's generators (torch.Generator(device="sim:1"), the default ones) come from
+// native_generator.cpp.
 // Built with native_views.cpp and native_guard.cpp by torchport/native.py; enabled by
 // torchport_hooks_enable().
 #include <atomic>
@@ -23,6 +25,11 @@
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/impl/alloc_cpu.h>
+
+namespace torchport {
+const at::Generator& default_generator(c10::DeviceIndex index);  // native_generator.cpp
+at::Generator new_generator(c10::DeviceIndex index);
+}  // namespace torchport
 
 namespace {
 
@@ -90,6 +97,12 @@ struct Hooks final : public at::PrivateUse1HooksInterface {
   at::Allocator* getPinnedMemoryAllocator() const override {
     static PinnedAllocator* allocator = new PinnedAllocator();
     return allocator;
+  }
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex index) const override {
+    return torchport::default_generator(index);
+  }
+  at::Generator getNewGenerator(c10::DeviceIndex index) const override {
+    return torchport::new_generator(index);
   }
 };
 

@@ -335,7 +335,7 @@ def _patch_cuda(patch: Callable[[Any, str, Any], None]) -> None:
                        if isinstance(obj, type) else _unsupported(f"torch.cuda.{name}", why))
     _patch_cuda_submodules(patch, replaced)
     if _S.backend is not None:
-        patch(cuda, "default_generators", tuple(_S.backend.generators))
+        patch(cuda, "default_generators", _S.backend.default_generators)
 
     import torch.cuda.jiterator as jit
     import torch.cuda.nvtx as nvtx

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import tensors
+from torchport import native, tensors
 from torchport.ops.plan import OpPlan, plan_for
 
 if TYPE_CHECKING:
@@ -32,6 +32,11 @@ Tensor = torch.Tensor
 
 class DeviceMismatchError(RuntimeError):
     """Tensors of one op live on different devices."""
+
+
+class GeneratorDeviceError(RuntimeError):
+    """A random op was given a generator of another device type (CUDA's kernels raise
+    RuntimeError with the same words)."""
 
 
 def op_device(backend: Backend, op: Any, plan: OpPlan, args: tuple, kwargs: dict) -> int | None:
@@ -48,7 +53,7 @@ def op_device(backend: Backend, op: Any, plan: OpPlan, args: tuple, kwargs: dict
             elif d != found:
                 _mismatch(found, d, plan)
         elif v.dim() > 0 and not plan.mixed_device_ok:
-            _mismatch(found or torch.device(name), d, plan)
+            _mismatch(found or torch.device(name), d, plan, name, args, kwargs)
     named = named_device(plan, args, kwargs)
     if named is not None:  # ``zeros_like(x, device="sim:1")``: there
         return backend.index_of(named) if named.type == name else None
@@ -66,7 +71,29 @@ def named_device(plan: OpPlan, args: tuple, kwargs: dict) -> torch.device | None
     return None if dev is None else torch.device(dev)
 
 
-def _mismatch(a: torch.device, b: torch.device, plan: OpPlan) -> None:
+def generator_error(expected: str, found: str, plan: OpPlan,
+                    backend: Backend | None = None) -> GeneratorDeviceError:
+    """CUDA's error for a random op given a generator of another device type."""
+    fix = f"pass a generator made with torch.Generator(device={expected!r})"
+    if backend is not None and backend.default_generators[:1] == tuple(backend.generators[:1]):
+        # the device's default generators are CPU ones: the C++ library is unavailable
+        fix = (f"{expected} has no torch.Generator ({native.why_no_generators()}): pass "
+               f"torch.{expected}.default_generators[i] or seed with torch.{expected}.manual_seed")
+    return GeneratorDeviceError(f"Expected a '{expected}' device type for generator but found "
+                                f"'{found}' (in {plan.overload_name}; {fix})")
+
+
+def _mismatch(a: torch.device, b: torch.device, plan: OpPlan, name: str = "",
+              args: tuple = (), kwargs: dict | None = None) -> None:
+    if plan.has_generator_arg and kwargs is not None:
+        # an op on CPU tensors given a generator of this device reached its kernel by the
+        # generator's dispatch key: CUDA's kernels blame the generator
+        gen = kwargs.get("generator")
+        i = plan.arg_names.index("generator")
+        gen = args[i] if gen is None and i < len(args) else gen
+        if isinstance(gen, torch.Generator) and gen.device.type == name and not any(
+                v.device.type == name for v in _iter_tensors(args, kwargs)):
+            raise generator_error(b.type, name, plan)
     raise DeviceMismatchError(
         f"Expected all tensors to be on the same device, but found at least two devices, "
         f"{a} and {b}! (in {plan.overload_name}; move them with .to({str(a)!r}))")
@@ -160,28 +187,43 @@ class HostCall:
         if plan.has_device_arg and "pin_memory" in ckw:
             ckw["pin_memory"] = None
         if plan.random:
-            result = self._run_random(cargs, ckw)
+            result = self._run_random(args, kwargs, cargs, ckw)
         else:
             result = self.op(*cargs, **ckw)
         self._write_back(args, kwargs, cargs, ckw)
         return self._results(result, args, kwargs)
 
-    def _run_random(self, cargs: list, ckw: dict) -> Any:
-        gen = self.backend.generators[self.index]
+    def _run_random(self, args: tuple, kwargs: dict, cargs: list, ckw: dict) -> Any:
         if self.plan.has_generator_arg:
             i = self.plan.arg_names.index("generator")
             given = cargs[i] if i < len(cargs) else ckw.get("generator")
-            if given is not None:
-                raise RuntimeError(
-                    f"{self.plan.overload_name} on {self.backend.name}: a torch.Generator cannot "
-                    f"be passed to {self.backend.name} ops (PyTorch 2.13 gives Python backends no "
-                    f"device generators); seed with torch.{self.backend.name}.manual_seed instead")
+            gen = self.backend.generators[self.index] if given is None \
+                else self._generator_state(given, args, kwargs)
             if i < len(cargs):
                 cargs[i] = gen
             else:
                 ckw["generator"] = gen
             return self.op(*cargs, **ckw)
-        return drawing_from(gen, self.op, cargs, ckw)
+        return drawing_from(self.backend.generators[self.index], self.op, cargs, ckw)
+
+    def _generator_state(self, given: torch.Generator, args: tuple,
+                         kwargs: dict) -> torch.Generator:
+        """The CPU generator the CPU kernel draws from for a ``generator=`` argument: the
+        state of a generator of this device type (of any index, as CUDA takes one); another
+        type raises as CUDA's kernels do."""
+        name = self.backend.name
+        found = given.device.type
+        if not self.views:  # no device tensor: the op runs where its device= says
+            named = named_device(self.plan, args, kwargs)
+            if named is None or named.type != name:  # a CPU op reached us by the generator
+                raise generator_error("cpu" if named is None else named.type, found, self.plan)
+        if found != name:
+            # torch.<device>.default_generators without the C++ library (the dispatcher
+            # hands a kernel a new Python object: compare the generators themselves)
+            if any(given._cdata == g._cdata for g in self.backend.generators):
+                return given
+            raise generator_error(name, found, self.plan, self.backend)
+        return native.generator_state(given)
 
     def _write_back(self, args: tuple, kwargs: dict, cargs: list, ckw: dict) -> None:
         plan = self.plan
