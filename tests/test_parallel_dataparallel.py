@@ -259,6 +259,47 @@ def test_pin_memory_gives_pinned_host_memory():
     assert native.pinned_bytes() == held - 6 * 4 - 12 * 4  # freed with the tensors
 
 
+RUNTIME_HOST_MEMORY = """
+import ctypes, gc, torch
+from torch.utils.data import DataLoader, TensorDataset
+from torchport.backends.sim import SimRuntime, make_backend
+
+class PageLocked(SimRuntime):
+    # host memory of the runtime's own (a real one would page-lock it with its driver)
+    def __init__(self):
+        super().__init__()
+        self.blocks, self.freed = {}, []
+    def host_alloc(self, nbytes):
+        buf = ctypes.create_string_buffer(nbytes + 64)
+        address = (ctypes.addressof(buf) + 63) // 64 * 64
+        self.blocks[address] = buf
+        return address
+    def host_free(self, ptr):
+        del self.blocks[ptr]
+        self.freed.append(ptr)
+
+rt = PageLocked()
+make_backend(rt).register()
+p = torch.arange(6.).pin_memory()
+assert p.is_pinned() and p.data_ptr() in rt.blocks and torch.equal(p, torch.arange(6.))
+address = p.data_ptr()
+del p
+gc.collect()
+assert rt.freed == [address] and not rt.blocks
+ds = TensorDataset(torch.arange(32.).view(16, 2), torch.arange(16))
+batches = list(DataLoader(ds, batch_size=4, pin_memory=True, num_workers=2))
+assert all(x.is_pinned() and x.data_ptr() in rt.blocks for x, _ in batches)
+dev = [x.to("sim", non_blocking=True) for x, _ in batches]
+assert torch.equal(torch.cat([d.cpu() for d in dev]), torch.arange(32.).view(16, 2))
+print("ok")
+"""
+
+
+@needs_native
+def test_pinned_blocks_come_from_the_runtimes_host_memory():
+    assert run_child(RUNTIME_HOST_MEMORY).strip() == "ok"
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_dataloader_pin_memory_trains_as_on_the_cpu(workers):
     xs, ys = zip(*exact_batches(4), strict=True)

@@ -260,3 +260,26 @@ def test_launch_blocking_disables_async(monkeypatch: pytest.MonkeyPatch) -> None
     seen = []
     rt.launch(0, None, lambda: seen.append(1), "op")
     assert seen == [1]
+
+
+def test_non_blocking_copy_from_pinned_memory_is_queued() -> None:
+    from torchport import native
+    from torchport.backend import active_backend
+
+    b = active_backend()
+    if not b.runtime.asynchronous or native.loaded() is None:
+        pytest.skip("needs an asynchronous runtime and pinned memory (the C++ library)")
+    values = torch.randn(1 << 16)
+    src = values.pin_memory()
+    s = torch.sim.Stream()
+    gate = threading.Event()
+    with torch.sim.stream(s):
+        dst = torch.empty(1 << 16, device="sim")
+        b.runtime.launch(b.phys(0), s.handle, lambda: gate.wait(30), "held")  # stream busy
+        dst.copy_(src, non_blocking=True)  # returns at once: no wait for the held stream
+        assert not s.query()
+    del src  # the pinned block stays alive until the copy ran
+    gate.set()
+    s.synchronize()
+    with torch.sim.stream(s):
+        assert torch.equal(dst.cpu(), values)

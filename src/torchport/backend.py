@@ -110,6 +110,7 @@ class Backend:
         self.device_module: Any = None
         self.registered = False
         self.pinned_memory = False  # pin_memory() gives pinned memory (the C++ hooks serve)
+        self.pinned_host_memory: Any = None  # the runtime's host_alloc/host_free callbacks, in use
         self._libs: list[torch.library.Library] = []
         from torchport.ops.native_views import ViewKernels
         self.view_kernels = ViewKernels()  # C++ view kernels, or the Python ones
@@ -278,12 +279,28 @@ class Backend:
 
     def write_tensor(self, dev: torch.Tensor, cpu: torch.Tensor, non_blocking: bool = False) -> None:
         """Store CPU values ``cpu`` (broadcastable, any dtype) into device tensor ``dev``."""
+        if non_blocking and self.runtime.asynchronous and self._queue_from_pinned(dev, cpu):
+            return
         self.host_sync(dev.device.index)
         if self.runtime.host_addressable:
             tensors.host_view(self, dev).copy_(cpu)
             return
         stream = self.current_stream_handle(dev.device.index) if non_blocking else None
         tensors.write_from_host(self, dev, cpu.expand(dev.shape), stream)
+
+    def _queue_from_pinned(self, dev: torch.Tensor, cpu: torch.Tensor) -> bool:
+        """A non-blocking copy of pinned host memory into a dense tensor of its dtype is
+        queued on the current stream as it is, as CUDA queues one from page-locked memory:
+        the host goes on at once, and the pinned block stays alive until the copy ran."""
+        if cpu.dtype != dev.dtype or cpu.shape != dev.shape or not cpu.is_contiguous() \
+                or not tensors.is_dense_row_major(dev) or not cpu.is_pinned():
+            return False
+        index = dev.device.index
+        phys, stream = self.phys(index), self.current_stream_handle(index)
+        self.runtime.copy_h2d(phys, dev.data_ptr(), cpu.data_ptr(),
+                              dev.numel() * dev.element_size(), stream)
+        self.keep_alive_until_stream(phys, stream, cpu)
+        return True
 
     def grow_storage(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Grow a device storage to at least ``nbytes`` in place, as a tensor's ``resize_``

@@ -21,10 +21,12 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <utility>
 
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/Exception.h>
 
 namespace torchport {
 const at::Generator& default_generator(c10::DeviceIndex index);  // native_generator.cpp
@@ -37,7 +39,7 @@ namespace {
 // static objects are being torn down at exit.
 struct Registry {
   std::mutex mutex;
-  std::map<std::uintptr_t, std::size_t> blocks;  // pinned block address -> size
+  std::map<std::uintptr_t, std::pair<std::size_t, bool>> blocks;  // address -> size, runtime's
   std::size_t bytes = 0;
 };
 Registry& registry() {
@@ -47,26 +49,48 @@ Registry& registry() {
 
 std::atomic<int> visible{0};
 
+// The runtime's page-locked host memory (Runtime.host_alloc/host_free), where it gives one:
+// an address, 0 for plain host memory, -1 for a failure (reported by the Python side).
+using HostAlloc = long long (*)(long long nbytes);
+using HostFree = void (*)(long long address);
+std::atomic<HostAlloc> host_alloc{nullptr};
+std::atomic<HostFree> host_free{nullptr};
+
 void free_pinned(void* ptr) {
   Registry& r = registry();
+  bool runtime_block = false;
   {
     std::lock_guard<std::mutex> lock(r.mutex);
     auto it = r.blocks.find(reinterpret_cast<std::uintptr_t>(ptr));
     if (it != r.blocks.end()) {
-      r.bytes -= it->second;
+      r.bytes -= it->second.first;
+      runtime_block = it->second.second;
       r.blocks.erase(it);
     }
   }
-  c10::free_cpu(ptr);
+  if (!runtime_block) {
+    c10::free_cpu(ptr);
+  } else if (HostFree fn = host_free.load()) {  // none at exit: the process ends anyway
+    fn(reinterpret_cast<long long>(ptr));
+  }
 }
 
 struct PinnedAllocator final : public c10::Allocator {
   c10::DataPtr allocate(std::size_t n) override {
-    void* ptr = n ? c10::alloc_cpu(n) : nullptr;
+    void* ptr = nullptr;
+    bool runtime_block = false;
+    if (HostAlloc fn = n ? host_alloc.load() : nullptr) {
+      long long address = fn(static_cast<long long>(n));
+      TORCH_CHECK(address != -1, "the device runtime's host_alloc(", n,
+                  ") failed (its error was shown as a warning); pin_memory=False avoids it");
+      ptr = reinterpret_cast<void*>(address);
+      runtime_block = ptr != nullptr;
+    }
+    if (ptr == nullptr && n) ptr = c10::alloc_cpu(n);
     if (ptr) {
       Registry& r = registry();
       std::lock_guard<std::mutex> lock(r.mutex);
-      r.blocks[reinterpret_cast<std::uintptr_t>(ptr)] = n;
+      r.blocks[reinterpret_cast<std::uintptr_t>(ptr)] = {n, runtime_block};
       r.bytes += n;
     }
     return {ptr, ptr, &free_pinned, c10::Device(c10::DeviceType::CPU)};
@@ -84,7 +108,7 @@ bool is_pinned(const void* data) {
   auto it = r.blocks.upper_bound(p);
   if (it == r.blocks.begin()) return false;
   --it;
-  return p < it->first + it->second;
+  return p < it->first + it->second.first;
 }
 
 struct Hooks final : public at::PrivateUse1HooksInterface {
@@ -127,4 +151,11 @@ extern "C" long long torchport_pinned_bytes() {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   return static_cast<long long>(r.bytes);
+}
+
+// Pinned blocks from the runtime's host_alloc/host_free from now on (nullptr: plain host
+// memory again; blocks already given are freed by the function they came from, or kept).
+extern "C" void torchport_hooks_set_host_memory(HostAlloc alloc, HostFree free) {
+  host_free.store(free);
+  host_alloc.store(alloc);
 }

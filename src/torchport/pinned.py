@@ -17,12 +17,15 @@ ones included, give the same values.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchport import native
+from torchport.runtime import Runtime
 
 if TYPE_CHECKING:
     from torchport.backend import Backend
@@ -37,6 +40,7 @@ def install(backend: Backend, hooks_in_cpp: bool) -> None:
     unpinned copies (one :class:`PinnedMemoryWarning`) instead of PyTorch's error."""
     backend.pinned_memory = hooks_in_cpp
     if hooks_in_cpp:
+        _use_runtime_host_memory(backend)
         return
     warned = False
     why = native.UNAVAILABLE or ("TORCHPORT_NATIVE=0" if not native.wanted()
@@ -55,3 +59,41 @@ def install(backend: Backend, hooks_in_cpp: bool) -> None:
         return out.copy_(self)
 
     backend.library().impl("_pin_memory", pin_memory, "CPU")
+
+
+_HOST_ALLOC = ctypes.CFUNCTYPE(ctypes.c_longlong, ctypes.c_longlong)
+_HOST_FREE = ctypes.CFUNCTYPE(None, ctypes.c_longlong)
+
+
+def _use_runtime_host_memory(backend: Backend) -> None:
+    """Pinned blocks from the runtime's ``host_alloc``/``host_free``, where it overrides
+    them (page-locked memory); the default keeps plain host memory, with no Python call."""
+    rt = backend.runtime
+    if type(rt).host_alloc is Runtime.host_alloc:
+        return
+    cpp = native.loaded()
+    if cpp is None:
+        return
+
+    def alloc(nbytes: int) -> int:
+        try:
+            return rt.host_alloc(nbytes) or 0
+        except BaseException as e:  # noqa: BLE001 -- the C++ caller raises
+            warnings.warn(f"torchport: {type(rt).__name__}.host_alloc({nbytes}) failed: {e}",
+                          RuntimeWarning, stacklevel=1)
+            return -1
+
+    def free(ptr: int) -> None:
+        try:
+            rt.host_free(ptr)
+        except BaseException as e:  # noqa: BLE001 -- a deleter: nothing can raise
+            warnings.warn(f"torchport: {type(rt).__name__}.host_free failed: {e}",
+                          RuntimeWarning, stacklevel=1)
+
+    callbacks = (_HOST_ALLOC(alloc), _HOST_FREE(free))
+    set_memory = cpp.torchport_hooks_set_host_memory
+    set_memory.restype = None
+    set_memory.argtypes = [_HOST_ALLOC, _HOST_FREE]
+    set_memory(*callbacks)
+    backend.pinned_host_memory = callbacks  # alive while set
+    atexit.register(set_memory, _HOST_ALLOC(), _HOST_FREE())  # no Python from C++ at exit

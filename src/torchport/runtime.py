@@ -101,6 +101,16 @@ class Runtime(abc.ABC):
     def mem_get_info(self, index: int) -> tuple[int, int]:
         """``(free_bytes, total_bytes)`` of device ``index``, as ``cudaMemGetInfo``."""
 
+    def host_alloc(self, nbytes: int) -> int | None:
+        """Optional: ``nbytes`` of page-locked host memory for pinned tensors
+        (``Tensor.pin_memory()``, ``DataLoader(pin_memory=True)``), which copies between the
+        host and the device may read or write while the host goes on; its address, or
+        ``None`` for plain host memory (the default). Freed with :meth:`host_free`."""
+        return None
+
+    def host_free(self, ptr: int) -> None:
+        """Release an address returned by :meth:`host_alloc` (no copy uses it any more)."""
+
     def adopt_host(self, index: int, buffer: torch.UntypedStorage) -> int | None:
         """Optional (unified-memory devices): make ``buffer``, a CPU storage the caller
         gives up (keep a reference while the memory is in use), device memory without

@@ -284,7 +284,7 @@ def write_from_host(backend: Backend, dst: torch.Tensor, src: torch.Tensor, stre
     rt, idx = backend.runtime, backend.phys(dst.device.index)
     start, n = _byte_span(dst)
     dptr = storage_ptr(dst) + start
-    if _is_dense_row_major(dst):
+    if is_dense_row_major(dst):
         staged = src.to(dst.dtype).contiguous()
         if staged.data_ptr() == src.data_ptr() and stream is not None:
             staged = staged.clone()  # the caller may reuse src before the copy runs
@@ -299,7 +299,8 @@ def write_from_host(backend: Backend, dst: torch.Tensor, src: torch.Tensor, stre
     rt.copy_h2d(idx, dptr, base.data_ptr(), n, None)
 
 
-def _is_dense_row_major(t: torch.Tensor) -> bool:
+def is_dense_row_major(t: torch.Tensor) -> bool:
+    """Contiguous, and its bytes are exactly its storage span's."""
     return t.is_contiguous() and (t.numel() * t.element_size()) == _byte_span(t)[1]
 
 
