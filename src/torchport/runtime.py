@@ -110,6 +110,8 @@ class Runtime(abc.ABC):
 
     def host_free(self, ptr: int) -> None:
         """Release an address returned by :meth:`host_alloc` (no copy uses it any more)."""
+        raise NotImplementedError(f"{type(self).__name__}.host_alloc gave memory; its "
+                                  f"host_free must release it")
 
     def adopt_host(self, index: int, buffer: torch.UntypedStorage) -> int | None:
         """Optional (unified-memory devices): make ``buffer``, a CPU storage the caller
