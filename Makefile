@@ -104,8 +104,10 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/async_overlap.py
 	$(BIN)/python benchmarks/allreduce.py
 
+# Style, then the layers (pyproject.toml, [tool.importlinter]; docs/architecture.md, Layers).
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
+	PYTHONPATH=src $(BIN)/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

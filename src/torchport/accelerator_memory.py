@@ -32,7 +32,7 @@ import torch
 from torchport import forking, native
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 _ARRAYS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
            "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
@@ -117,7 +117,7 @@ def _python_api() -> list[int]:
             for name in _PYTHON_API]
 
 
-def install(backend: Backend) -> bool:
+def install(backend: DeviceBackend) -> bool:
     """Register the C++ device allocator answering from ``backend``'s allocators, where the
     library loads; ``False`` where it is unavailable or another C++ allocator holds the
     device type (then ``torch.accelerator``'s memory API is that allocator's, or PyTorch's
@@ -205,7 +205,7 @@ def install(backend: Backend) -> bool:
     return _installed
 
 
-def _initialized(b: Backend) -> bool:
+def _initialized(b: DeviceBackend) -> bool:
     """``DeviceAllocator::initialized``: ``torch.<device>.is_initialized()``, or some
     statistic to report (the device used, then its memory all returned), as CUDA's
     allocator stays initialized. ``torch.accelerator.memory_stats()`` is ``{}`` before."""
@@ -217,7 +217,7 @@ def _initialized(b: Backend) -> bool:
                if k != "max_split_size")
 
 
-def _device_of(b: Backend, ptr: int, count: int) -> int:
+def _device_of(b: DeviceBackend, ptr: int, count: int) -> int:
     """The logical device whose allocator holds ``count`` bytes at ``ptr``."""
     for i, a in enumerate(b.allocators):
         with a.lock:

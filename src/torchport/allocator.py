@@ -32,6 +32,10 @@ _MAX_PARKED = 256
 # with little allocated: a training step's transient tensors fit, random sizes cannot
 # make the cache grow without bound.
 _PARK_FLOOR = 8 << 20
+# Host-computed results at least this large are adopted as device memory where the
+# runtime can (:meth:`DeviceAllocator.adopt`; below, copying costs less than a segment of
+# its own).
+ADOPT_MIN_BYTES = 1 << 20
 _ALLOC_STATS = ("allocation", "active", "allocated_bytes", "active_bytes", "requested_bytes")
 
 _STAT_NAMES = ("allocation", "segment", "active", "inactive_split")

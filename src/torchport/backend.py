@@ -10,45 +10,24 @@ from __future__ import annotations
 import functools
 import os
 import threading
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from torchport import native, tensors
-from torchport.allocator import DeviceAllocator
+from torchport.allocator import ADOPT_MIN_BYTES, DeviceAllocator
+from torchport.contracts import BackendError
+from torchport.libraries import keep_past_exit
 from torchport.runtime import Runtime
 from torchport.storage import resize_storage
 
 _ACTIVE: Backend | None = None
-# Host-computed results at least this large are adopted as device memory where the
-# runtime can (below, copying costs less than a segment of its own).
-ADOPT_MIN_BYTES = 1 << 20
 _CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset
 DEFAULT_SEED = 67280421310721  # CUDA's default generator seed
 QUANTIZED_DTYPES = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2,
                               torch.quint2x4})
-
-
-def keep_past_exit(lib: torch.library.Library) -> torch.library.Library:
-    """``lib`` with its registrations kept through interpreter exit.
-
-    A ``Library`` unregisters its kernels from a ``weakref.finalize`` that also runs as
-    an exit handler, before objects still alive are finalised: a ``__del__`` that uses
-    the device at exit would find no kernel, where the CPU's run. The process's end
-    frees the registrations anyway. (``finalize`` objects are reachable only through
-    their registry.)"""
-    for f in list(weakref.finalize._registry):  # type: ignore[attr-defined]
-        info = f.peek()
-        if info is not None and info[0] is lib:
-            f.atexit = False
-    return lib
-
-
-class BackendError(RuntimeError):
-    """A backend cannot be registered or used as asked."""
 
 
 def parse_visible_devices(text: str | None, count: int) -> list[int]:

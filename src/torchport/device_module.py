@@ -18,7 +18,7 @@ from torchport import forking, native
 from torchport.allocator import format_size
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 _EXTENSIONS: list[Any] = []
 
@@ -29,7 +29,7 @@ def extend(fn: Any) -> Any:
     return fn
 
 
-def make_device_module(backend: Backend) -> types.ModuleType:
+def make_device_module(backend: DeviceBackend) -> types.ModuleType:
     mod = types.ModuleType(f"torch.{backend.name}",
                            f"torch.{backend.name}: the {backend.name} device, mirroring torch.cuda.")
     b = backend
@@ -220,7 +220,7 @@ def make_device_module(backend: Backend) -> types.ModuleType:
     return mod
 
 
-def _summary(b: Backend, index: int, st: dict[str, int]) -> str:
+def _summary(b: DeviceBackend, index: int, st: dict[str, int]) -> str:
     """A ``torch.cuda.memory_summary``-style table."""
     rows = [("Allocated memory", "allocated_bytes", True),
             ("Active memory", "active_bytes", True),

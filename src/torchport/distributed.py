@@ -48,9 +48,10 @@ import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 from torchport import device_module
+from torchport.contracts import BackendError
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 __all__ = [
     "Collectives", "CollectiveError", "DeviceProcessGroup", "HostStagedCollectives",
@@ -89,7 +90,7 @@ class Collectives(abc.ABC):
     """
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta,
-                 backend: Backend) -> None:
+                 backend: DeviceBackend) -> None:
         self.store = store
         self.rank = rank
         self.size = size
@@ -158,7 +159,7 @@ class Collectives(abc.ABC):
         """Release communicators (optional)."""
 
 
-CollectivesFactory = Callable[[dist.Store, int, int, timedelta, "Backend"], Collectives]
+CollectivesFactory = Callable[[dist.Store, int, int, timedelta, "DeviceBackend"], Collectives]
 
 
 _WAITER: Any = None
@@ -292,7 +293,7 @@ def _drain_callbacks(timeout: float) -> None:
 class _Staging:
     """Host tensors for device tensors of one collective, and what to write back."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: DeviceBackend) -> None:
         self.backend = backend
         self.zero_copy = backend.runtime.host_addressable
         self.writeback: list[tuple[Tensor, Tensor]] = []
@@ -346,7 +347,7 @@ class HostStagedCollectives(Collectives):
     """
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta,
-                 backend: Backend, *, gloo: Any = None) -> None:
+                 backend: DeviceBackend, *, gloo: Any = None) -> None:
         super().__init__(store, rank, size, timeout, backend)
         self.gloo = gloo if gloo is not None else dist.ProcessGroupGloo(store, rank, size,
                                                                         timeout)
@@ -585,7 +586,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
     """
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta,
-                 backend: Backend) -> None:
+                 backend: DeviceBackend) -> None:
         super().__init__(rank, size)
         self._rank, self._size, self.timeout = rank, size, timeout
         self.device_backend = backend
@@ -865,7 +866,7 @@ def _join(works: list[dist.Work], result: list[Tensor]) -> dist.Work:
 
 
 # ---- registration ---------------------------------------------------------------------
-def register_backend(backend: Backend) -> str:
+def register_backend(backend: DeviceBackend) -> str:
     """Register ``<device>ccl`` with c10d and make it the default for the device; idempotent."""
     name = backend_name(backend.name)
 
@@ -877,9 +878,14 @@ def register_backend(backend: Backend) -> str:
     return name
 
 
+_BACKEND: DeviceBackend | None = None  # the backend whose device module has these names
+
+
 @device_module.extend
-def _install(mod: Any, backend: Backend) -> None:
+def _install(mod: Any, backend: DeviceBackend) -> None:
+    global _BACKEND
     register_backend(backend)
+    _BACKEND = backend
     mod.init_device_from_env = init_device_from_env
 
 
@@ -889,9 +895,10 @@ def init_device_from_env() -> torch.device:
     Device indices are those left visible by ``TORCHPORT_VISIBLE_DEVICES``, so a
     launcher can hand each node (or each process) a subset, as with CUDA.
     """
-    from torchport.backend import active_backend
-
-    b = active_backend()
+    b = _BACKEND
+    if b is None or not b.registered:
+        raise BackendError("no torchport backend is registered; import torchport.sim "
+                           "(or your vendor backend) first")
     count = b.device_count()
     if count == 0:
         raise CollectiveError(f"no {b.name} device is visible (TORCHPORT_VISIBLE_DEVICES="

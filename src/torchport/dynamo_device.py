@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 _MODULE = "torch._dynamo.device_interface"
 
 
-def make_interface(backend: Backend, di: types.ModuleType) -> type:
+def make_interface(backend: DeviceBackend, di: types.ModuleType) -> type:
     """The ``DeviceInterface`` subclass of ``backend``'s device module."""
     mod = backend.device_module
     name = backend.name
@@ -89,7 +89,7 @@ def make_interface(backend: Backend, di: types.ModuleType) -> type:
     return type(f"{name.capitalize()}Interface", (di.DeviceInterface,), attrs)
 
 
-def _register(backend: Backend, di: types.ModuleType) -> None:
+def _register(backend: DeviceBackend, di: types.ModuleType) -> None:
     di.register_interface_for_device(backend.name, make_interface(backend, di))
 
 
@@ -97,7 +97,7 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds ``torch._dynamo.device_interface`` with the other finders, runs it, then
     registers the device; leaves ``sys.meta_path`` as it was."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: DeviceBackend) -> None:
         self.backend = backend
         self.loader: Any = None
 
@@ -121,7 +121,7 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         _register(self.backend, module)
 
 
-def install(backend: Backend) -> None:
+def install(backend: DeviceBackend) -> None:
     di = sys.modules.get(_MODULE)
     if di is not None:
         _register(backend, di)

@@ -13,4 +13,5 @@ FEATURE_MODULES: list[str] = [
     "torchport.sharing",
     "torchport.parallel_comm",
     "torchport.integrations.huggingface",
+    "torchport.debug.env",
 ]

@@ -14,32 +14,32 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 
 class ForkedDeviceError(RuntimeError):
     """The device was initialised in the parent of this forked process."""
 
 
-def error(backend: Backend) -> ForkedDeviceError:
+def error(backend: DeviceBackend) -> ForkedDeviceError:
     n = backend.name
     return ForkedDeviceError(
         f"Cannot re-initialize {n} in forked subprocess. To use {n} with multiprocessing, "
         f"you must use the 'spawn' start method")
 
 
-def used(backend: Backend) -> bool:
+def used(backend: DeviceBackend) -> bool:
     """Has this process initialised the device or taken device memory from the runtime?"""
     return backend.initialized or any(a.reserved() for a in backend.allocators)
 
 
-def _refuse(backend: Backend) -> Any:
+def _refuse(backend: DeviceBackend) -> Any:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise error(backend)
     return refuse
 
 
-def after_fork_in_child(backend: Backend) -> None:
+def after_fork_in_child(backend: DeviceBackend) -> None:
     """Mark the child and cut its paths to the runtime when the parent's device state
     cannot be inherited."""
     if getattr(backend.runtime, "survives_fork", False) or not used(backend):
@@ -53,5 +53,5 @@ def after_fork_in_child(backend: Backend) -> None:
         setattr(backend, name, refuse)
 
 
-def install(backend: Backend) -> None:
+def install(backend: DeviceBackend) -> None:
     os.register_at_fork(after_in_child=lambda: after_fork_in_child(backend))

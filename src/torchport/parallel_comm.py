@@ -26,7 +26,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torchport import device_module
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 #: The names this layer may add to ``torch._C``.
 NAMES = ("_broadcast_coalesced", "_broadcast", "_broadcast_out", "_scatter", "_scatter_out",
@@ -61,7 +61,7 @@ def _take_tensors(tensors: Sequence[torch.Tensor], size_limit: int) -> list[list
     return done + [g for g in groups.values() if g]
 
 
-def make_comm(backend: Backend, mod: Any) -> dict[str, Callable[..., Any]]:
+def make_comm(backend: DeviceBackend, mod: Any) -> dict[str, Callable[..., Any]]:
     """The seven functions for ``backend`` (``mod``: its device module, for streams)."""
     name = backend.name
     hint = f"move it with .to('{name}:N') first"
@@ -313,7 +313,7 @@ def make_comm(backend: Backend, mod: Any) -> dict[str, Callable[..., Any]]:
             "_gather": gather, "_gather_out": gather_out}
 
 
-def install(backend: Backend, mod: Any) -> list[str]:
+def install(backend: DeviceBackend, mod: Any) -> list[str]:
     """Add the functions ``torch._C`` lacks; the names added (none replaced)."""
     added = []
     for attr, fn in make_comm(backend, mod).items():
@@ -326,5 +326,5 @@ def install(backend: Backend, mod: Any) -> list[str]:
 
 
 @device_module.extend
-def _install(mod: Any, backend: Backend) -> None:
+def _install(mod: Any, backend: DeviceBackend) -> None:
     install(backend, mod)

@@ -28,14 +28,14 @@ from torchport import native
 from torchport.runtime import Runtime
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 
 class PinnedMemoryWarning(RuntimeWarning):
     """Pinned memory was asked for where torchport cannot give it; the copy is unpinned."""
 
 
-def install(backend: Backend, hooks_in_cpp: bool) -> None:
+def install(backend: DeviceBackend, hooks_in_cpp: bool) -> None:
     """After registration: where the C++ hooks were not registered, answer pin requests with
     unpinned copies (one :class:`PinnedMemoryWarning`) instead of PyTorch's error."""
     backend.pinned_memory = hooks_in_cpp

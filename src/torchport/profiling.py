@@ -39,7 +39,7 @@ from torch._C._profiler import ProfilerActivity, ProfilerState
 from torchport import native
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 _RECORD = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.POINTER(ctypes.c_int32))
 _ELAPSED = ctypes.CFUNCTYPE(ctypes.c_double, ctypes.c_int64, ctypes.c_int64)
@@ -54,7 +54,7 @@ class DeviceProfilerWarning(RuntimeWarning):
 class _Events:
     """The runtime events the stubs hold, by handle (what the C++ side keeps)."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: DeviceBackend) -> None:
         self.backend = backend
         self.runtime = backend.runtime
         self.live: dict[int, tuple[int, Any]] = {}  # handle -> (physical index, event)
@@ -161,7 +161,7 @@ def _kineto_profiler_registered(cpp: ctypes.CDLL | None) -> bool:
     return bool(cpp.torchport_profiler_kineto_registered())
 
 
-def install(backend: Backend) -> None:
+def install(backend: DeviceBackend) -> None:
     """At registration: register the profiler stubs where the C++ library loads, and make
     every profile of ``backend``'s device time its ops with them."""
     cpp = native.load()

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 _C_NEW = torch._C.StorageBase.__new__
 
 
-def install(backend: Backend) -> None:
+def install(backend: DeviceBackend) -> None:
     def storage_new(cls: type, *args: Any, device: Any = None, **kwargs: Any) -> Any:
         if device is None or torch.device(device).type != backend.name:
             if device is not None:

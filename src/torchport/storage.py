@@ -14,12 +14,12 @@ import torch
 from torchport import device_module, tensors
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 _C_RESIZE = torch._C.StorageBase.resize_
 
 
-def install_storage_resize(backend: Backend) -> None:
+def install_storage_resize(backend: DeviceBackend) -> None:
     """Make ``UntypedStorage.resize_`` work on the device, in place.
 
     FSDP2 frees and re-allocates each unsharded parameter with
@@ -45,7 +45,7 @@ def install_storage_resize(backend: Backend) -> None:
     torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
 
 
-def resize_storage(backend: Backend, storage: torch.UntypedStorage, n: int) -> None:
+def resize_storage(backend: DeviceBackend, storage: torch.UntypedStorage, n: int) -> None:
     """Resize a device storage to ``n`` bytes in place, keeping the bytes both sizes hold:
     every tensor on it sees the new memory."""
     old = storage.nbytes()
@@ -68,5 +68,5 @@ def resize_storage(backend: Backend, storage: torch.UntypedStorage, n: int) -> N
 
 
 @device_module.extend
-def _install(mod: Any, backend: Backend) -> None:
+def _install(mod: Any, backend: DeviceBackend) -> None:
     install_storage_resize(backend)

@@ -25,7 +25,7 @@ import torch
 from torchport import device_module
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 _DEVICE_TYPE_PRIVATEUSE1 = 20  # c10::DeviceType::PrivateUse1
 
@@ -37,7 +37,7 @@ class _StreamState:
     with ``torch.accelerator``, ``torch.Stream`` and the autograd engine; without it they
     are kept here per thread."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: DeviceBackend) -> None:
         self.backend = backend
         self.lock = threading.Lock()
         self.next_id = 1
@@ -152,7 +152,7 @@ class _StreamState:
  _EVENT_BLOCK, _EVENT_QUERY, _EVENT_SYNC, _EVENT_ELAPSED, _EVENT_DESTROY, _RECORD_DATA) = range(12)
 
 
-def _make(mod: types.ModuleType, b: Backend) -> None:
+def _make(mod: types.ModuleType, b: DeviceBackend) -> None:
     """Add Stream, Event and the stream functions to the device module ``mod``."""
     state = _StreamState(b)
     rt = b.runtime
@@ -368,7 +368,7 @@ def _make(mod: types.ModuleType, b: Backend) -> None:
     _register_record_stream(b, _own)
 
 
-def _install_stream_freeing(b: Backend) -> None:
+def _install_stream_freeing(b: DeviceBackend) -> None:
     """Give each allocator the hook that names the work a freed block must wait for:
     an event on each stream ``record_stream`` named, and on an asynchronous runtime one
     on the block's allocation stream while that stream still has queued work."""
@@ -399,7 +399,7 @@ def _install_stream_freeing(b: Backend) -> None:
         a.event_release = event_release
 
 
-def _record_use(b: Backend, address: int, index: int, stream: Any) -> None:
+def _record_use(b: DeviceBackend, address: int, index: int, stream: Any) -> None:
     """Keep the allocator block at ``address`` on device ``index`` from reuse until the
     work queued so far on ``stream`` ran (``Tensor.record_stream``)."""
     alloc = b.allocator(index)
@@ -412,7 +412,7 @@ def _record_use(b: Backend, address: int, index: int, stream: Any) -> None:
         block.stream_uses.add(stream)
 
 
-def _register_record_stream(b: Backend, own: Any) -> None:
+def _register_record_stream(b: DeviceBackend, own: Any) -> None:
     """``Tensor.record_stream`` for device tensors: remember the stream on the block."""
 
     def record_stream(self: torch.Tensor, s: torch.Stream) -> None:
@@ -424,7 +424,7 @@ def _register_record_stream(b: Backend, own: Any) -> None:
     b.library().impl("record_stream", record_stream, "PrivateUse1")
 
 
-def connect_guard(b: Backend, guard: Any) -> None:
+def connect_guard(b: DeviceBackend, guard: Any) -> None:
     """Make the C++ guard's per-thread streams the device's current streams and serve its
     stream and event calls (``torch.Stream``, ``torch.Event``, ``torch.accelerator``)."""
     mod = b.device_module

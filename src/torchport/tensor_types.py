@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 _dispatch_keys = torch._C._dispatch_keys
 
 
-def install(backend: Backend) -> None:
+def install(backend: DeviceBackend) -> None:
     """Register ``_has_compatible_shallow_copy_type`` for the device (any call where one
     of the two tensors is on it reaches this kernel)."""
     dense_devices = ("cpu", backend.name)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 _CPU = torch.device("cpu")
 _CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -253,7 +253,7 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return t.storage_offset() * t.element_size(), n
 
 
-def host_view(backend: Backend, t: torch.Tensor) -> torch.Tensor:
+def host_view(backend: DeviceBackend, t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor aliasing device tensor ``t`` (host-addressable runtimes only)."""
     ptr = storage_ptr(t)
     if ptr == 0:  # no elements
@@ -263,7 +263,7 @@ def host_view(backend: Backend, t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype).set_(cpu_storage, t.storage_offset(), t.shape, t.stride())
 
 
-def read_to_host(backend: Backend, t: torch.Tensor, stream=None) -> torch.Tensor:
+def read_to_host(backend: DeviceBackend, t: torch.Tensor, stream=None) -> torch.Tensor:
     """A CPU copy of device tensor ``t`` (same shape and strides), via the runtime."""
     start, n = _byte_span(t)
     buf = torch.empty(max(n, 1), dtype=torch.uint8)
@@ -277,7 +277,7 @@ def read_to_host(backend: Backend, t: torch.Tensor, stream=None) -> torch.Tensor
         t.shape, t.stride(), dtype=t.dtype)
 
 
-def write_from_host(backend: Backend, dst: torch.Tensor, src: torch.Tensor, stream=None) -> None:
+def write_from_host(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor, stream=None) -> None:
     """Write CPU tensor ``src`` (same shape; any dtype, strides) into device tensor ``dst``."""
     if dst.numel() == 0:
         return

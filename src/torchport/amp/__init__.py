@@ -24,12 +24,12 @@ from torchport.amp import policy
 from torchport.amp.apex import initialize, scale_loss
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 __all__ = ["initialize", "make_amp_module", "policy", "scale_loss"]
 
 
-def make_amp_module(mod: types.ModuleType, b: Backend) -> types.ModuleType:
+def make_amp_module(mod: types.ModuleType, b: DeviceBackend) -> types.ModuleType:
     """Build ``torch.<device>.amp`` (the analogue of ``torch.cuda.amp``) for backend ``b``."""
     name = b.name
     amp = types.ModuleType(f"{mod.__name__}.amp", f"torch.{name}.amp: mixed precision on {name}.")
@@ -63,7 +63,7 @@ def make_amp_module(mod: types.ModuleType, b: Backend) -> types.ModuleType:
 
 
 @device_module.extend
-def _extend(mod: types.ModuleType, b: Backend) -> None:
+def _extend(mod: types.ModuleType, b: DeviceBackend) -> None:
     amp = make_amp_module(mod, b)
     mod.amp = amp
     sys.modules[amp.__name__] = amp

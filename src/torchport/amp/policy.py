@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 KEY = "AutocastPrivateUse1"
 _EXCLUDE = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
@@ -167,7 +167,7 @@ def policy_table() -> dict[str, str]:
     return table
 
 
-def install(backend: Backend) -> list[str]:
+def install(backend: DeviceBackend) -> list[str]:
     """Register the policy for ``backend``'s autocast key; return the overloads added.
 
     Ops PyTorch (or another plug-in) already registered for the key are left alone,

@@ -46,7 +46,7 @@ import torch
 from torchport import device_module
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 __all__ = ["install", "installed", "patched", "uninstall"]
 
@@ -326,7 +326,7 @@ def patched() -> list[str]:
 
 
 @device_module.extend
-def _extend(mod: types.ModuleType, b: Backend) -> None:
+def _extend(mod: types.ModuleType, b: DeviceBackend) -> None:
     if os.environ.get("TORCHPORT_HF_INTEGRATION", "1").strip().lower() in ("0", "false", "no",
                                                                            "off"):
         return

@@ -16,7 +16,7 @@ from torchport import tensors
 from torchport.ops import hostviews
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 _CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset
@@ -47,7 +47,7 @@ def preserved_strides(t: torch.Tensor) -> list[int]:
     return list(torch.empty_like(meta).stride())
 
 
-def copy_between(backend: Backend, dst: torch.Tensor, src: torch.Tensor,
+def copy_between(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor,
                  non_blocking: bool = False) -> torch.Tensor:
     """``dst.copy_(src)`` where either side is a device tensor."""
     name = backend.name
@@ -95,7 +95,7 @@ def copy_between(backend: Backend, dst: torch.Tensor, src: torch.Tensor,
     return dst
 
 
-def _stream_waits(backend: Backend, index: int, stream: Any, other: int, other_stream: Any) -> None:
+def _stream_waits(backend: DeviceBackend, index: int, stream: Any, other: int, other_stream: Any) -> None:
     """Make later work on ``stream`` of device ``index`` wait for the work queued so far on
     ``other_stream`` of device ``other``. A non-blocking copy between two devices is ordered
     this way both ways, as CUDA's is: after what the source's current stream queued (its
@@ -129,12 +129,12 @@ def _assert_no_partial_overlap(dst: torch.Tensor, src: torch.Tensor) -> None:
                            "the tensor before performing the operation.")
 
 
-def _host_view(backend: Backend, t: torch.Tensor) -> torch.Tensor:
+def _host_view(backend: DeviceBackend, t: torch.Tensor) -> torch.Tensor:
     """The host's view of ``t`` (host-addressable memory; cached by layout)."""
     return hostviews.for_to_cpu(backend.host_view, backend.devices).entry(t, plain=False)[0]
 
 
-def _host_values(backend: Backend, t: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+def _host_values(backend: DeviceBackend, t: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
     """A CPU tensor with ``t``'s values (``h``: its raw memory view, when made already);
     raw memory views lose the lazy conj/neg bits, so they are put back."""
     if h is None:
@@ -161,7 +161,7 @@ def _plain_bytes(src: torch.Tensor, dst: torch.Tensor) -> bool:
             and src.is_conj() == dst.is_conj() and src.is_neg() == dst.is_neg())
 
 
-def core_kernels(backend: Backend) -> dict[str, Callable[..., Any]]:
+def core_kernels(backend: DeviceBackend) -> dict[str, Callable[..., Any]]:
     """ATen overload name -> kernel, for the ops torchport implements for every backend."""
 
     # A kind of allocation (size, strides or memory format, dtype, layout, device, the
@@ -284,7 +284,7 @@ def _check_layout(layout: Any) -> None:
         raise RuntimeError(f"torchport devices hold strided tensors only, got layout={layout}")
 
 
-def _check_same_device(backend: Backend, t: torch.Tensor, device: torch.device) -> None:
+def _check_same_device(backend: DeviceBackend, t: torch.Tensor, device: torch.device) -> None:
     if device.type != backend.name or device.index != t.device.index:
         raise RuntimeError(f"set_: storage is on {device} but the tensor is on {t.device}; "
                            f"move the storage first")

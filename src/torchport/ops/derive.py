@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 Tensor = torch.Tensor
 OpOverload = torch._ops.OpOverload
@@ -284,7 +284,7 @@ def _cpu_overlap_error(op: OpOverload, args: tuple,
     return found
 
 
-def out_kernel(backend: Backend, out_op: OpOverload, fn: Callable[..., Any]) -> Callable[..., Any]:
+def out_kernel(backend: DeviceBackend, out_op: OpOverload, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``out_op`` itself: the outputs resized to the meta result before ``fn`` runs."""
     names = out_names(out_op)
 
@@ -304,7 +304,7 @@ def out_kernel(backend: Backend, out_op: OpOverload, fn: Callable[..., Any]) -> 
     return kernel
 
 
-def functional_kernel(backend: Backend, op: OpOverload, out_op: OpOverload,
+def functional_kernel(backend: DeviceBackend, op: OpOverload, out_op: OpOverload,
                       fn: Callable[..., Any]) -> Callable[..., Any]:
     """Functional ``op``: new device outputs laid out as the meta kernel says."""
     names = out_names(out_op)
@@ -319,7 +319,7 @@ def functional_kernel(backend: Backend, op: OpOverload, out_op: OpOverload,
     return kernel
 
 
-def inplace_kernel(backend: Backend, op: OpOverload, out_op: OpOverload,
+def inplace_kernel(backend: DeviceBackend, op: OpOverload, out_op: OpOverload,
                    fn: Callable[..., Any]) -> Callable[..., Any]:
     """In-place ``op``: ``out=self`` once the meta kernel agrees on ``self``'s shape."""
     (name,) = out_names(out_op)
@@ -337,7 +337,7 @@ def inplace_kernel(backend: Backend, op: OpOverload, out_op: OpOverload,
     return kernel
 
 
-def _device_index(backend: Backend, args: tuple, kwargs: dict) -> int:
+def _device_index(backend: DeviceBackend, args: tuple, kwargs: dict) -> int:
     for v in (*args, *kwargs.values()):
         if isinstance(v, Tensor) and v.device.type == backend.name:
             return v.device.index

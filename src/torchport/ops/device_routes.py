@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport.ops import fallback
+from torchport.ops.declarations import Decline, KernelSet
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
-    from torchport.ops.registry import KernelSet
+    from torchport.contracts import DeviceBackend
 
 Tensor = torch.Tensor
 _CONV = torch.ops.aten.convolution.default
@@ -280,7 +280,7 @@ def _gqa(query: Tensor, key: Tensor) -> bool:
     return query.dim() >= 3 and key.dim() >= 3 and query.size(-3) != key.size(-3)
 
 
-def _check_dropout(dropout_p: float, backend: Backend) -> None:
+def _check_dropout(dropout_p: float, backend: DeviceBackend) -> None:
     if dropout_p > 0.0:
         raise NotImplementedError(
             f"_scaled_dot_product_fused_attention_overrideable on {backend.name}: dropout_p="
@@ -324,10 +324,8 @@ def _autograd_on() -> Any:
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
-def make_kernel_set(backend: Backend) -> KernelSet:
+def make_kernel_set(backend: DeviceBackend) -> KernelSet:
     """The route kernels for ``backend`` (installed after its own kernel sets)."""
-    from torchport.ops.registry import Decline, KernelSet
-
     ks = KernelSet("device-routes")
     ks.kernel("_thnn_fused_lstm_cell.default")(fused_lstm_cell)
     ks.kernel("_thnn_fused_lstm_cell_backward_impl.default")(fused_lstm_cell_backward_impl)

@@ -36,10 +36,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport.ops import derive, hooks, hostexec, paths, stats
+from torchport.ops.declarations import Decline
 from torchport.ops.plan import plan_for
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 
 class FallbackWarning(UserWarning):
@@ -208,7 +209,7 @@ def _dtype_text(args: tuple, kwargs: dict) -> str:
     return ", ".join(str(d).removeprefix("torch.") for d in ds) or "no tensors"
 
 
-def run_cpu(backend: Backend, op: Any, name: str, args: tuple, kwargs: dict,
+def run_cpu(backend: DeviceBackend, op: Any, name: str, args: tuple, kwargs: dict,
             forced: bool = False) -> Any:
     """The CPU fallback proper (raises when it is turned off and the op is not forced)."""
     qualified = op.name()
@@ -250,7 +251,7 @@ def _user_stacklevel() -> int:
     return level if frame is not None else 2
 
 
-def _choose_path(backend: Backend, op: Any, name: str, args: tuple,
+def _choose_path(backend: DeviceBackend, op: Any, name: str, args: tuple,
                  kwargs: dict) -> tuple[str, Callable[..., Any] | None, bool]:
     """(path, decomposition, forced) for an op without a usable kernel."""
     forced = is_forced(name)
@@ -261,7 +262,7 @@ def _choose_path(backend: Backend, op: Any, name: str, args: tuple,
     return "fallback", None, forced
 
 
-def _run_path(backend: Backend, op: Any, name: str, args: tuple, kwargs: dict,
+def _run_path(backend: DeviceBackend, op: Any, name: str, args: tuple, kwargs: dict,
               d: Callable[..., Any] | None, forced: bool) -> Any:
     if d is not None:
         if not stats.ENABLED:
@@ -274,7 +275,7 @@ def _run_path(backend: Backend, op: Any, name: str, args: tuple, kwargs: dict,
     return run_cpu(backend, op, name, args, kwargs, forced)
 
 
-def next_path(backend: Backend, op: Any, name: str, args: tuple, kwargs: dict,
+def next_path(backend: DeviceBackend, op: Any, name: str, args: tuple, kwargs: dict,
               call: hooks.OpCall | None = None) -> Any:
     """No usable kernel: a decomposition into device kernels, else the CPU."""
     path, d, forced = _choose_path(backend, op, name, args, kwargs)
@@ -312,18 +313,18 @@ def _land(r: Any, alias: str | None, names: tuple[str, ...], args: tuple, kwargs
     return target
 
 
-def run_native_slow(backend: Backend, op: Any, route: Route, fn: Callable[..., Any],
-                    args: tuple, kwargs: dict, Decline: type[Exception]) -> Any:
+def run_native_slow(backend: DeviceBackend, op: Any, route: Route, fn: Callable[..., Any],
+                    args: tuple, kwargs: dict) -> Any:
     """A native kernel's call while ops are forced, recorded or intercepted."""
     if hooks.ACTIVE and not hooks.busy():
         return hooks.dispatch(
             op, route.name, "fallback" if route.forced else "native", args, kwargs,
-            lambda call: _native(backend, op, route, fn, args, kwargs, Decline, call))
-    return _native(backend, op, route, fn, args, kwargs, Decline, None)
+            lambda call: _native(backend, op, route, fn, args, kwargs, call))
+    return _native(backend, op, route, fn, args, kwargs, None)
 
 
-def _native(backend: Backend, op: Any, route: Route, fn: Callable[..., Any], args: tuple,
-            kwargs: dict, Decline: type[Exception], call: hooks.OpCall | None) -> Any:
+def _native(backend: DeviceBackend, op: Any, route: Route, fn: Callable[..., Any], args: tuple,
+            kwargs: dict, call: hooks.OpCall | None) -> Any:
     if route.forced:
         return run_cpu(backend, op, route.name, args, kwargs, forced=True)
     t0 = time.perf_counter()
@@ -347,7 +348,7 @@ def _run_view(plan: Any, op: Any, args: tuple, kwargs: dict) -> Any:
     return hostexec.run_view_op(op, args, kwargs)
 
 
-def _intercepted(backend: Backend, op: Any, plan: Any, args: tuple, kwargs: dict) -> Any:
+def _intercepted(backend: DeviceBackend, op: Any, plan: Any, args: tuple, kwargs: dict) -> Any:
     """The fallback's call while a tool intercepts ops: the path is chosen first."""
     name = plan.overload_name
     if plan.is_view:
@@ -358,7 +359,7 @@ def _intercepted(backend: Backend, op: Any, plan: Any, args: tuple, kwargs: dict
                           lambda call: _run_path(backend, op, name, args, kwargs, d, forced))
 
 
-def make_fallback(backend: Backend) -> Callable[..., Any]:
+def make_fallback(backend: DeviceBackend) -> Callable[..., Any]:
     """The boxed fallback registered for every op without a kernel."""
     load_env()
     hooks.load_env()

@@ -20,13 +20,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchport import tensors
-from torchport.backend import ADOPT_MIN_BYTES
+from torchport.allocator import ADOPT_MIN_BYTES
 from torchport.ops import derive, fallback, hostexec, hostviews
 from torchport.ops.plan import plan_for
 from torchport.tensors import storage_ptr
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 Tensor = torch.Tensor
 _CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -121,7 +121,7 @@ def _device_views(args: tuple, kwargs: dict, views: hostviews.HostViews,
     return cargs
 
 
-def _inplace_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.HostViews,
+def _inplace_kernel(backend: DeviceBackend, op: torch._ops.OpOverload, views: hostviews.HostViews,
                     general: Callable[[tuple, dict], Any],
                     slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
     """In-place ops on the chip's zero-copy view: the CPU kernel writes device memory
@@ -144,7 +144,7 @@ def _inplace_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostview
     return _on_views(op, views, general, slow, body)
 
 
-def _lists_inplace_kernel(backend: Backend, op: torch._ops.OpOverload,
+def _lists_inplace_kernel(backend: DeviceBackend, op: torch._ops.OpOverload,
                           views: hostviews.HostViews, general: Callable[[tuple, dict], Any],
                           slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
     """:func:`writes_lists_in_place` ops on the chip's zero-copy views, the keyword tensors
@@ -214,7 +214,7 @@ def _number_in_tensor_slot(args: tuple, slots: list[int]) -> bool:
                for i in slots)
 
 
-def _list_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.HostViews,
+def _list_kernel(backend: DeviceBackend, op: torch._ops.OpOverload, views: hostviews.HostViews,
                  general: Callable[[tuple, dict], Any],
                  slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
     """Functional ops taking tensor lists (``cat``, ``index``, ``_foreach_add``): as the
@@ -338,7 +338,7 @@ def _per_tensor_out(op: torch._ops.OpOverload) -> Callable[..., Any] | None:
     return out._handle.redispatch_boxed
 
 
-def _foreach_by_twin(backend: Backend, views: hostviews.HostViews,
+def _foreach_by_twin(backend: DeviceBackend, views: hostviews.HostViews,
                      twin: torch._ops.OpOverload, per_tensor: Callable[..., Any] | None,
                      args: tuple, cargs: list, kwargs: dict) -> list[Tensor] | None:
     """A functional foreach op as a copy of its first list into new device tensors and
@@ -387,7 +387,7 @@ def _foreach_by_twin(backend: Backend, views: hostviews.HostViews,
     return outs
 
 
-def _results_to_device(backend: Backend, views: hostviews.HostViews, results: list[Tensor],
+def _results_to_device(backend: DeviceBackend, views: hostviews.HostViews, results: list[Tensor],
                        index: int) -> list[Tensor]:
     """CPU results on device ``index``: each dense one below the adoption size gets a new
     block, and one foreach copy between the chip's views fills them all (an optimizer's
@@ -425,7 +425,7 @@ def factory(op: torch._ops.OpOverload) -> bool:
         and not own(name, "CPU")
 
 
-def _factory_kernel(backend: Backend, op: torch._ops.OpOverload, views: hostviews.HostViews,
+def _factory_kernel(backend: DeviceBackend, op: torch._ops.OpOverload, views: hostviews.HostViews,
                     general: Callable[[tuple, dict], Any],
                     slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
     """Factory ops run PyTorch's composite kernel: the backend's own ``empty`` on the
@@ -509,7 +509,7 @@ def _takes_tensor_lists(op: torch._ops.OpOverload) -> bool:
                for a in op._schema.arguments)
 
 
-def host_kernel(backend: Backend, op: torch._ops.OpOverload, to_cpu: Callable[[Tensor], Tensor],
+def host_kernel(backend: DeviceBackend, op: torch._ops.OpOverload, to_cpu: Callable[[Tensor], Tensor],
                 slow: Callable[[tuple, dict], Any] | None = None) -> Callable[..., Any]:
     """A kernel running ``op``'s CPU implementation on the views ``to_cpu`` makes.
 
@@ -607,7 +607,7 @@ def random_functional(op: torch._ops.OpOverload) -> bool:
     return p.random and not p.has_generator_arg and qualifies(op, random=True)
 
 
-def _random_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoDevice,
+def _random_kernel(backend: DeviceBackend, op: torch._ops.OpOverload, into: _IntoDevice,
                    general: Callable[[tuple, dict], Any],
                    slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
     """Random functional ops: the CPU kernel on the chip's views, drawing from the
@@ -635,7 +635,7 @@ def _sees_view_bits(op: torch._ops.OpOverload) -> bool:
                                       torch._C.DispatchKey.Negative))
 
 
-def _functional_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoDevice,
+def _functional_kernel(backend: DeviceBackend, op: torch._ops.OpOverload, into: _IntoDevice,
                        general: Callable[[tuple, dict], Any],
                        slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
     """The hot kernel of a functional op: every input mapped through the view cache,
@@ -782,7 +782,7 @@ class _IntoDevice:
     by the inputs' layouts), the ``out=`` overload computing into device tensors, and,
     where that cannot be used, a CPU result moved to the device."""
 
-    def __init__(self, backend: Backend, op: torch._ops.OpOverload,
+    def __init__(self, backend: DeviceBackend, op: torch._ops.OpOverload,
                  to_cpu: Callable[[Tensor], Tensor]) -> None:
         self.backend = backend
         self.op = op
@@ -1116,7 +1116,7 @@ def _copy_into(ks: Any, src: Tensor, memory_format: Any = None, *, out: Tensor) 
     return _copy_boxed(ks, out, src)
 
 
-def _sync_devices(backend: Backend, args: tuple, kwargs: dict) -> None:
+def _sync_devices(backend: DeviceBackend, args: tuple, kwargs: dict) -> None:
     done = set()
     for v in hostexec._iter_tensors(args, kwargs):
         d = v.device
@@ -1125,7 +1125,7 @@ def _sync_devices(backend: Backend, args: tuple, kwargs: dict) -> None:
             backend.host_sync(d.index)
 
 
-def _launching_kernel(backend: Backend, op: torch._ops.OpOverload, into: _IntoDevice,
+def _launching_kernel(backend: DeviceBackend, op: torch._ops.OpOverload, into: _IntoDevice,
                       general: Callable[[tuple, dict], Any],
                       slow: Callable[[tuple, dict], Any] | None) -> Callable[..., Any]:
     """Asynchronous runtimes: allocate the results now, queue the computation on the

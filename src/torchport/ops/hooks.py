@@ -17,7 +17,6 @@ intercepted: run them inside :func:`suspended` (a thread-local guard).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,6 +28,7 @@ ACTIVE = False  # read by the op layer: any interceptor registered?
 _INTERCEPTORS: Registry[Interceptor] = Registry()
 _TLS = threading.local()
 _ENV_LOADED = False
+_ENV_STARTERS: list[Callable[[], None]] = []
 
 
 class OpCall:
@@ -125,20 +125,17 @@ def dispatch(op: Any, name: str, path: str, args: tuple, kwargs: dict,
     return step(0)
 
 
-def load_env() -> None:
-    """Start the tools asked for by environment variables (once, at backend registration).
+def on_load_env(start: Callable[[], None]) -> None:
+    """Call ``start`` at :func:`load_env`: a tool that environment variables switch on
+    (the porting tools register theirs, :mod:`torchport.debug.env`)."""
+    _ENV_STARTERS.append(start)
 
-    ``TORCHPORT_AUTOCOMPARE``, ``TORCHPORT_DUMP_OPS``, ``TORCHPORT_DUMP_DIR`` and
-    ``TORCHPORT_DUMP_CPU``; the debug modules are imported only when one is set."""
+
+def load_env() -> None:
+    """Start the tools asked for by environment variables (once, at backend registration)."""
     global _ENV_LOADED
     if _ENV_LOADED:
         return
     _ENV_LOADED = True
-    if os.environ.get("TORCHPORT_AUTOCOMPARE"):
-        from torchport.debug import crosscheck
-        crosscheck.start_from_env()
-    level = os.environ.get("TORCHPORT_DUMP_OPS", "0").strip()
-    if (level not in ("", "0") or os.environ.get("TORCHPORT_DUMP_DIR")
-            or os.environ.get("TORCHPORT_DUMP_CPU", "0") not in ("", "0")):
-        from torchport.debug import opdump
-        opdump.start_from_env()
+    for start in _ENV_STARTERS:
+        start()

@@ -22,7 +22,7 @@ from torchport import native, tensors
 from torchport.ops.plan import OpPlan, plan_for
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 _CPU = torch.device("cpu")
 _CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -39,7 +39,7 @@ class GeneratorDeviceError(RuntimeError):
     RuntimeError with the same words)."""
 
 
-def op_device(backend: Backend, op: Any, plan: OpPlan, args: tuple, kwargs: dict) -> int | None:
+def op_device(backend: DeviceBackend, op: Any, plan: OpPlan, args: tuple, kwargs: dict) -> int | None:
     """The device index an op runs on (``None``: a factory op naming a device of another
     type, ``ones_like(x, device="cpu")``, whose result stays there); raises when its
     tensors are on different devices."""
@@ -72,7 +72,7 @@ def named_device(plan: OpPlan, args: tuple, kwargs: dict) -> torch.device | None
 
 
 def generator_error(expected: str, found: str, plan: OpPlan,
-                    backend: Backend | None = None) -> GeneratorDeviceError:
+                    backend: DeviceBackend | None = None) -> GeneratorDeviceError:
     """CUDA's error for a random op given a generator of another device type."""
     fix = f"pass a generator made with torch.Generator(device={expected!r})"
     if backend is not None and backend.default_generators[:1] == tuple(backend.generators[:1]):
@@ -137,7 +137,7 @@ class HostCall:
 
     __slots__ = ("backend", "op", "plan", "index", "to_cpu", "zero_copy", "views", "seen")
 
-    def __init__(self, backend: Backend, op: Any, plan: OpPlan, index: int | None,
+    def __init__(self, backend: DeviceBackend, op: Any, plan: OpPlan, index: int | None,
                  to_cpu: Callable[[Tensor], Tensor], zero_copy: bool) -> None:
         self.backend = backend
         self.op = op
@@ -304,7 +304,7 @@ class HostCall:
         return self.backend.result_to_device(r, self.index)  # a large new one: adopted
 
 
-def run_on_host(backend: Backend, op: Any, args: tuple, kwargs: dict,
+def run_on_host(backend: DeviceBackend, op: Any, args: tuple, kwargs: dict,
                 to_cpu: Callable[[Tensor], Tensor] | None = None,
                 zero_copy: bool | None = None) -> Any:
     """Run ``op`` with its CPU kernel; the default view is the backend's own."""

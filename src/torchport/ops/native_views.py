@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport import native
-from torchport.backend import keep_past_exit
+from torchport.libraries import keep_past_exit
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
+    from torchport.contracts import DeviceBackend
 
 # The ops the C++ library registers (native_views.cpp): views with no composite kernel.
 OPS = ("as_strided", "view", "_reshape_alias", "unfold", "view_as_real", "view_as_complex")
@@ -81,7 +81,7 @@ class ViewKernels:
                 self._registered.impl(name, kernel, "PrivateUse1")
 
 
-def install(backend: Backend) -> None:
+def install(backend: DeviceBackend) -> None:
     """Serve the backend's views natively unless ops are slowed down, and follow that."""
     from torchport.ops import fallback
 

@@ -1,7 +1,7 @@
 """Kernel registry: how a vendor's kernels reach PyTorch's dispatcher.
 
-A vendor groups kernels in a :class:`KernelSet` and hands it to its
-:class:`~torchport.backend.Backend`. Two kinds of declaration:
+A vendor groups kernels in a :class:`KernelSet` (:mod:`torchport.ops.declarations`) and
+hands it to its :class:`~torchport.backend.Backend`. Two kinds of declaration:
 
 * ``@ks.out_kernel("add.out")`` -- the usual way: one ``out=`` kernel; torchport
   derives the functional (``add.Tensor``) and in-place (``add_.Tensor``) overloads,
@@ -23,75 +23,17 @@ Declarations stay inspectable: :func:`native_overloads` lists them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchport.ops import core, derive, fallback, fastpath, hostexec, native_views, paths
+from torchport.ops.declarations import Decline, KernelDecl, KernelSet
 from torchport.ops.plan import plan_for
 
 if TYPE_CHECKING:
-    from torchport.backend import Backend
-
-
-class Decline(Exception):
-    """Raised by a kernel that does not handle this input; the op takes the next path."""
-
-
-@dataclass
-class KernelDecl:
-    name: str  # as declared: "add", "add.out", "mm"
-    fn: Callable[..., Any] | None  # ATen-signature kernel, or None for host ops
-    to_cpu: Callable[[torch.Tensor], torch.Tensor] | None = None
-    dtypes: frozenset[torch.dtype] | None = None
-    kind: str = "aten"  # "aten": as registered; "out": functional/in-place derived; "host"
-    derived_from: str | None = None  # for overloads derived from an out= kernel
-
-    def derived(self, out_name: str) -> KernelDecl:
-        return KernelDecl(self.name, self.fn, self.to_cpu, self.dtypes, self.kind, out_name)
-
-
-@dataclass
-class KernelSet:
-    """Kernels of one backend, declared by ATen op name."""
-
-    name: str = "kernels"
-    decls: list[KernelDecl] = field(default_factory=list)
-
-    def kernel(self, name: str, dtypes: Iterable[torch.dtype] | None = None):
-        """Decorator: ``fn`` implements ``name`` (an overload, or every overload of a name)."""
-        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-            self.decls.append(KernelDecl(name, fn, None, frozenset(dtypes) if dtypes else None))
-            return fn
-        return deco
-
-    def out_kernel(self, name: str, dtypes: Iterable[torch.dtype] | None = None):
-        """Decorator: ``fn`` implements the ``out=`` overload(s) ``name`` (``"add.out"``, or
-        ``"add"`` for every out= overload of add); torchport derives the functional and
-        in-place overloads (:mod:`torchport.ops.derive`). ``fn`` gets ready outputs."""
-        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-            self.decls.append(KernelDecl(name, fn, None, frozenset(dtypes) if dtypes else None,
-                                         "out"))
-            return fn
-        return deco
-
-    def autograd_kernel(self, name: str):
-        """Decorator: ``fn`` replaces ``name`` on the device's autograd key -- for ops that
-        decompose above the backend (CompositeImplicitAutograd) when the device has a
-        better way; ``fn`` calls ops with derivatives of their own."""
-        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-            self.decls.append(KernelDecl(name, fn, None, None, "autograd"))
-            return fn
-        return deco
-
-    def host_ops(self, names: Iterable[str], to_cpu: Callable[[torch.Tensor], torch.Tensor],
-                 dtypes: Iterable[torch.dtype] | None = None) -> None:
-        """Declare ops run by the CPU kernel on zero-copy views made by ``to_cpu``."""
-        ds = frozenset(dtypes) if dtypes else None
-        for n in names:
-            self.decls.append(KernelDecl(n, None, to_cpu, ds, "host"))
+    from torchport.contracts import DeviceBackend
 
 
 def resolve_overloads(name: str) -> list[torch._ops.OpOverload]:
@@ -135,7 +77,7 @@ def core_overloads() -> frozenset[str]:
     return frozenset(_CORE)
 
 
-def _wrap(backend: Backend, op: torch._ops.OpOverload, name: str, fn: Callable[..., Any],
+def _wrap(backend: DeviceBackend, op: torch._ops.OpOverload, name: str, fn: Callable[..., Any],
           route: fallback.Route) -> Callable[..., Any]:
     """A native kernel as registered: one flag check, then the kernel.
 
@@ -146,7 +88,7 @@ def _wrap(backend: Backend, op: torch._ops.OpOverload, name: str, fn: Callable[.
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if fb.SLOW:
-            return fb.run_native_slow(backend, op, route, fn, args, kwargs, Decline)
+            return fb.run_native_slow(backend, op, route, fn, args, kwargs)
         try:
             return fn(*args, **kwargs)
         except Decline:
@@ -154,7 +96,7 @@ def _wrap(backend: Backend, op: torch._ops.OpOverload, name: str, fn: Callable[.
     return kernel
 
 
-def _host_kernel(backend: Backend, op: torch._ops.OpOverload, name: str, decl: KernelDecl,
+def _host_kernel(backend: DeviceBackend, op: torch._ops.OpOverload, name: str, decl: KernelDecl,
                  route: fallback.Route) -> Callable[..., Any]:
     """A host-op kernel as registered; without a dtype restriction it checks the
     slow-path flag itself (one Python frame less on every call)."""
@@ -164,13 +106,13 @@ def _host_kernel(backend: Backend, op: torch._ops.OpOverload, name: str, decl: K
     holder: list[Callable[..., Any]] = []
 
     def slow(args: tuple, kwargs: dict) -> Any:
-        return fallback.run_native_slow(backend, op, route, holder[0], args, kwargs, Decline)
+        return fallback.run_native_slow(backend, op, route, holder[0], args, kwargs)
     kernel = fastpath.host_kernel(backend, op, decl.to_cpu, slow)
     holder.append(fastpath.host_kernel(backend, op, decl.to_cpu))
     return kernel
 
 
-def install(backend: Backend) -> None:
+def install(backend: DeviceBackend) -> None:
     """Register core kernels, the backend's kernel sets and the fallback."""
     lib = backend.library()
     taken: set[str] = set()
@@ -218,7 +160,7 @@ def _expand(decl: KernelDecl) -> list[tuple[torch._ops.OpOverload, Callable[...,
     return out
 
 
-def install_kernel_set(backend: Backend, ks: KernelSet, lib: torch.library.Library | None = None,
+def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library.Library | None = None,
                        taken: set[str] | None = None) -> list[str]:
     """Register a kernel set's declarations (at registration, or later for one added
     after it); returns the overloads registered. The first declaration of an overload wins."""

@@ -1,0 +1,27 @@
+"""The porting tools that environment variables switch on, started when a backend registers.
+
+A feature module (:mod:`torchport.features`): importing it registers :func:`start_from_env`
+with the op layer (:func:`torchport.ops.hooks.on_load_env`), which calls it once as the
+backend registers. ``TORCHPORT_AUTOCOMPARE``, ``TORCHPORT_DUMP_OPS``, ``TORCHPORT_DUMP_DIR``
+and ``TORCHPORT_DUMP_CPU``; the tools' modules are imported only when one is set.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torchport.ops import hooks
+
+
+def start_from_env() -> None:
+    if os.environ.get("TORCHPORT_AUTOCOMPARE"):
+        from torchport.debug import crosscheck
+        crosscheck.start_from_env()
+    level = os.environ.get("TORCHPORT_DUMP_OPS", "0").strip()
+    if (level not in ("", "0") or os.environ.get("TORCHPORT_DUMP_DIR")
+            or os.environ.get("TORCHPORT_DUMP_CPU", "0") not in ("", "0")):
+        from torchport.debug import opdump
+        opdump.start_from_env()
+
+
+hooks.on_load_env(start_from_env)

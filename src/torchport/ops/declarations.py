@@ -1,0 +1,72 @@
+"""What a vendor writes: kernel declarations (:class:`KernelSet`) and :class:`Decline`.
+
+The registry (:mod:`torchport.ops.registry`) turns them into dispatcher registrations;
+this module depends on nothing of torchport, so a backend's kernels and the op layer's
+paths both import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class Decline(Exception):
+    """Raised by a kernel that does not handle this input; the op takes the next path."""
+
+
+@dataclass
+class KernelDecl:
+    name: str  # as declared: "add", "add.out", "mm"
+    fn: Callable[..., Any] | None  # ATen-signature kernel, or None for host ops
+    to_cpu: Callable[[torch.Tensor], torch.Tensor] | None = None
+    dtypes: frozenset[torch.dtype] | None = None
+    kind: str = "aten"  # "aten": as registered; "out": functional/in-place derived; "host"
+    derived_from: str | None = None  # for overloads derived from an out= kernel
+
+    def derived(self, out_name: str) -> KernelDecl:
+        return KernelDecl(self.name, self.fn, self.to_cpu, self.dtypes, self.kind, out_name)
+
+
+@dataclass
+class KernelSet:
+    """Kernels of one backend, declared by ATen op name."""
+
+    name: str = "kernels"
+    decls: list[KernelDecl] = field(default_factory=list)
+
+    def kernel(self, name: str, dtypes: Iterable[torch.dtype] | None = None):
+        """Decorator: ``fn`` implements ``name`` (an overload, or every overload of a name)."""
+        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+            self.decls.append(KernelDecl(name, fn, None, frozenset(dtypes) if dtypes else None))
+            return fn
+        return deco
+
+    def out_kernel(self, name: str, dtypes: Iterable[torch.dtype] | None = None):
+        """Decorator: ``fn`` implements the ``out=`` overload(s) ``name`` (``"add.out"``, or
+        ``"add"`` for every out= overload of add); torchport derives the functional and
+        in-place overloads (:mod:`torchport.ops.derive`). ``fn`` gets ready outputs."""
+        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+            self.decls.append(KernelDecl(name, fn, None, frozenset(dtypes) if dtypes else None,
+                                         "out"))
+            return fn
+        return deco
+
+    def autograd_kernel(self, name: str):
+        """Decorator: ``fn`` replaces ``name`` on the device's autograd key -- for ops that
+        decompose above the backend (CompositeImplicitAutograd) when the device has a
+        better way; ``fn`` calls ops with derivatives of their own."""
+        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+            self.decls.append(KernelDecl(name, fn, None, None, "autograd"))
+            return fn
+        return deco
+
+    def host_ops(self, names: Iterable[str], to_cpu: Callable[[torch.Tensor], torch.Tensor],
+                 dtypes: Iterable[torch.dtype] | None = None) -> None:
+        """Declare ops run by the CPU kernel on zero-copy views made by ``to_cpu``."""
+        ds = frozenset(dtypes) if dtypes else None
+        for n in names:
+            self.decls.append(KernelDecl(n, None, to_cpu, ds, "host"))
