@@ -39,6 +39,7 @@ class DeviceBackend(Protocol):
     initialized: bool  # some device memory was taken from the runtime
     bad_fork: bool  # this process was forked after the device was used
     pinned_memory: bool  # pin_memory() gives pinned memory (the C++ hooks serve)
+    pinned_host_memory: Any  # the runtime's host_alloc/host_free callbacks, in use
     _guard_device: Any  # the C++ device guard's current device, or None
 
     @property

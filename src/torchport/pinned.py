@@ -65,7 +65,7 @@ _HOST_ALLOC = ctypes.CFUNCTYPE(ctypes.c_longlong, ctypes.c_longlong)
 _HOST_FREE = ctypes.CFUNCTYPE(None, ctypes.c_longlong)
 
 
-def _use_runtime_host_memory(backend: Backend) -> None:
+def _use_runtime_host_memory(backend: DeviceBackend) -> None:
     """Pinned blocks from the runtime's ``host_alloc``/``host_free``, where it overrides
     them (page-locked memory); the default keeps plain host memory, with no Python call."""
     rt = backend.runtime
