@@ -17,12 +17,12 @@ intercepted: run them inside :func:`suspended` (a thread-local guard).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+from torchport import settings
 from torchport.ops.switch import Registry
 
 ACTIVE = False  # read by the op layer: any interceptor registered?
@@ -134,11 +134,10 @@ def load_env() -> None:
     if _ENV_LOADED:
         return
     _ENV_LOADED = True
-    if os.environ.get("TORCHPORT_AUTOCOMPARE"):
+    if settings.get("TORCHPORT_AUTOCOMPARE"):
         from torchport.debug import crosscheck
         crosscheck.start_from_env()
-    level = os.environ.get("TORCHPORT_DUMP_OPS", "0").strip()
-    if (level not in ("", "0") or os.environ.get("TORCHPORT_DUMP_DIR")
-            or os.environ.get("TORCHPORT_DUMP_CPU", "0") not in ("", "0")):
+    if (settings.get("TORCHPORT_DUMP_OPS") or settings.get("TORCHPORT_DUMP_DIR")
+            or settings.get("TORCHPORT_DUMP_CPU")):
         from torchport.debug import opdump
         opdump.start_from_env()
