@@ -8,14 +8,13 @@ backend: registering the same one again is a no-op; a different one is an error.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from torchport import native, tensors
+from torchport import native, settings, tensors
 from torchport.allocator import ADOPT_MIN_BYTES, DeviceAllocator
 from torchport.contracts import BackendError
 from torchport.libraries import keep_past_exit
@@ -71,7 +70,7 @@ class Backend:
         self.name = name
         self.runtime = runtime
         self.kernel_sets = list(kernels)
-        self.visible = parse_visible_devices(os.environ.get("TORCHPORT_VISIBLE_DEVICES"),
+        self.visible = parse_visible_devices(settings.get("TORCHPORT_VISIBLE_DEVICES"),
                                              runtime.device_count())
         self.allocators = [DeviceAllocator(runtime, p, i, name) for i, p in enumerate(self.visible)]
         self._devices: list[torch.device] | None = None
@@ -110,7 +109,7 @@ class Backend:
             raise torch.AcceleratorError(
                 f"{self.name}: invalid device ordinal {index}; {len(self.visible)} {self.name} "
                 f"device(s) are visible (TORCHPORT_VISIBLE_DEVICES="
-                f"{os.environ.get('TORCHPORT_VISIBLE_DEVICES', 'unset')})"
+                f"{settings.raw('TORCHPORT_VISIBLE_DEVICES', 'unset')})"
             ) if hasattr(torch, "AcceleratorError") else RuntimeError(
                 f"{self.name}: invalid device ordinal {index}")
         return index

@@ -47,7 +47,7 @@ import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
-from torchport import device_module
+from torchport import device_module, settings
 from torchport.contracts import BackendError
 
 if TYPE_CHECKING:
@@ -902,7 +902,7 @@ def init_device_from_env() -> torch.device:
     count = b.device_count()
     if count == 0:
         raise CollectiveError(f"no {b.name} device is visible (TORCHPORT_VISIBLE_DEVICES="
-                              f"{os.environ.get('TORCHPORT_VISIBLE_DEVICES', 'unset')})")
+                              f"{settings.raw('TORCHPORT_VISIBLE_DEVICES', 'unset')})")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     b.set_device(local % count)
     return torch.device(b.name, local % count)

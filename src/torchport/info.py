@@ -14,117 +14,26 @@ from typing import Any
 
 import typer
 
-# Every variable torchport reads, with its default (None: unset means "all"/"off").
+from torchport import settings as declared
+
+# Views of the declarations in torchport.settings, for `torchport info` and its tests.
+# KNOWN_VARIABLES: what torchport reads, name -> (default, short meaning) (default None:
+# unset means "all"/"off"); TEST_VARIABLES: what the test suite reads (listed as "test"
+# when set instead of "unknown"), name -> (default, short meaning, long description).
 KNOWN_VARIABLES: dict[str, tuple[str | None, str]] = {
-    "TORCHPORT_BACKEND": ("sim", "backend for torchport run/coverage/info"),
-    "TORCHPORT_SIM_DEVICES": ("2", "number of sim devices"),
-    "TORCHPORT_SIM_MEMORY": ("8GiB", "memory per sim device"),
-    "TORCHPORT_SIM_STRICT": ("0", "1: device-only sim memory"),
-    "TORCHPORT_SIM_ASYNC": ("0", "1: sim streams run work on worker threads"),
-    "TORCHPORT_LAUNCH_BLOCKING": ("0", "1: every launch synchronous"),
-    "TORCHPORT_TRANSFER": ("0", "1: run CUDA code on the device"),
-    "TORCHPORT_AUTOLOAD": (None, "backend that import torch registers (set by torchport run)"),
-    "TORCHPORT_COVERAGE_CHILDREN": (None, "where child processes write op coverage (set by "
-                                           "torchport coverage)"),
-    "TORCHPORT_VISIBLE_DEVICES": (None, "devices to use (default: all)"),
-    "TORCHPORT_HF_INTEGRATION": ("1", "0: leave accelerate/transformers' device choice alone"),
-    "TORCHPORT_FALLBACK": ("1", "0: ops without a kernel raise instead of running on CPU"),
-    "TORCHPORT_FALLBACK_WARN": ("1", "0: no warning when an op falls back"),
-    "TORCHPORT_FORCE_FALLBACK_OPS": (None, "regexes of overloads forced to the CPU"),
-    "TORCHPORT_OP_STATS": ("0", "1: print op statistics at exit"),
-    "TORCHPORT_NATIVE": ("1", "0: views and device guard in Python, not C++"),
-    "TORCHPORT_CACHE_DIR": (None, "the C++ library's build folder"),
-    "TORCHPORT_AUTOCOMPARE": (None, "op regexes checked against CPU (autocompare)"),
-    "TORCHPORT_AUTOCOMPARE_RAISE": ("0", "1: autocompare mismatches raise"),
-    "TORCHPORT_DUMP_OPS": ("0", "op dump level 0-3"),
-    "TORCHPORT_DUMP_DIR": (None, "directory for op dumps"),
-    "TORCHPORT_DUMP_FILTER": (None, "op regexes to dump"),
-    "TORCHPORT_DUMP_RANGE": (None, "start:end call range to dump"),
-    "TORCHPORT_DUMP_MAX_BYTES": (None, "largest tensor saved in a dump"),
-    "TORCHPORT_DUMP_CPU": ("0", "1: dump the CPU reference too"),
-}
-
-
-# The long description of each variable, for docs/configuration.md (``torchport info`` shows
-# the short meaning above): name -> (default as documented, description in Markdown).
-# A variable missing here is documented with its short meaning.
-VARIABLE_DOCS: dict[str, tuple[str, str]] = {
-    "TORCHPORT_SIM_DEVICES": ("`2`", "number of sim devices"),
-    "TORCHPORT_SIM_MEMORY": ("`8GiB`", "memory per sim device (`512MiB`, `8GiB`, bytes)"),
-    "TORCHPORT_SIM_STRICT": ("`0`", "`1`: device-only memory (fake addresses, runtime copies "
-                                    "only)"),
-    "TORCHPORT_SIM_ASYNC": ("`0`", "`1`: sim streams run runtime work on worker threads "
-                                   "(see [streams](streams-rng-amp.md))"),
-    "TORCHPORT_LAUNCH_BLOCKING": ("`0`", "`1`: every launch synchronous (debugging)"),
-    "TORCHPORT_TRANSFER": ("`0`", "`1`: run CUDA code on the device (see [Running CUDA code "
-                                  "unchanged](cuda-code.md))"),
-    "TORCHPORT_AUTOLOAD": (
-        "none",
-        "backend (as `--backend`) that every `import torch` registers, through PyTorch's "
-        "device-backend autoload; `torchport run` exports it with `TORCHPORT_TRANSFER=1`, so "
-        "processes the script starts (`torch.multiprocessing.spawn`, `multiprocessing`, "
-        "`subprocess`) run on the device too (`TORCH_DEVICE_BACKEND_AUTOLOAD=0` turns autoload "
-        "off)"),
-    "TORCHPORT_VISIBLE_DEVICES": ("all", "comma list of physical devices to use, renumbered "
-                                         "from 0 (like `CUDA_VISIBLE_DEVICES`)"),
-    "TORCHPORT_HF_INTEGRATION": (
-        "`1`",
-        "`0`: leave Hugging Face accelerate and transformers alone (see [Hugging Face Trainer "
-        "and accelerate](cuda-code.md)); by default they choose the device as a GPU"),
-    "TORCHPORT_BACKEND": ("`sim`", "backend for `torchport run` / `coverage` / `info`"),
-    "TORCHPORT_FORCE_FALLBACK_OPS": (
-        "none",
-        "comma-separated regexes matched in full against overload names (`add.out`, "
-        "`.*\\.Scalar`, `addmm` or `addmm.default`): those ops run on the CPU"),
-    "TORCHPORT_FALLBACK": ("`1`", "`0`: an op with no kernel raises `NotImplementedError` "
-                                  "(naming op and dtypes) instead of running on the CPU"),
-    "TORCHPORT_FALLBACK_WARN": ("`1`", "`0`: no `FallbackWarning` (one per op) when an op "
-                                       "first falls back"),
-    "TORCHPORT_OP_STATS": ("`0`", "`1`: record op statistics for the whole process, print the "
-                                  "table at exit"),
-    "TORCHPORT_NATIVE": (
-        "`1`",
-        "`0`: no C++ library: view ops run the Python view kernels instead of PyTorch's C++ "
-        "ones, `pin_memory()` returns unpinned copies (one warning), and the device guard is "
-        "PyTorch's Python one, which resolves an index-less device name to 0 in "
-        "`torch.tensor`, `Tensor.to` and `torch.accelerator` (see "
-        "[Limitations](limitations.md))"),
-    "TORCHPORT_CACHE_DIR": ("`~/.cache/torchport`", "where the C++ library (view kernels, "
-                                                    "device guard) is compiled, once per torch "
-                                                    "and Python version"),
-    "TORCHPORT_AUTOCOMPARE": ("none", "op regexes (same rules) checked against the CPU on "
-                                      "every call (see [porting tools](porting-tools.md))"),
-    "TORCHPORT_AUTOCOMPARE_RAISE": ("`0`", "`1`: the first autocompare mismatch raises"),
-    "TORCHPORT_DUMP_OPS": ("`0`", "`1`-`3`: print each device op (path; + argument metadata; "
-                                  "+ values) to stderr"),
-    "TORCHPORT_DUMP_DIR": ("none", "write each op call's inputs/outputs (safetensors) and "
-                                   "`manifest.jsonl` there"),
-    "TORCHPORT_DUMP_FILTER": ("all", "dump only these ops (op regexes)"),
-    "TORCHPORT_DUMP_RANGE": ("all", "dump only call indices `start:end`"),
-    "TORCHPORT_DUMP_MAX_BYTES": ("all", "dump tensors up to this size (larger: statistics "
-                                        "only)"),
-    "TORCHPORT_DUMP_CPU": ("`0`", "`1`: dump the ATen ops of a CPU run in the same format (the "
-                                  "reference)"),
-}
-
-# Settings the test suite reads (not torchport itself): ``torchport info`` lists them when
-# set, as "test", instead of flagging them unknown.
-# name -> (default, short meaning, long description).
+    s.name: (s.default, s.meaning) for s in declared.SETTINGS.values() if s.scope != "test"}
 TEST_VARIABLES: dict[str, tuple[str, str, str]] = {
-    "TORCHPORT_FULL_MODELS": ("0", "1: tests/test_models_hf.py runs all 29 architectures",
-                              "`1`: `tests/test_models_hf.py` runs all 29 architectures "
-                              "(`make conformance`), not its seven"),
-    "TORCHPORT_FULL_SCRIPTS": ("0", "1: tests/test_real_scripts.py runs every script every way",
-                               "`1`: `tests/test_real_scripts.py` runs every script every way "
-                               "(`make examples`), not its subset"),
-}
+    s.name: (s.default or "", s.meaning, s.description)
+    for s in declared.SETTINGS.values() if s.scope == "test"}
 
 CONFIGURATION_INTRO = (
     "torchport reads these environment variables; `torchport info` shows each one's value "
     "in effect and where it comes from (environment, default, or `unknown`: a name torchport "
     "does not read, usually a typo). The last ones are settings of the test suite, not of "
-    "torchport. This page is generated from `src/torchport/info.py` (`KNOWN_VARIABLES`, "
-    "`VARIABLE_DOCS`, `TEST_VARIABLES`): edit it there and run "
+    "torchport. Flags take `0` or `1` (also `true`/`false`, `yes`/`no`, `on`/`off`); a "
+    "value of the wrong type stops torchport with an error naming the variable and what it "
+    "allows. This page is generated from `src/torchport/settings.py`, where every "
+    "variable is declared: edit it there and run "
     "`python -m torchport.info --markdown > docs/configuration.md`."
 )
 
@@ -137,12 +46,9 @@ def configuration_markdown() -> str:
 
     lines = ["# Configuration: environment variables", "", CONFIGURATION_INTRO, "",
              "| variable | meaning | default |", "| --- | --- | --- |"]
-    for name, (default, meaning) in KNOWN_VARIABLES.items():
-        doc_default, doc = VARIABLE_DOCS.get(
-            name, ("none" if default is None else f"`{default}`", meaning))
-        lines.append(f"| `{name}` | {cell(doc)} | {doc_default} |")
-    for name, (default, _meaning, doc) in TEST_VARIABLES.items():
-        lines.append(f"| `{name}` | test setting: {cell(doc)} | `{default}` |")
+    for s in sorted(declared.SETTINGS.values(), key=lambda s: s.scope == "test"):
+        prefix = "test setting: " if s.scope == "test" else ""
+        lines.append(f"| `{s.name}` | {prefix}{cell(s.description)} | {s.documented_default} |")
     return "\n".join(lines) + "\n"
 
 
@@ -244,7 +150,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("info")
     def info(
-        backend: str = typer.Option(os.environ.get("TORCHPORT_BACKEND", "sim"), "--backend",
+        backend: str = typer.Option(declared.get("TORCHPORT_BACKEND"), "--backend",
                                     "-b", help="Backend: sim, a torchport.backends name, "
                                                "or a module path."),
         as_json: bool = typer.Option(False, "--json", help="Print the information as JSON."),

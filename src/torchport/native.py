@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from torchport import settings
+
 _HERE = Path(__file__).parent
 # every ``native_*.cpp`` beside this file is a part of the one library
 SOURCES = (_HERE / "ops" / "native_views.cpp", *sorted(_HERE.glob("native_*.cpp")))
@@ -76,11 +78,11 @@ class NativeCodeWarning(RuntimeWarning):
 
 
 def wanted() -> bool:
-    return os.environ.get("TORCHPORT_NATIVE", "1") != "0"
+    return settings.get("TORCHPORT_NATIVE")
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("TORCHPORT_CACHE_DIR")
+    base = settings.get("TORCHPORT_CACHE_DIR")
     if base:
         return Path(base)
     xdg = os.environ.get("XDG_CACHE_HOME")

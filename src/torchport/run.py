@@ -24,6 +24,8 @@ from typing import Any
 import click
 import typer
 
+from torchport import settings
+
 
 def load_backend(name: str) -> Any:
     """Import a backend by name: ``sim``, a ``torchport.backends.<name>`` package, or a module path."""
@@ -132,7 +134,7 @@ def register(app: typer.Typer) -> None:
     def run(ctx: typer.Context,
             script: str = typer.Argument(..., help="Python script (or module with -m)."),
             backend: str = typer.Option(
-                os.environ.get("TORCHPORT_BACKEND", "sim"), "--backend", "-b",
+                settings.get("TORCHPORT_BACKEND"), "--backend", "-b",
                 help="Backend: sim, a torchport.backends name, or a module path."),
             module: bool = typer.Option(False, "-m", "--module",
                                         help="Run SCRIPT as a module, like python -m.")) -> None:

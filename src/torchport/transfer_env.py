@@ -5,7 +5,7 @@ registration; importing :mod:`torchport.transfer` then (no backend active yet)
 hooks the device module, and transfer turns on as the device module is made.
 """
 
-import os
+from torchport import settings
 
-if os.environ.get("TORCHPORT_TRANSFER", "").strip().lower() not in ("", "0", "false", "no", "off"):
+if settings.get("TORCHPORT_TRANSFER"):
     import torchport.transfer  # noqa: F401

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import typer
 
+from torchport import settings
 from torchport.debug.opcoverage import EXIT_NO_DEVICE_OPS
 
 EXIT_FALLBACK = 3
@@ -48,7 +49,7 @@ def register(app: typer.Typer) -> None:
             help="Run CUDA code on the device (torchport.transfer), as torchport run does. "
                  "Default: on."),
         backend: str = typer.Option(
-            os.environ.get("TORCHPORT_BACKEND", "sim"), "--backend", "-b",
+            settings.get("TORCHPORT_BACKEND"), "--backend", "-b",
             help="Backend: sim, a torchport.backends name, or a module path."),
         module: bool = typer.Option(False, "-m", "--module",
                                     help="Run SCRIPT as a module, like python -m."),

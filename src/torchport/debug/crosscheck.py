@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from torchport import settings
 from torchport.debug.compare import UNINITIALISED, TensorDiff, tensor_diff, value_diff
 from torchport.ops import hooks
 from torchport.ops.fallback import OpMatcher
@@ -321,11 +322,11 @@ _ENV_REPORT: AutocompareReport | None = None
 def start_from_env() -> AutocompareReport | None:
     """``TORCHPORT_AUTOCOMPARE=<regex list>``: check the whole process, report at exit."""
     global _ENV_REPORT
-    text = os.environ.get("TORCHPORT_AUTOCOMPARE", "").strip()
-    if not text:
+    ops = settings.get("TORCHPORT_AUTOCOMPARE")
+    if not ops:
         return None
-    raise_ = os.environ.get("TORCHPORT_AUTOCOMPARE_RAISE", "0") not in ("", "0")
-    report = AutocompareReport(text, raise_on_mismatch=raise_)
+    raise_ = settings.get("TORCHPORT_AUTOCOMPARE_RAISE")
+    report = AutocompareReport(ops, raise_on_mismatch=raise_)
     hooks.register(report)
     _ENV_REPORT = report
 

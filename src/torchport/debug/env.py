@@ -8,18 +8,16 @@ and ``TORCHPORT_DUMP_CPU``; the tools' modules are imported only when one is set
 
 from __future__ import annotations
 
-import os
-
+from torchport import settings
 from torchport.ops import hooks
 
 
 def start_from_env() -> None:
-    if os.environ.get("TORCHPORT_AUTOCOMPARE"):
+    if settings.get("TORCHPORT_AUTOCOMPARE"):
         from torchport.debug import crosscheck
         crosscheck.start_from_env()
-    level = os.environ.get("TORCHPORT_DUMP_OPS", "0").strip()
-    if (level not in ("", "0") or os.environ.get("TORCHPORT_DUMP_DIR")
-            or os.environ.get("TORCHPORT_DUMP_CPU", "0") not in ("", "0")):
+    if (settings.get("TORCHPORT_DUMP_OPS") or settings.get("TORCHPORT_DUMP_DIR")
+            or settings.get("TORCHPORT_DUMP_CPU")):
         from torchport.debug import opdump
         opdump.start_from_env()
 

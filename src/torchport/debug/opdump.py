@@ -36,10 +36,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchport import settings
 from torchport.debug.compare import FORMAT, MANIFEST
 from torchport.ops import hooks
 from torchport.ops.fallback import OpMatcher
 from torchport.ops.plan import plan_for
+from torchport.settings import parse_bytes, parse_range  # noqa: F401  (public here too)
 
 _FILE_RE = re.compile(r"^\d{6}_.*\.(safetensors|pt)$")
 _VALUES_SHOWN = 8
@@ -406,25 +408,6 @@ def dump(dir: str | Path | None = None, level: int | None = None,
         d.close()
 
 
-def parse_bytes(text: str) -> int:
-    """``"1048576"``, ``"64KiB"``, ``"1MB"``, ``"2GiB"`` -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise ValueError(f"bad byte count {text!r}")
-    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
-    return int(float(m.group(1)) * scale)
-
-
-def parse_range(text: str | None) -> tuple[int, int | None]:
-    """``"100:200"`` -> (100, 200); ``"100:"`` -> (100, None); ``":50"`` -> (0, 50)."""
-    if not text or not text.strip():
-        return 0, None
-    a, sep, b = text.partition(":")
-    if not sep:
-        raise ValueError(f"TORCHPORT_DUMP_RANGE: expected start:end, got {text!r}")
-    return (int(a) if a.strip() else 0), (int(b) if b.strip() else None)
-
-
 _ENV_DUMPER: Dumper | None = None
 
 
@@ -432,19 +415,18 @@ def start_from_env() -> Dumper | None:
     """Start the process-wide dump the ``TORCHPORT_DUMP_*`` variables ask for."""
     global _ENV_DUMPER
     env = os.environ
-    level = int(env.get("TORCHPORT_DUMP_OPS", "0").strip() or 0)
-    directory = env.get("TORCHPORT_DUMP_DIR") or None
-    cpu = env.get("TORCHPORT_DUMP_CPU", "0") not in ("", "0")
+    level = settings.get("TORCHPORT_DUMP_OPS")
+    directory = settings.get("TORCHPORT_DUMP_DIR")
+    cpu = settings.get("TORCHPORT_DUMP_CPU")
     if level <= 0 and directory is None:
         if not cpu:
             return None
         level = 1
     if directory is not None and env.get("WORLD_SIZE", "1") not in ("", "1") and "RANK" in env:
         directory = os.path.join(directory, f"rank{env['RANK']}")
-    start, end = parse_range(env.get("TORCHPORT_DUMP_RANGE"))
-    mb = env.get("TORCHPORT_DUMP_MAX_BYTES")
-    d = Dumper(directory, level, env.get("TORCHPORT_DUMP_FILTER"), start, end,
-               parse_bytes(mb) if mb else None, "cpu" if cpu else None)
+    start, end = settings.get("TORCHPORT_DUMP_RANGE") or (0, None)
+    d = Dumper(directory, level, settings.get("TORCHPORT_DUMP_FILTER"), start, end,
+               settings.get("TORCHPORT_DUMP_MAX_BYTES"), "cpu" if cpu else None)
     if cpu:
         mode = CpuDumpMode(d)
         mode.__enter__()

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import importlib.machinery
-import os
 import sys
 import types
 import warnings
@@ -43,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import device_module
+from torchport import device_module, settings
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -327,7 +326,6 @@ def patched() -> list[str]:
 
 @device_module.extend
 def _extend(mod: types.ModuleType, b: DeviceBackend) -> None:
-    if os.environ.get("TORCHPORT_HF_INTEGRATION", "1").strip().lower() in ("0", "false", "no",
-                                                                           "off"):
+    if not settings.get("TORCHPORT_HF_INTEGRATION"):
         return
     install(b.name)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchport import settings
 from torchport.ops import derive, hooks, hostexec, paths, stats
 from torchport.ops.declarations import Decline
 from torchport.ops.plan import plan_for
@@ -62,8 +63,8 @@ SLOW = False  # True when any op is forced, op statistics record or a tool inter
 _PATTERNS: list[re.Pattern[str]] = []
 _ROUTES: dict[str, Route] = {}  # overload name -> route of a native kernel
 _FORCED_CACHE: dict[str, bool] = {}
-_ENABLED = os.environ.get("TORCHPORT_FALLBACK", "1") != "0"
-_WARN = os.environ.get("TORCHPORT_FALLBACK_WARN", "1") != "0"
+_ENABLED: bool = settings.get("TORCHPORT_FALLBACK")
+_WARN: bool = settings.get("TORCHPORT_FALLBACK_WARN")
 _WARNED: set[str] = set()
 _HAS_CPU_KERNEL: dict[str, bool] = {}  # qualified op name -> the CPU can run it
 _INTERNAL_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep
@@ -93,9 +94,7 @@ _refresh_slow()  # TORCHPORT_OP_STATS=1 may have started recording already
 
 def parse_patterns(text: str | None) -> list[str]:
     """``"add.out, .*\\.Scalar"`` -> ``["add.out", ".*\\.Scalar"]``."""
-    if not text:
-        return []
-    return [p.strip() for p in text.split(",") if p.strip()]
+    return settings.parse_list(text) if text else []
 
 
 def matches_any(patterns: Iterable[re.Pattern[str]], name: str) -> bool:
@@ -198,9 +197,9 @@ def route_for(name: str) -> Route:
 
 def load_env() -> None:
     """Read ``TORCHPORT_FORCE_FALLBACK_OPS`` (at backend registration)."""
-    text = os.environ.get("TORCHPORT_FORCE_FALLBACK_OPS")
-    if text:
-        set_force_fallback(parse_patterns(text))
+    patterns = settings.get("TORCHPORT_FORCE_FALLBACK_OPS")
+    if patterns:
+        set_force_fallback(patterns)
 
 
 # ---- paths ------------------------------------------------------------------

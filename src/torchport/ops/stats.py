@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from torchport import settings
 from torchport.ops.switch import Registry
 
 PATHS = ("native", "decomposed", "fallback", "view")
@@ -190,7 +190,7 @@ def on_change(fn: Callable[[], None]) -> None:
 
 def _process_recorder() -> None:
     """``TORCHPORT_OP_STATS=1``: record the whole process, print the table at exit."""
-    if os.environ.get("TORCHPORT_OP_STATS", "0") in ("", "0"):
+    if not settings.get("TORCHPORT_OP_STATS"):
         return
     rec = Recorder()
     _start(rec)

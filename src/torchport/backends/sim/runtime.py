@@ -20,7 +20,6 @@ import bisect
 import ctypes
 import os
 import queue
-import re
 import sys
 import threading
 import time
@@ -30,32 +29,13 @@ from typing import Any
 
 import torch
 
+from torchport import settings
 from torchport.runtime import DeviceProperties, Runtime
+from torchport.settings import parse_size  # noqa: F401  (torchport.backends.sim exports it)
 
 _ALIGN = 256
 _FAKE_BASE = 0x7A00_0000_0000
 _FAKE_STRIDE = 1 << 40  # address space reserved per device in strict mode
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
-          "tb": 1000**4, "tib": 1024**4}
-
-
-def parse_size(text: str) -> int:
-    """``"512MiB"``, ``"8GiB"``, ``"1.5GB"`` or a plain byte count."""
-    m = _SIZE_RE.match(text)
-    if not m or (m.group(2) or "").lower() not in _UNITS:
-        raise ValueError(f"TORCHPORT_SIM_MEMORY={text!r} is not a size; use e.g. 512MiB, 8GiB or 1073741824")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-
-
-def _env_flag(name: str, default: bool = False) -> bool:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    return v.strip().lower() not in ("0", "false", "no", "off")
-
 
 @dataclass
 class _Segment:
@@ -190,15 +170,11 @@ class SimRuntime(Runtime):
     def __init__(self, num_devices: int | None = None, memory: int | None = None,
                  strict: bool | None = None, unsupported_dtypes: frozenset | None = None) -> None:
         if num_devices is None:
-            text = os.environ.get("TORCHPORT_SIM_DEVICES", "2")
-            if not text.strip().isdigit():
-                raise ValueError(f"TORCHPORT_SIM_DEVICES={text!r} is not a device count; "
-                                 f"use a whole number such as 2")
-            num_devices = int(text)
+            num_devices = settings.get("TORCHPORT_SIM_DEVICES")
         if memory is None:
-            memory = parse_size(os.environ.get("TORCHPORT_SIM_MEMORY", "8GiB"))
+            memory = settings.get("TORCHPORT_SIM_MEMORY")
         if strict is None:
-            strict = _env_flag("TORCHPORT_SIM_STRICT")
+            strict = settings.get("TORCHPORT_SIM_STRICT")
         if num_devices < 0:
             raise ValueError(f"TORCHPORT_SIM_DEVICES={num_devices} must be >= 0")
         self.strict = strict
@@ -210,8 +186,8 @@ class SimRuntime(Runtime):
         self._seg_cache: dict[tuple[int, int], _Segment] = {}  # (index, block address)
         self._next_stream = 1
         # Asynchronous streams (opt-in until every kernel launches through launch()).
-        self.asynchronous = _env_flag("TORCHPORT_SIM_ASYNC") and \
-            not _env_flag("TORCHPORT_LAUNCH_BLOCKING")
+        self.asynchronous = settings.get("TORCHPORT_SIM_ASYNC") and \
+            not settings.get("TORCHPORT_LAUNCH_BLOCKING")
         self._workers: dict[tuple[int, int], _Worker] = {}
         if self.asynchronous:
             atexit.register(self._drain)
