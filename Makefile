@@ -27,7 +27,9 @@ demo: $(STAMP)
 # their logs are printed when all ended).
 MODE_TESTS := tests/test_core_*.py tests/conformance tests/test_ops_hotpath.py \
 	tests/test_ops_derive.py tests/test_ops_device_routes.py tests/test_ops_cpu_parity.py \
-	tests/test_ops_layouts.py tests/test_dynamo_device.py tests/test_integrations_hf.py
+	tests/test_ops_layouts.py tests/test_dynamo_device.py tests/test_integrations_hf.py \
+	tests/test_device_guard.py tests/test_device_generators.py tests/test_profiler.py \
+	tests/test_accelerator_memory.py
 # The porting tools' tests (mostly subprocesses; default mode) run after the async stage, in
 # its process slot, so that both cores stay busy while the default suite runs.
 TOOL_TESTS := $(wildcard tests/test_migrate*.py tests/test_transfer*.py tests/test_debug_*.py) \
