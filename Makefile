@@ -102,6 +102,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/op_overhead.py --cold --number 300
 	$(BIN)/python benchmarks/models.py --python-floor
 	$(BIN)/python benchmarks/models.py --allocator
+	$(BIN)/python benchmarks/autograd_threads.py
 	$(BIN)/python benchmarks/optimizer_step.py
 	$(BIN)/python benchmarks/async_overlap.py
 	$(BIN)/python benchmarks/allreduce.py
