@@ -209,3 +209,22 @@ def test_backward_on_device_1_in_a_thread_without_the_cpp_layer():
                        text=True, timeout=300, env={**os.environ, "TORCHPORT_NATIVE": "0"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[[0.0, 2.0, 4.0, 6.0]]"
+
+
+@needs_cpp
+def test_accelerator_hooks_answer_with_the_guards_devices():
+    # what PyTorch's C++ asks the hooks of the current accelerator (DataLoader's pin thread,
+    # at::accelerator): the same devices as the guard
+    hooks = torch._C
+    assert hooks._accelerator_hooks_device_count() == torch.sim.device_count()
+    assert hooks._accelerator_hooks_get_current_device() == 0
+    try:
+        hooks._accelerator_hooks_set_current_device(1)
+        assert torch.sim.current_device() == 1
+        assert hooks._accelerator_hooks_exchange_device(0) == 1
+        assert torch.accelerator.current_device_index() == 0
+        assert hooks._accelerator_hooks_maybe_exchange_device(1) == 0
+    finally:
+        torch.sim.set_device(0)
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        hooks._accelerator_hooks_set_current_device(torch.sim.device_count())

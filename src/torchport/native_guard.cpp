@@ -194,6 +194,15 @@ Guard guard;
 
 }  // namespace
 
+namespace torchport {
+// The guard's device state, for the accelerator hooks (native_hooks.cpp).
+c10::DeviceIndex guard_device_count() { return device_count.load(); }
+c10::DeviceIndex guard_current_device() { return current_index; }
+void guard_set_device(c10::DeviceIndex index) {
+  guard.setDevice(c10::Device(c10::DeviceType::PrivateUse1, index));
+}
+}  // namespace torchport
+
 // Puts this guard in the registry's PrivateUse1 slot, over the Python one registered
 // before, for `count` visible devices; returns 1.
 extern "C" int torchport_guard_enable(int count) {

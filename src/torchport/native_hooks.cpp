@@ -31,6 +31,9 @@
 namespace torchport {
 const at::Generator& default_generator(c10::DeviceIndex index);  // native_generator.cpp
 at::Generator new_generator(c10::DeviceIndex index);
+c10::DeviceIndex guard_device_count();  // native_guard.cpp
+c10::DeviceIndex guard_current_device();
+void guard_set_device(c10::DeviceIndex index);
 }  // namespace torchport
 
 namespace {
@@ -121,6 +124,22 @@ struct Hooks final : public at::PrivateUse1HooksInterface {
   at::Allocator* getPinnedMemoryAllocator() const override {
     static PinnedAllocator* allocator = new PinnedAllocator();
     return allocator;
+  }
+  void init() const override {}  // devices are ready once the backend registered
+  c10::DeviceIndex deviceCount() const override { return torchport::guard_device_count(); }
+  c10::DeviceIndex getCurrentDevice() const override {
+    return torchport::guard_current_device();
+  }
+  void setCurrentDevice(c10::DeviceIndex index) const override {
+    torchport::guard_set_device(index);
+  }
+  c10::DeviceIndex exchangeDevice(c10::DeviceIndex index) const override {
+    c10::DeviceIndex old = torchport::guard_current_device();
+    if (index >= 0 && index != old) torchport::guard_set_device(index);
+    return old;
+  }
+  c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex index) const override {
+    return exchangeDevice(index);
   }
   const at::Generator& getDefaultGenerator(c10::DeviceIndex index) const override {
     return torchport::default_generator(index);
