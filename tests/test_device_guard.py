@@ -228,3 +228,19 @@ def test_accelerator_hooks_answer_with_the_guards_devices():
         torch.sim.set_device(0)
     with pytest.raises(RuntimeError, match="invalid device ordinal"):
         hooks._accelerator_hooks_set_current_device(torch.sim.device_count())
+
+
+@needs_cpp
+def test_streams_from_the_pool_are_reused_round_robin():
+    from_pool = native.loaded().torchport_guard_stream_from_pool
+    ids = [from_pool(1, 0) for _ in range(40)]
+    assert len(set(ids)) == 32 and ids[32:] == ids[:8]  # CUDA's 32 per priority
+    high = from_pool(1, 1)
+    assert high not in ids
+    s = torch.Stream(stream_id=ids[0], device_index=1, device_type=torch.sim.current_stream(1).device_type)
+    torch.accelerator.set_stream(s)
+    try:
+        assert torch.sim.current_stream(1) == s and (torch.ones(3, device="sim:1") * 2).sum().item() == 6
+    finally:
+        torch.accelerator.set_stream(torch.sim.default_stream(1))
+        torch.sim.set_device(0)

@@ -31,7 +31,7 @@ namespace {
 
 // What the callback is asked to do; the arguments are (a, b, c), results in *iout/*dout.
 enum Op : int {
-  NEW_STREAM = 0,      // (index, priority) -> *iout = stream id
+  NEW_STREAM = 0,      // (index, priority, from the pool) -> *iout = stream id
   QUERY_STREAM = 1,    // (index, stream id) -> returns 1 when its work completed
   SYNC_STREAM = 2,     // (index, stream id)
   SYNC_DEVICE = 3,     // (index)
@@ -109,14 +109,11 @@ struct Guard final : public c10::impl::DeviceGuardImplInterface {
     return c10::Stream(c10::Stream::UNSAFE, device(resolve(d)), 0);
   }
   c10::Stream getNewStream(c10::Device d, int priority) const override {
-    c10::DeviceIndex index = resolve(d);
-    check_index(index);
-    long long id = 0;
-    call(NEW_STREAM, index, priority, 0, &id);
-    return c10::Stream(c10::Stream::UNSAFE, device(index), id);
+    return stream(d, priority, false);
   }
+  // CUDA's pool: a few streams per device and priority, handed out round-robin
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool high_priority) const override {
-    return getNewStream(d, high_priority ? -1 : 0);
+    return stream(d, high_priority ? -1 : 0, true);
   }
   c10::Stream exchangeStream(c10::Stream s) const noexcept override {
     c10::DeviceIndex index = resolve(s.device());
@@ -183,6 +180,13 @@ struct Guard final : public c10::impl::DeviceGuardImplInterface {
   c10::DeviceCapability getDeviceCapability(c10::Device) const override { return capability; }
 
  private:
+  c10::Stream stream(c10::Device d, int priority, bool pooled) const {
+    c10::DeviceIndex index = resolve(d);
+    check_index(index);
+    long long id = 0;
+    call(NEW_STREAM, index, priority, pooled ? 1 : 0, &id);
+    return c10::Stream(c10::Stream::UNSAFE, device(index), id);
+  }
   static c10::DeviceIndex resolve(c10::Device d) {
     c10::DeviceIndex index = d.index() < 0 ? current_index : d.index();
     return index < kMaxDevices ? index : 0;
@@ -246,4 +250,12 @@ extern "C" void torchport_guard_set_unsupported(const char* names) {
     capability.capability_data.supported_scalar_types.has_##n = 0;
   AT_FORALL_SCALAR_TYPES_WITH_COMPLEX_AND_QINTS(TORCHPORT_CLEAR)
 #undef TORCHPORT_CLEAR
+}
+
+// A stream of device `index`'s pool (what PyTorch's C++ gets from getStreamFromGlobalPool):
+// its id.
+extern "C" long long torchport_guard_stream_from_pool(int index, int high_priority) {
+  return guard
+      .getStreamFromGlobalPool(c10::Device(c10::DeviceType::PrivateUse1, index), high_priority)
+      .id();
 }

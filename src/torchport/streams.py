@@ -47,6 +47,7 @@ class _StreamState:
         self.guard: Any = None  # native.GuardDevice, once connected
         self.events: dict[int, tuple[int, Any, bool]] = {}  # guard event id -> (index, handle, timing)
         self.next_event = 1
+        self.pools: dict[tuple[int, int], tuple[list[Any], list[int]]] = {}
 
     def current(self, index: int) -> Any:
         guard = self.guard
@@ -77,6 +78,22 @@ class _StreamState:
     def stream(self, index: int, sid: int) -> Any:
         return self.defaults[index] if sid == 0 else self.by_id[(index, sid)]
 
+    def pooled(self, index: int, priority: int, new_stream: Any) -> Any:
+        """A stream of the device's pool for ``priority`` (``getStreamFromGlobalPool``): the
+        pool grows to :data:`POOL_SIZE` streams, then hands them out round-robin, as CUDA's."""
+        with self.lock:
+            pool, turn = self.pools.setdefault((index, priority), ([], [0]))
+            stream = None
+            if len(pool) >= POOL_SIZE:
+                stream = pool[turn[0] % POOL_SIZE]
+                turn[0] += 1
+        if stream is None:  # made outside the lock, which making a stream takes
+            stream = new_stream(index, priority)
+            with self.lock:
+                if len(pool) < POOL_SIZE:
+                    pool.append(stream)
+        return stream
+
     def connect(self, guard: Any, new_stream: Any) -> None:
         """Serve the C++ guard's stream and event calls from now on (see native_guard.cpp)."""
         b = self.backend
@@ -89,7 +106,7 @@ class _StreamState:
         def call(op: int, a: int, b_: int, c: int, iout: Any, dout: Any) -> int:
             try:
                 if op == _NEW_STREAM:
-                    iout[0] = new_stream(a, b_).stream_id
+                    iout[0] = (self.pooled(a, b_, new_stream) if c else new_stream(a, b_)).stream_id
                 elif op == _QUERY_STREAM:
                     return int(self.stream(a, b_).query())
                 elif op == _SYNC_STREAM:
@@ -146,6 +163,8 @@ class _StreamState:
             self.watch()
         atexit.register(guard.set_callback, None)  # no Python from C++ destructors at exit
 
+
+POOL_SIZE = 32  # streams per device and priority in the pool, as CUDA's
 
 # The guard's calls (native_guard.cpp's Op).
 (_NEW_STREAM, _QUERY_STREAM, _SYNC_STREAM, _SYNC_DEVICE, _EVENT_CREATE, _EVENT_RECORD,
