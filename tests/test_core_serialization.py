@@ -71,3 +71,18 @@ def test_backend_metadata_travels_through_a_checkpoint(tmp_path):
     assert back["x"].device == torch.device("sim:1") and torch.equal(back["x"].cpu(), x.cpu())
     assert torch._utils.get_tensor_metadata(back["x"]) == {"nz_format": True, "cached": False}
     assert torch._utils.get_tensor_metadata(back["plain"]) == {}
+
+
+def test_storages_come_from_pytorchs_own_constructor_with_the_cpp_allocator():
+    from torchport import accelerator_memory
+
+    if not accelerator_memory.installed():
+        pytest.skip("no C++ allocator: torchport's Python constructor serves")
+    assert "__new__" not in vars(torch.UntypedStorage)  # nothing of PyTorch's replaced
+    before = torch.sim.memory_allocated(1)
+    s = torch.UntypedStorage(4096, device="sim:1")
+    assert s.device == torch.device("sim:1") and torch.sim.memory_allocated(1) == before + 4096
+    seq = torch.UntypedStorage([1, 2, 3], device="sim")
+    assert torch.empty(0, dtype=torch.uint8, device="sim").set_(seq).cpu().tolist() == [1, 2, 3]
+    del s
+    assert torch.sim.memory_allocated(1) == before

@@ -362,13 +362,12 @@ class Backend:
                 for_tensor=False, for_module=False, for_packed_sequence=False, for_storage=True,
                 unsupported_dtype=list(self.runtime.unsupported_dtypes))
             registry.install(self)
-            serialization.install(self)
+            serialization.install(self, storages_in_cpp=accelerator_memory.install(self))
             tensor_types.install(self)
             forking.install(self)
             dynamo_device.install(self)
             pinned.install(self, hooks_in_cpp)
             profiling.install(self)
-            accelerator_memory.install(self)
             if self._guard_device is None:
                 self._autograd_in_calling_threads()
         except Exception:

@@ -2,9 +2,10 @@
 
 PyTorch's own privateuse1 serialization package tags device storages
 ``<device>:<index>`` and restores them with ``UntypedStorage(size, device=...)``,
-which in C++ asks for a PrivateUse1 allocator a Python backend cannot register
-(it would crash). torchport routes storage creation for its device through its
-own allocator instead.
+which in C++ asks for the PrivateUse1 allocator. torchport's C++ library registers one
+(``native_allocator.cpp``, blocks of the caching allocator); without it a Python backend
+has none (the C++ would crash), and torchport routes storage creation for its device
+through its own allocator from Python instead.
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ if TYPE_CHECKING:
 _C_NEW = torch._C.StorageBase.__new__
 
 
-def install(backend: DeviceBackend) -> None:
+def install(backend: DeviceBackend, storages_in_cpp: bool) -> None:
+    """Storages of the device made by ``UntypedStorage(...)`` from its allocator: PyTorch's
+    own C++ path where the C++ allocator is registered (``storages_in_cpp``), else a Python
+    constructor for the device's storages."""
+    _keep_backend_metadata()
+    if storages_in_cpp:
+        return
+
     def storage_new(cls: type, *args: Any, device: Any = None, **kwargs: Any) -> Any:
         if device is None or torch.device(device).type != backend.name:
             if device is not None:
@@ -36,7 +44,6 @@ def install(backend: DeviceBackend) -> None:
         return out.untyped_storage()
 
     torch.UntypedStorage.__new__ = staticmethod(storage_new)
-    _keep_backend_metadata()
 
 
 def _keep_backend_metadata() -> None:
