@@ -183,15 +183,19 @@ _DECLARED = [
             "`.*\\.Scalar`, `addmm` or `addmm.default`): those ops run on the CPU"),
     Setting("TORCHPORT_OP_STATS", "flag", "0", "1: print op statistics at exit",
             "`1`: record op statistics for the whole process, print the table at exit"),
-    Setting("TORCHPORT_NATIVE", "flag", "1", "0: views and device guard in Python, not C++",
+    Setting("TORCHPORT_NATIVE", "flag", "1", "0: no C++ device layer (Python stand-ins)",
             "`0`: no C++ library: view ops run the Python view kernels instead of PyTorch's "
-            "C++ ones, `pin_memory()` returns unpinned copies (one warning), and the device "
-            "guard is PyTorch's Python one, which resolves an index-less device name to 0 in "
-            "`torch.tensor`, `Tensor.to` and `torch.accelerator` (see "
+            "C++ ones, and PyTorch's Python stand-ins replace the C++ device layer: the device "
+            "guard resolves an index-less device name to 0 and has no streams or events "
+            "(`torch.Stream`, `torch.Event`, `torch.accelerator.synchronize`), there is no "
+            "`torch.Generator(device=...)`, `pin_memory()` returns unpinned copies (one "
+            "warning), `torch.accelerator`'s memory API and profiler device time are "
+            "unavailable, and autograd runs backward in the calling thread (see "
             "[Limitations](limitations.md))"),
     Setting("TORCHPORT_CACHE_DIR", "str", None, "the C++ library's build folder",
-            "where the C++ library (view kernels, device guard) is compiled, once per torch "
-            "and Python version", shown_default="`~/.cache/torchport`"),
+            "where the C++ library (view kernels and the device layer: guard, hooks, "
+            "generators, allocator, profiler) is compiled, once per source, torch and Python "
+            "version", shown_default="`~/.cache/torchport`"),
     Setting("TORCHPORT_AUTOCOMPARE", "list", None, "op regexes checked against CPU (autocompare)",
             "op regexes (same rules) checked against the CPU on every call (see [porting "
             "tools](porting-tools.md))"),
