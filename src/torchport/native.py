@@ -1,24 +1,26 @@
-"""torchport's optional C++: what must not enter Python on every op, with a Python twin.
+"""torchport's optional C++: the device layer PyTorch asks in C++, and the view kernels.
 
-A Python backend pays a Python entry for each kernel PyTorch asks it for, and a training
-step's large kernels evict the interpreter from the caches in between, so each entry costs
-several times its warm price. Two kinds of entry need no Python at all, and are compiled
-here into one small library, with a third part that Python cannot provide at all:
+PyTorch asks a device type for a device guard, accelerator hooks, generators, an
+allocator and profiler stubs in C++; its support for Python backends fills them with
+stand-ins that answer "device 0, one device, default stream" or raise. torchport compiles
+its own, vendor-neutral (they call the Python runtime only where the hardware must act),
+into one small library, with PyTorch's C++ view kernels:
 
 * the view ops (``ops/native_views.cpp``, switched by :mod:`torchport.ops.native_views`):
   PyTorch's own C++ view kernels, registered for the device;
-* the device guard (``native_guard.cpp``): PyTorch's Python-backend guard enters Python
-  from every method, several times per op (the autograd engine, stream guards), and
-  answers device 0; this one answers from C++ with the thread's real current device, so
-  that PyTorch's own resolution of an index-less name (``torch.tensor(x, device="sim")``,
-  ``Tensor.to("sim")``, ``torch.accelerator``) follows ``torch.<device>.set_device``;
-* the accelerator hooks (``native_hooks.cpp``): PyTorch's Python-backend hooks cannot give
-  pinned host memory, so ``Tensor.pin_memory()`` and ``DataLoader(pin_memory=True)`` raise
-  there; these give it (see :mod:`torchport.pinned`, which also holds the Python twin);
-* the device generators (``native_generator.cpp``): PyTorch makes ``torch.Generator(device=
-  "sim")`` and the per-device default generators only through C++ hooks; each holds a CPU
-  generator, which the device's CPU kernels draw from (the Python twin: the CPU generators
-  of :attr:`Backend.generators`, with no ``torch.Generator`` of the device).
+* the device guard (``native_guard.cpp``): the per-thread current device and current
+  stream of each device, read without Python; streams, events and synchronization through
+  the stream layer (:mod:`torchport.streams`);
+* the accelerator hooks (``native_hooks.cpp``): pinned host memory (:mod:`torchport.pinned`,
+  a runtime's ``host_alloc`` where it has one), the device count and current device;
+* the device generators (``native_generator.cpp``): ``torch.Generator(device="sim")`` and
+  the per-device default generators, each over a CPU generator's state, which the device's
+  CPU kernels draw from;
+* the device allocator (``native_allocator.cpp``, :mod:`torchport.accelerator_memory`):
+  ``torch.accelerator``'s memory API and storages PyTorch's C++ makes, from the caching
+  allocator;
+* the profiler stubs (``native_profiler.cpp``, :mod:`torchport.profiling`) and backend
+  metadata in checkpoints (``native_metadata.cpp``).
 
 The library is compiled once per source, torch and Python version (``$CXX``, default
 ``c++``, with the headers in the torch wheel) into ``TORCHPORT_CACHE_DIR`` (default
@@ -26,8 +28,8 @@ The library is compiled once per source, torch and Python version (``$CXX``, def
 generators' bridge to Python objects needs Python's headers and ``libtorch_python``; it is
 left out where the headers are missing (then the device has no ``torch.Generator``).
 Without a C++ compiler (one :class:`NativeCodeWarning` says why), or with
-``TORCHPORT_NATIVE=0``, the Python twins serve, with the same results (but for pinned
-memory: there a pin request returns unpinned memory, with one warning).
+``TORCHPORT_NATIVE=0``, PyTorch's stand-ins and torchport's Python twins serve (the
+limitations page lists what each loses); ``torchport info`` names the layer in use.
 """
 
 from __future__ import annotations
@@ -156,11 +158,13 @@ def load() -> ctypes.CDLL | None:
     except Exception as e:  # no compiler, a failed build: the Python twins serve
         UNAVAILABLE = f"{type(e).__name__}: {e}"
         warnings.warn(f"torchport: the C++ library is unavailable ({UNAVAILABLE}); view ops "
-                      f"and the device guard take the Python path (slower; a device name "
-                      f"without an index in torch.tensor, torch.as_tensor, torch.asarray, "
-                      f"Tensor.to and Tensor.new_tensor means device 0; pin_memory() gives "
-                      f"unpinned copies; torch.Generator(device=...) is unavailable; "
-                      f"TORCHPORT_NATIVE=0 silences this)", NativeCodeWarning,
+                      f"take the Python path and PyTorch's Python stand-ins serve the device "
+                      f"layer: a device name without an index in torch.tensor, "
+                      f"torch.as_tensor, torch.asarray, Tensor.to and Tensor.new_tensor means "
+                      f"device 0; no torch.Stream/torch.Event, torch.Generator(device=...), "
+                      f"pinned memory (pin_memory() gives unpinned copies), torch.accelerator "
+                      f"memory statistics or profiler device time; backward runs in the "
+                      f"calling thread (TORCHPORT_NATIVE=0 silences this)", NativeCodeWarning,
                       stacklevel=2)
     return _cpp
 
