@@ -263,3 +263,26 @@ def test_without_the_cpp_library_the_cpu_generators_serve() -> None:
                        timeout=300, env={**os.environ, "TORCHPORT_NATIVE": "0",
                                          "TORCHPORT_FALLBACK_WARN": "0"})
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr[-3000:]
+
+
+def test_device_1_generators_drive_randn_dropout_and_randperm_reproducibly():
+    # dropout takes no generator: it draws from the device's default generator, which is
+    # torch.sim.default_generators[1] itself; randn and randperm take a new generator
+    def draws() -> list[torch.Tensor]:
+        g = torch.Generator(device="sim:1").manual_seed(1234)
+        torch.sim.default_generators[1].manual_seed(99)
+        x = torch.ones(64, 64, device="sim:1")
+        return [torch.randn(5, 7, device="sim:1", generator=g),
+                torch.nn.functional.dropout(x, p=0.3),
+                torch.randperm(50, device="sim:1", generator=g),
+                torch.nn.functional.dropout(x, p=0.5)]
+
+    first, second = draws(), draws()
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(first, second, strict=True))
+    cpu = torch.Generator().manual_seed(1234)
+    assert torch.equal(first[0].cpu(), torch.randn(5, 7, generator=cpu))
+    assert torch.equal(first[2].cpu(), torch.randperm(50, generator=cpu))
+    torch.manual_seed(99)  # the CPU's default generator, seeded the same, drops the same
+    ones = torch.ones(64, 64)
+    assert torch.equal(first[1].cpu(), torch.nn.functional.dropout(ones, p=0.3))
+    assert torch.equal(first[3].cpu(), torch.nn.functional.dropout(ones, p=0.5))
