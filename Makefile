@@ -18,33 +18,26 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/train_cnn.py
 
-# The whole suite on default (host-addressable) sim memory; beside it, the core tests, the
-# op layer's and the conformance subsets (ops, modules, layouts) with device-only memory
-# (TORCHPORT_SIM_STRICT=1), where every byte must go through the runtime, and with
-# asynchronous streams (TORCHPORT_SIM_ASYNC=1), with the streams' tests and the migrated
-# examples; the real-scripts subset (tests/test_real_scripts.py) runs in the strict stage
-# only. The runs go side by side (the mode runs with one intra-op thread each;
-# their logs are printed when all ended).
-MODE_TESTS := tests/test_core_*.py tests/conformance tests/test_ops_hotpath.py \
-	tests/test_ops_derive.py tests/test_ops_device_routes.py tests/test_ops_cpu_parity.py \
-	tests/test_ops_layouts.py tests/test_dynamo_device.py tests/test_integrations_hf.py \
-	tests/test_device_guard.py tests/test_device_generators.py tests/test_profiler.py \
-	tests/test_accelerator_memory.py
-# The porting tools' tests (mostly subprocesses; default mode) run after the async stage, in
-# its process slot, so that both cores stay busy while the default suite runs.
-TOOL_TESTS := $(wildcard tests/test_migrate*.py tests/test_transfer*.py tests/test_debug_*.py) \
-	tests/test_cli.py tests/test_porting_errors.py
+# Stages, chosen by pytest markers (pyproject.toml; which module has which: tests/README.md).
+# The suite on default (host-addressable) sim memory, less the porting tools (`tools`) and the
+# real-scripts subset (`scripts`); beside it, the modules marked `modes` (core tests, the op
+# layer's, the conformance subsets, the device layer's) with device-only memory
+# (TORCHPORT_SIM_STRICT=1), where every byte must go through the runtime, plus those marked
+# `strict` (the real-scripts subset runs there only), and with asynchronous streams
+# (TORCHPORT_SIM_ASYNC=1), plus those marked `asynchronous` (streams, migrated examples).
+# The runs go side by side (the mode runs with one intra-op thread each; their logs are
+# printed when all ended). The porting tools' tests (`tools`: mostly subprocesses; default
+# mode) run after the async stage, in its process slot, so that both cores stay busy while
+# the default suite runs.
 MODE_PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 test: $(STAMP)
 	logs=$$(mktemp -d); rc=0; \
-	TORCHPORT_SIM_STRICT=1 $(MODE_PYTEST) $(MODE_TESTS) tests/test_sim_core_opset.py \
-		tests/test_sim_attention.py tests/test_ops_layer.py tests/test_real_scripts.py \
+	TORCHPORT_SIM_STRICT=1 $(MODE_PYTEST) -m "modes or strict" tests \
 		> $$logs/strict 2>&1 & strict=$$!; \
-	( TORCHPORT_SIM_ASYNC=1 $(MODE_PYTEST) $(MODE_TESTS) tests/test_streams.py \
-		tests/test_migrate_examples.py > $$logs/async 2>&1; arc=$$?; \
-	  $(MODE_PYTEST) $(TOOL_TESTS) > $$logs/tools 2>&1 || arc=1; exit $$arc ) & async=$$!; \
-	$(BIN)/python -m pytest -q --durations=15 tests --ignore=tests/test_real_scripts.py \
-		$(TOOL_TESTS:%=--ignore=%) || rc=1; \
+	( TORCHPORT_SIM_ASYNC=1 $(MODE_PYTEST) -m "modes or asynchronous" tests \
+		> $$logs/async 2>&1; arc=$$?; \
+	  $(MODE_PYTEST) -m tools tests > $$logs/tools 2>&1 || arc=1; exit $$arc ) & async=$$!; \
+	$(BIN)/python -m pytest -q --durations=15 -m "not tools and not scripts" tests || rc=1; \
 	wait $$strict || rc=1; wait $$async || rc=1; \
 	echo "== porting tools (default mode)"; cat $$logs/tools; \
 	echo "== TORCHPORT_SIM_STRICT=1"; cat $$logs/strict; \

@@ -1,10 +1,12 @@
 """Shared fixtures: the sim backend, registered once per process.
 
-The suite runs twice in ``make test``: default (host-addressable) memory and
-``TORCHPORT_SIM_STRICT=1`` (device-only memory) for the core tests.
+``make test`` runs the suite in stages selected by marker (tests/README.md): default
+(host-addressable) memory, and the ``modes`` modules again with ``TORCHPORT_SIM_STRICT=1``
+(device-only memory) and ``TORCHPORT_SIM_ASYNC=1`` (asynchronous streams).
 """
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,16 @@ STRICT = os.environ.get("TORCHPORT_SIM_STRICT", "") not in ("", "0")
 # host kernels compute on (``Backend.to_host`` copies where memory is device-only).
 chip_view = next(d.to_cpu for ks in torchport.sim.BACKEND.kernel_sets for d in ks.decls
                  if d.kind == "host")
+
+
+CONFORMANCE = Path(__file__).parent / "conformance"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The conformance subsets run in every mode stage (``modes``), like the core tests."""
+    for item in items:
+        if CONFORMANCE in item.path.parents:
+            item.add_marker(pytest.mark.modes)
 
 
 @pytest.fixture

@@ -18,6 +18,8 @@ from torchport import accelerator_memory, native
 from torchport.allocator import round_size
 from torchport.backend import active_backend
 
+pytestmark = pytest.mark.modes
+
 needs_cpp = pytest.mark.skipif(native.load() is None,
                                reason=f"no C++ library: {native.UNAVAILABLE or 'TORCHPORT_NATIVE=0'}")
 _new_storage = torch._C.StorageBase.__new__  # C++'s constructor, under torchport's Python one

@@ -15,6 +15,8 @@ import torchport.sim  # noqa: F401
 from torchport import cli
 from torchport.info import KNOWN_VARIABLES, TEST_VARIABLES, settings
 
+pytestmark = pytest.mark.tools
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

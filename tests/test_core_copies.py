@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+pytestmark = pytest.mark.modes
+
 
 def test_to_and_back_bitwise():
     c = torch.randn(5, 7)

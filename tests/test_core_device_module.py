@@ -1,17 +1,17 @@
 """torch.sim mirrors torch.cuda; registration; visible devices (issue 2, items 3, 9)."""
 
 import contextlib
-import os
-import subprocess
-import sys
 import types
 
 import pytest
 import torch
 
 import torchport
+from tests.helpers import run_python
 from torchport import native
 from torchport.backends.sim.runtime import SimRuntime
+
+pytestmark = pytest.mark.modes
 
 
 def test_module_is_real_and_registered():
@@ -141,26 +141,21 @@ def test_autograd_on_every_device_index():
         assert torch.allclose(x.grad.cpu(), 2 * x.detach().cpu())
 
 
-def _run(code, **env):
-    e = dict(os.environ, **env)
-    return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
-                          timeout=120)
-
-
 def test_visible_devices_select_and_renumber():
-    r = _run("import torch, torchport.sim as s; print(torch.sim.device_count(), s.BACKEND.visible)",
-             TORCHPORT_SIM_DEVICES="4", TORCHPORT_VISIBLE_DEVICES="3,1")
+    r = run_python("import torch, torchport.sim as s\n"
+                   "print(torch.sim.device_count(), s.BACKEND.visible)",
+                   TORCHPORT_SIM_DEVICES="4", TORCHPORT_VISIBLE_DEVICES="3,1")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["2", "[3,", "1]"]
 
 
 def test_sim_settings_from_environment():
-    r = _run("import torch, torchport.sim; print(torch.sim.device_count(), "
-             "torch.sim.get_device_properties(0).total_memory)",
-             TORCHPORT_SIM_DEVICES="3", TORCHPORT_SIM_MEMORY="512MiB")
+    r = run_python("import torch, torchport.sim; print(torch.sim.device_count(), "
+                   "torch.sim.get_device_properties(0).total_memory)",
+                   TORCHPORT_SIM_DEVICES="3", TORCHPORT_SIM_MEMORY="512MiB")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["3", str(512 << 20)]
-    bad = _run("import torchport.sim", TORCHPORT_SIM_MEMORY="lots")
+    bad = run_python("import torchport.sim", TORCHPORT_SIM_MEMORY="lots")
     assert bad.returncode != 0 and "TORCHPORT_SIM_MEMORY" in bad.stderr
 
 

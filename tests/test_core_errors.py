@@ -6,6 +6,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.modes
+
 
 def test_mixing_devices():
     a = torch.ones(3, device="sim:0")

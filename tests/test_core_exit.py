@@ -6,6 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.modes
+
 _FINALIZER = """
 import torch, torchport.sim
 

@@ -5,6 +5,8 @@ import torch
 
 from torchport.ops import native_overloads
 
+pytestmark = pytest.mark.modes
+
 
 def test_op_without_kernel_falls_back():
     assert "cosine_similarity" not in native_overloads()

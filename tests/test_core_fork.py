@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.modes
+
 # Forks after ``used`` ran and reports what the child saw; run in a fresh process so the
 # test process (stream worker threads in async mode) is never forked.
 _FORK = """

@@ -6,7 +6,10 @@ so a Python ``_to_copy`` kernel that read it failed where PyTorch's C++ kernels 
 
 import copy
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.modes
 
 
 def test_lazy_linear_moves_to_the_device_then_materialises_there():

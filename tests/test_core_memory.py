@@ -8,6 +8,8 @@ import torch
 from torchport.allocator import K_SMALL_BUFFER, round_size
 from torchport.backend import active_backend
 
+pytestmark = pytest.mark.modes
+
 
 def _fresh():
     gc.collect()

@@ -12,6 +12,8 @@ import torch
 
 import torchport.sim  # noqa: F401
 
+pytestmark = pytest.mark.modes
+
 DEV = "sim:1"
 
 

@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+pytestmark = pytest.mark.modes
+
 
 class TiedLM(nn.Module):
     """An embedding and an output layer sharing one weight (GPT-2, BERT, T5...)."""

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
+pytestmark = pytest.mark.modes
+
 Pair = tuple[torch.Tensor, torch.Tensor]  # (cpu, device)
 
 

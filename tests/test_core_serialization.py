@@ -7,6 +7,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.modes
+
 
 def test_tensor_round_trip(tmp_path):
     c = torch.randn(3, 4)

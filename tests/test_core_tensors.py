@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+pytestmark = pytest.mark.modes
+
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
           torch.uint16, torch.float8_e4m3fn]

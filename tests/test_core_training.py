@@ -5,6 +5,8 @@ import copy
 import pytest
 import torch
 
+pytestmark = pytest.mark.modes
+
 
 def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))

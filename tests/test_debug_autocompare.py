@@ -12,6 +12,8 @@ from torchport import debug
 from torchport.debug.crosscheck import AutocompareMismatchError, AutocompareReport
 from torchport.ops import fallback, hooks, registry
 
+pytestmark = pytest.mark.tools
+
 A = torch.ops.aten
 
 

@@ -14,6 +14,8 @@ from torchport import debug
 from torchport.debug.compare import DumpFormatError, tensor_diff
 from torchport.ops import fallback, registry
 
+pytestmark = pytest.mark.tools
+
 A = torch.ops.aten
 
 

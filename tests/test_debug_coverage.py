@@ -16,6 +16,8 @@ from torchport import ops
 from torchport.debug import coverage
 from torchport.debug.opcoverage import PATH_ORDER, CoverageResult, OpCoverage, run_coverage
 
+pytestmark = pytest.mark.tools
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "coverage"
 TRAIN = DATA / "train_small.py"

@@ -1,18 +1,19 @@
 """Op dumps: stderr levels 1-3, dump directories (manifest + safetensors), filters, CPU mode."""
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import torchport.ops as ops
+from tests.helpers import run_python
 from torchport import debug
 from torchport.debug.opdump import parse_bytes, parse_range
 from torchport.ops import fallback, hooks
+
+pytestmark = pytest.mark.tools
 
 
 @pytest.fixture(autouse=True)
@@ -149,17 +150,15 @@ def test_parse_helpers():
         parse_range("12")
 
 
-def _run(code, **env):
-    e = {**os.environ, "TORCHPORT_FALLBACK_WARN": "0", **env}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e,
-                          timeout=120)
+def _quiet_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return run_python(code, timeout=120, TORCHPORT_FALLBACK_WARN="0", **env)
 
 
 def test_env_variables(tmp_path):
     code = ("import torch, torchport.sim\n"
             "x = torch.randn(2, 3, device='sim')\n"
             "(x * 2).relu().sum()\n")
-    r = _run(code, TORCHPORT_DUMP_OPS="2", TORCHPORT_DUMP_DIR=str(tmp_path / "env"),
+    r = _quiet_python(code, TORCHPORT_DUMP_OPS="2", TORCHPORT_DUMP_DIR=str(tmp_path / "env"),
              TORCHPORT_DUMP_FILTER=r"mul\..*,relu", TORCHPORT_DUMP_RANGE="0:100")
     assert r.returncode == 0, r.stderr
     assert "mul.Tensor (native)" in r.stderr and "self: tensor float32[2, 3]" in r.stderr
@@ -167,7 +166,7 @@ def test_env_variables(tmp_path):
     _, calls = _manifest(tmp_path / "env")
     assert [c["op"] for c in calls] == ["mul.Tensor", "relu"]
     code_cpu = "import torch, torchport.sim\n(torch.ones(2, 3) * 2).relu()\n"
-    r = _run(code_cpu, TORCHPORT_DUMP_CPU="1", TORCHPORT_DUMP_DIR=str(tmp_path / "cpu"))
+    r = _quiet_python(code_cpu, TORCHPORT_DUMP_CPU="1", TORCHPORT_DUMP_DIR=str(tmp_path / "cpu"))
     assert r.returncode == 0, r.stderr
     head, calls = _manifest(tmp_path / "cpu")
     assert head["device"] == "cpu" and [c["op"] for c in calls][-2:] == ["mul.Tensor", "relu"]

@@ -17,6 +17,8 @@ import torchport.sim  # noqa: F401
 from torchport import native
 from torchport.ops.hostexec import GeneratorDeviceError
 
+pytestmark = pytest.mark.modes
+
 B = torch.sim.backend
 NATIVE = native.loaded() is not None
 needs_cpp = pytest.mark.skipif(not NATIVE, reason=f"no C++ library: {native.UNAVAILABLE}")

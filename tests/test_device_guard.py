@@ -15,6 +15,8 @@ import torch
 import torchport.sim  # noqa: F401
 from torchport import native
 
+pytestmark = pytest.mark.modes
+
 needs_cpp = pytest.mark.skipif(native.loaded() is None,
                                reason="the C++ device layer is not loaded")
 

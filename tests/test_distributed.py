@@ -7,67 +7,44 @@ are set before torchport is imported. A worker exits non-zero with a message on 
 
 from __future__ import annotations
 
+import fcntl
 import os
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import pytest
+if __package__ in (None, ""):  # run as a worker script: make ``tests`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pytest  # noqa: E402
+
+from tests.helpers import (  # noqa: E402
+    WORLD,
+    check_ranks,
+    ddp_mlp,
+    ddp_reference,
+    init_rank,
+    launch_workers,
+)
 
 HERE = Path(__file__).resolve()
-WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(scenario: str, extra_env: dict[str, str] | None = None,
-            timeout: float = 60.0, script: Path = HERE) -> list[subprocess.CompletedProcess]:
-    """Run ``script scenario <rank> <port>`` in WORLD processes; their results by rank."""
-    port = _free_port()
-    env = dict(os.environ)
-    env.pop("TORCHPORT_SIM_STRICT", None)
-    env.update(extra_env or {})
-    procs = [subprocess.Popen([sys.executable, str(script), scenario, str(r), str(port)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for r in range(WORLD)]
-    out = []
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            so, se = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"{scenario}: workers hung for more than {timeout} s")
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
-    return out
-
-
-def _check(results: list[subprocess.CompletedProcess], ok_line: str | None = None) -> None:
-    """Every rank exited 0 (teardown included) and, if given, printed ``ok_line``."""
-    for r, res in enumerate(results):
-        assert res.returncode == 0, f"rank {r} failed:\n{res.stdout}\n{res.stderr[-4000:]}"
-        assert ok_line is None or ok_line in res.stdout, f"rank {r}: no {ok_line!r}:\n{res.stdout}"
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["unified", "strict"])
 def test_collectives_match_gloo_cpu(strict: bool) -> None:
-    _check(_launch("collectives", {"TORCHPORT_SIM_STRICT": "1" if strict else "0"}))
+    mode = {"TORCHPORT_SIM_STRICT": "1" if strict else "0"}
+    check_ranks(launch_workers(HERE, "collectives", mode))
 
 
 def test_ddp_matches_single_process() -> None:
-    _check(_launch("ddp", timeout=90.0), ok_line="ddp ok")
+    check_ranks(launch_workers(HERE, "ddp", timeout=90.0), ok_line="ddp ok")
 
 
 def test_dead_peer_is_named() -> None:
     t0 = time.monotonic()
-    results = _launch("dead_peer", timeout=60.0)
+    results = launch_workers(HERE, "dead_peer", timeout=60.0)
     assert results[1].returncode == 17  # the rank that dies on purpose
     assert results[0].returncode == 0, results[0].stderr[-4000:]
     assert "DEAD-PEER-REPORTED" in results[0].stdout, results[0].stdout
@@ -78,7 +55,7 @@ def test_exit_with_collectives_in_flight() -> None:
     # Regression: a communication thread that still held a Python callback when the
     # interpreter finalized took the GIL in a destructor and aborted the process with
     # "terminate called without an active exception" (see distributed._then).
-    for r, res in enumerate(_launch("exit_in_flight", timeout=60.0)):
+    for r, res in enumerate(launch_workers(HERE, "exit_in_flight", timeout=60.0)):
         assert res.returncode == 0 and "terminate called" not in res.stderr, \
             f"rank {r} (rc {res.returncode}):\n{res.stderr[-4000:]}"
         assert "exiting" in res.stdout
@@ -111,29 +88,11 @@ def test_backend_registered_in_process() -> None:
 
 
 # =========================================================================== workers
-def _init(rank: int, port: int, timeout_s: float = 30.0):
-    from datetime import timedelta
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
-    import torch
-    import torch.distributed as dist
-
-    import torchport.sim  # noqa: F401
-    from torchport.distributed import init_device_from_env
-
-    dev = init_device_from_env()
-    assert dev == torch.device("sim", rank)
-    dist.init_process_group(timeout=timedelta(seconds=timeout_s))  # no backend: simccl
-    assert dist.get_world_size() == WORLD
-    return torch, dist, dev
-
-
 def _collectives(rank: int, port: int) -> None:
     import warnings
 
     warnings.simplefilter("ignore")
-    torch, dist, dev = _init(rank, port)
+    torch, dist, dev = init_rank(rank, port)
     import torchport
 
     strict = os.environ.get("TORCHPORT_SIM_STRICT") == "1"
@@ -285,39 +244,11 @@ def _collectives(rank: int, port: int) -> None:
     print("collectives ok", len(cases))
 
 
-def _mlp(torch, unused: bool = False):
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = torch.nn.Linear(8, 16)
-            self.b = torch.nn.Linear(16, 4)
-            self.unused = torch.nn.Linear(16, 4) if unused else None
-
-        def forward(self, x):
-            return self.b(torch.relu(self.a(x)))
-
-    torch.manual_seed(1234)
-    return Net()
-
-
-def _reference(torch, steps: int, batches, unused: bool = False, micro: int = 1):
-    """Single-process training on the concatenation of all ranks' batches (CPU)."""
-    m = _mlp(torch, unused)
-    opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    for s in range(steps):
-        for k in range(micro):
-            x, y = (torch.cat([b[s][k][i] for b in batches]) for i in (0, 1))
-            torch.nn.functional.mse_loss(m(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return m
-
-
 def _ddp(rank: int, port: int) -> None:
     import warnings
 
     warnings.simplefilter("ignore")
-    torch, dist, dev = _init(rank, port)
+    torch, dist, dev = init_rank(rank, port)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     steps = 20
@@ -327,7 +258,7 @@ def _ddp(rank: int, port: int) -> None:
                  for _ in range(2)] for _ in range(steps)] for _ in range(WORLD)]
 
     def train(unused: bool, micro: int, **ddp_kw):
-        model = DDP(_mlp(torch, unused).to(dev), **ddp_kw)
+        model = DDP(ddp_mlp(unused).to(dev), **ddp_kw)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         for s in range(steps):
             for k in range(micro):
@@ -353,7 +284,7 @@ def _ddp(rank: int, port: int) -> None:
         if not torch.equal(gathered[0].cpu(), gathered[1].cpu()):
             failures.append(f"{label}: ranks differ")
         # DDP averages over ranks; the reference takes the mean over the whole batch: same.
-        ref = _reference(torch, steps, batches, unused, micro)
+        ref = ddp_reference(steps, batches, unused, micro)
         for (n, p), q in zip(m.named_parameters(), ref.parameters(), strict=True):
             if not torch.allclose(p.detach().cpu(), q.detach(), atol=1e-5, rtol=1e-4):
                 err = (p.detach().cpu() - q).abs().max().item()
@@ -366,15 +297,20 @@ def _ddp(rank: int, port: int) -> None:
 
 
 def _dead_peer(rank: int, port: int) -> None:
-    torch, dist, dev = _init(rank, port, timeout_s=15.0)
+    torch, dist, dev = init_rank(rank, port, timeout_s=15.0)
     from torchport.distributed import CollectiveError
 
+    # rank 1 holds a lock on a file until it dies: rank 0 waits for its death on that lock
+    lock = open(Path(tempfile.gettempdir()) / f"torchport-dead-peer-{port}", "a")  # noqa: SIM115
+    if rank == 1:
+        fcntl.flock(lock, fcntl.LOCK_EX)
     t = torch.ones(4, device=dev)
-    dist.all_reduce(t)
+    dist.all_reduce(t)  # both ranks are here: rank 1 holds the lock
     if rank == 1:
         sys.stdout.flush()
         os._exit(17)  # dies without a word
-    time.sleep(0.5)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # granted once rank 1's process has ended
+    os.unlink(lock.name)
     try:
         for _ in range(3):
             dist.all_reduce(t)
@@ -389,7 +325,7 @@ def _dead_peer(rank: int, port: int) -> None:
 
 
 def _exit_in_flight(rank: int, port: int) -> None:
-    torch, dist, dev = _init(rank, port)
+    torch, dist, dev = init_rank(rank, port)
     t = torch.ones(1 << 16, device=dev)
     dist.all_reduce(t)
     for _ in range(20):

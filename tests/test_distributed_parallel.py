@@ -1,9 +1,9 @@
 """Parallel training on sim over simccl: SyncBatchNorm, FSDP2, distributed checkpoints, DDP's
 ``find_unused_parameters``.
 
-Like ``test_distributed.py`` (whose launcher and helpers this file reuses), each test starts two
-worker processes running this file (``python test_distributed_parallel.py <scenario> <rank>
-<port>``); a worker exits non-zero with a message when a check fails.
+Like ``test_distributed.py`` (both use the launcher and model of ``tests/helpers.py``), each
+test starts two worker processes running this file (``python test_distributed_parallel.py
+<scenario> <rank> <port>``); a worker exits non-zero with a message when a check fails.
 """
 
 from __future__ import annotations
@@ -18,24 +18,24 @@ if __package__ in (None, ""):  # run as a worker script: make ``tests`` importab
 
 import pytest  # noqa: E402
 
-from tests.test_distributed import (  # noqa: E402
+from tests.helpers import (  # noqa: E402
     WORLD,
-    _check,
-    _init,
-    _launch,
-    _mlp,
-    _reference,
+    check_ranks,
+    ddp_mlp,
+    ddp_reference,
+    init_rank,
+    launch_workers,
 )
 
 HERE = Path(__file__).resolve()
 
 
 def test_sync_batchnorm_matches_batchnorm_on_whole_batch() -> None:
-    _check(_launch("syncbn", timeout=90.0, script=HERE), ok_line="syncbn ok")
+    check_ranks(launch_workers(HERE, "syncbn", timeout=90.0), ok_line="syncbn ok")
 
 
 def test_fsdp2_matches_ddp_and_checkpoints_round_trip(tmp_path: Path) -> None:
-    _check(_launch("fsdp_dcp", {"TP_CKPT_DIR": str(tmp_path)}, timeout=90.0, script=HERE),
+    check_ranks(launch_workers(HERE, "fsdp_dcp", {"TP_CKPT_DIR": str(tmp_path)}, timeout=90.0),
            ok_line="fsdp_dcp ok")
 
 
@@ -56,7 +56,7 @@ def _pinned_memory() -> bool:
     "GetCPUAllocatorMaybePinned), which the Python hooks of torch/csrc/acc/Module.cpp do not "
     "forward to Python, so backward raises NotImplementedError"))
 def test_ddp_find_unused_parameters_and_static_graph() -> None:
-    _check(_launch("find_unused", timeout=90.0, script=HERE), ok_line="find_unused ok")
+    check_ranks(launch_workers(HERE, "find_unused", timeout=90.0), ok_line="find_unused ok")
 
 
 def test_storage_resize_in_place() -> None:
@@ -149,7 +149,7 @@ def _syncbn(rank: int, port: int) -> None:
     import warnings
 
     warnings.simplefilter("ignore")
-    torch, dist, dev = _init(rank, port)
+    torch, dist, dev = init_rank(rank, port)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     failures: list[str] = []
@@ -223,7 +223,7 @@ def _fsdp_dcp(rank: int, port: int) -> None:
     import warnings
 
     warnings.simplefilter("ignore")
-    torch, dist, dev = _init(rank, port)
+    torch, dist, dev = init_rank(rank, port)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -242,14 +242,14 @@ def _fsdp_dcp(rank: int, port: int) -> None:
             opt.zero_grad()
         return opt
 
-    ddp = DDP(_mlp(torch).to(dev))
+    ddp = DDP(ddp_mlp().to(dev))
     train(ddp)
-    fsdp = _mlp(torch).to(dev)
+    fsdp = ddp_mlp().to(dev)
     fully_shard(fsdp.a)
     fully_shard(fsdp.b)
     fully_shard(fsdp)
     fsdp_opt = train(fsdp)
-    ref = _reference(torch, steps, batches)
+    ref = ddp_reference(steps, batches)
     full = {}
     for (n, p), q, r in zip(fsdp.named_parameters(), ddp.module.parameters(),
                             ref.parameters(), strict=True):
@@ -266,7 +266,7 @@ def _fsdp_dcp(rank: int, port: int) -> None:
     # with the optimizer state) are saved by both ranks and loaded into fresh models.
     root = Path(os.environ["TP_CKPT_DIR"])
     dcp.save({"model": ddp.state_dict()}, checkpoint_id=str(root / "ddp"))
-    ddp2 = DDP(_mlp(torch).to(dev))
+    ddp2 = DDP(ddp_mlp().to(dev))
     with torch.no_grad():
         for p in ddp2.parameters():
             p.zero_()
@@ -281,7 +281,7 @@ def _fsdp_dcp(rank: int, port: int) -> None:
 
     msd, osd = get_state_dict(fsdp, fsdp_opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(root / "fsdp"))
-    fsdp2 = _mlp(torch)
+    fsdp2 = ddp_mlp()
     with torch.no_grad():
         for p in fsdp2.parameters():
             p.zero_()
@@ -307,16 +307,16 @@ def _find_unused(rank: int, port: int) -> None:
     import warnings
 
     warnings.simplefilter("ignore")
-    torch, dist, dev = _init(rank, port)
+    torch, dist, dev = init_rank(rank, port)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     steps = 5
     batches = [[[b[0]] for b in per_rank] for per_rank in _batches(torch, steps, (4, 8), (4, 4))]
-    ref = _reference(torch, steps, batches, unused=True)
+    ref = ddp_reference(steps, batches, unused=True)
     failures: list[str] = []
     # Both modes reduce the map of used parameters through the same pinned staging buffer.
     for kw in ({"find_unused_parameters": True}, {"static_graph": True}):
-        model = DDP(_mlp(torch, unused=True).to(dev), **kw)
+        model = DDP(ddp_mlp(unused=True).to(dev), **kw)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         for s in range(steps):
             x, y = (t.to(dev) for t in batches[rank][s][0])

@@ -7,8 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from torch._dynamo.device_interface import get_interface_for_device
+
+pytestmark = pytest.mark.modes
 
 
 def test_the_interface_answers_from_the_device_module() -> None:

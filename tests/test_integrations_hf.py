@@ -35,6 +35,8 @@ accelerate = pytest.importorskip("accelerate")
 
 from accelerate.state import AcceleratorState, GradientState, PartialState  # noqa: E402
 
+pytestmark = pytest.mark.modes
+
 transformers.logging.set_verbosity_error()
 
 FULL = os.environ.get("TORCHPORT_FULL_MODELS", "") not in ("", "0")

@@ -28,6 +28,8 @@ from torchport.migrate import (
 )
 from torchport.migrate.cli import register
 
+pytestmark = pytest.mark.tools
+
 DATA = Path(__file__).parent / "data" / "migrate"
 BACKEND_IMPORT = 'import torchport.sim  # noqa: F401  registers the "sim" device\n'
 

@@ -37,6 +37,8 @@ from torchport.debug import opcoverage
 from torchport.migrate import migrate_path, migrate_source, rewrite_source
 from torchport.migrate.cli import register
 
+pytestmark = pytest.mark.tools
+
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ROOT / "tests" / "data" / "migrate" / "project"
 BACKEND_IMPORT = 'import torchport.sim  # noqa: F401  registers the "sim" device\n'

@@ -10,7 +10,6 @@ against a CPU run of the *original* script (``--cpu``), the way
 from __future__ import annotations
 
 import ast
-import os
 import runpy
 import subprocess
 import sys
@@ -21,9 +20,10 @@ import pytest
 import torch
 
 import torchport.sim  # noqa: F401
-from tests.gloo_reference import free_port, run_gloo_reference
-from tests.test_transfer import _save_as_cuda, _values
+from tests.helpers import child_env, example_values, free_port, run_gloo_reference, save_as_cuda
 from torchport.migrate import migrate_path
+
+pytestmark = [pytest.mark.asynchronous, pytest.mark.tools]
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "cuda"
@@ -47,23 +47,15 @@ def migrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dst
 
 
-def _env(**kw: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT),
-                                         env.get("PYTHONPATH", "")])
-    env.pop("TORCHPORT_TRANSFER", None)
-    env["TORCHPORT_FALLBACK_WARN"] = "0"
-    env.update(kw)
-    return env
-
-
 def _run(cmd: list[str], cwd: Path, timeout: float = 300, **env: str) -> dict[str, str]:
     """Run a migrated example."""
-    out = subprocess.run(cmd, cwd=str(cwd), env=_env(**env), capture_output=True, text=True,
+    env = child_env(drop=["TORCHPORT_TRANSFER"], importable=True, TORCHPORT_FALLBACK_WARN="0",
+                    **env)
+    out = subprocess.run(cmd, cwd=str(cwd), env=env, capture_output=True, text=True,
                          timeout=timeout)
     assert out.returncode == 0, (cmd, out.stdout[-2000:], out.stderr[-4000:])
     assert "torchport.transfer" not in out.stderr
-    return _values(out.stdout)
+    return example_values(out.stdout)
 
 
 def _cpu_original(name: str, args: list[str], capsys: pytest.CaptureFixture[str],
@@ -75,7 +67,7 @@ def _cpu_original(name: str, args: list[str], capsys: pytest.CaptureFixture[str]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runpy.run_path(str(EXAMPLES / name), run_name="__main__")
-    return _values(capsys.readouterr().out)
+    return example_values(capsys.readouterr().out)
 
 
 def test_migrated_train_argparse(migrated: Path, capsys, monkeypatch) -> None:
@@ -101,7 +93,7 @@ def test_migrated_infer_checkpoint(migrated: Path, tmp_path: Path, capsys, monke
     torch.manual_seed(0)
     model = ns["Classifier"]().to("sim:0")
     ckpt = tmp_path / "model.pt"
-    _save_as_cuda({"model": model.state_dict(), "epoch": 7}, ckpt)  # as a GPU machine wrote it
+    save_as_cuda({"model": model.state_dict(), "epoch": 7}, ckpt)  # as a GPU machine wrote it
     dev = _run([sys.executable, str(migrated / "infer_checkpoint.py"), str(ckpt)], migrated)
     cpu = _cpu_original("infer_checkpoint.py", [str(ckpt)], capsys, monkeypatch)
     assert dev["loaded epoch"].startswith("7 on sim")
@@ -121,6 +113,6 @@ def test_migrated_ddp_two_ranks(migrated: Path) -> None:
                OMP_NUM_THREADS="1")
     assert dev["world size"] == "2 backend simccl"
     # CPU reference: the original with gloo, one rank (same data on every rank)
-    cpu = _values(run_gloo_reference(EXAMPLES / "ddp_nccl.py", ["--steps", "6", "--cpu"],
+    cpu = example_values(run_gloo_reference(EXAMPLES / "ddp_nccl.py", ["--steps", "6", "--cpu"],
                                      migrated))
     assert float(dev["params checksum"]) == pytest.approx(float(cpu["params checksum"]), abs=1e-4)

@@ -2,26 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
+from tests.helpers import python_views_serve, run_python
 from torchport import native
-
-
-def run_child(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=300)
-
-
-def python_views_serve(backend: str = "active_backend()", device: str = "sim") -> str:
-    """Code that checks, in a child process, that the Python view kernels serve, right."""
-    return (f"assert not {backend}.view_kernels.native\n"
-            f"x = torch.arange(6., device='{device}')\n"
-            "assert torch.equal(x.view(2, 3)[1].cpu(), torch.arange(3., 6.))\n")
-
 
 # Backward passes on sim:0 and sim:1, one inside a stream context, counting the Python
 # guard's calls; checks the gradients against the CPU's and prints "calls <n>".
@@ -43,7 +27,7 @@ print("calls", len(calls))
 
 
 def _guard_calls(**env: str) -> int:
-    r = run_child(_BACKWARD_COUNTING_GUARD_CALLS, TORCHPORT_FALLBACK_WARN="0", **env)
+    r = run_python(_BACKWARD_COUNTING_GUARD_CALLS, TORCHPORT_FALLBACK_WARN="0", **env)
     assert r.returncode == 0, r.stderr
     return int(r.stdout.split("calls")[-1])
 
@@ -55,11 +39,11 @@ def test_the_cpp_guard_serves_without_entering_python():
 
 
 def test_switched_off_by_the_environment():
-    r = run_child("import torch, torchport.sim\n"
-                  "from torchport import native\n"
-                  "from torchport.backend import active_backend\n"
-                  + python_views_serve() + "assert native.loaded() is None\nprint('ok')",
-                  TORCHPORT_NATIVE="0")
+    r = run_python("import torch, torchport.sim\n"
+                   "from torchport import native\n"
+                   "from torchport.backend import active_backend\n"
+                   + python_views_serve() + "assert native.loaded() is None\nprint('ok')",
+                   TORCHPORT_NATIVE="0")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
     assert "compiling" not in r.stderr and "NativeCodeWarning" not in r.stderr
 
@@ -73,10 +57,10 @@ def test_without_a_compiler_the_python_twins_serve(tmp_path):
             + python_views_serve() +
             "print([str(w.message) for w in seen if 'C++ library' in str(w.message)])")
     env = {"TORCHPORT_CACHE_DIR": str(tmp_path), "CXX": str(tmp_path / "no-such-compiler")}
-    first = run_child(code, **env)
+    first = run_python(code, **env)
     assert first.returncode == 0, first.stderr
     assert "unavailable" in first.stdout and "compiling" in first.stderr
     assert _guard_calls(**env) > 0  # the Python guard serves
-    again = run_child(code, **env)  # the failure is remembered: no second attempt
+    again = run_python(code, **env)  # the failure is remembered: no second attempt
     assert again.returncode == 0 and "unavailable" in again.stdout, again.stderr
     assert "compiling" not in again.stderr

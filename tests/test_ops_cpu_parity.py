@@ -24,6 +24,8 @@ from torch import nn
 from torchport import ops
 from torchport.ops import registry
 
+pytestmark = pytest.mark.modes
+
 A = torch.ops.aten
 has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
 

@@ -10,6 +10,8 @@ from tests.conftest import chip_view
 from torchport import ops
 from torchport.ops import derive, registry
 
+pytestmark = pytest.mark.modes
+
 A = torch.ops.aten
 
 

@@ -27,6 +27,8 @@ from torch.testing import assert_close
 import torchport
 from torchport.ops import FallbackWarning
 
+pytestmark = pytest.mark.modes
+
 # a few ULPs of float32/float64 after two layers and a few time steps
 RNN_TOL = {torch.float32: {"rtol": 2e-6, "atol": 2e-6},
            torch.float64: {"rtol": 1e-14, "atol": 1e-14}}

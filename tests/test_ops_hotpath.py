@@ -15,6 +15,8 @@ import torchport.sim  # noqa: F401
 from torchport.backend import active_backend
 from torchport.ops import hostviews
 
+pytestmark = pytest.mark.modes
+
 # Checks of the synchronous path's own machinery (its caches, plans and adoptions); an
 # asynchronous runtime queues kernels instead, checked in tests/test_async.py.
 sync_path = pytest.mark.skipif(active_backend().runtime.asynchronous,

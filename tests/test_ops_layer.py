@@ -1,9 +1,6 @@
 """The op layer: forced fallback, fallback off, warnings, Decline, decompositions, statistics."""
 
 import json
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -11,9 +8,12 @@ import torch
 
 import torchport.ops as ops
 from tests.conftest import chip_view
+from tests.helpers import run_python
 from torchport.ops import fallback, registry, stats
 from torchport.ops.fallback import FallbackWarning
 from torchport.ops.plan import plan_for
+
+pytestmark = pytest.mark.strict
 
 A = torch.ops.aten
 
@@ -27,12 +27,6 @@ def _clean_settings():
     ops.set_force_fallback(old_force)
     ops.set_fallback_enabled(old_enabled)
     ops.set_fallback_warn(old_warn)
-
-
-def _run(code: str, **env: str) -> subprocess.CompletedProcess:
-    e = {**os.environ, **env}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e,
-                          timeout=120)
 
 
 def test_flags_off_by_default():
@@ -70,11 +64,11 @@ def test_force_fallback_matches_in_full():
 
 
 def test_force_fallback_env():
-    r = _run("import torch, torchport.sim, torchport.ops as o\n"
-             "a = torch.ones(3, device='sim')\n"
-             "with o.record() as rec:\n    a + a\n    a * a\n"
-             "print(rec.path_of('add.Tensor'), rec.path_of('mul.Tensor'))",
-             TORCHPORT_FORCE_FALLBACK_OPS=r"add\..*, foo", TORCHPORT_FALLBACK_WARN="0")
+    r = run_python("import torch, torchport.sim, torchport.ops as o\n"
+                   "a = torch.ones(3, device='sim')\n"
+                   "with o.record() as rec:\n    a + a\n    a * a\n"
+                   "print(rec.path_of('add.Tensor'), rec.path_of('mul.Tensor'))",
+                   TORCHPORT_FORCE_FALLBACK_OPS=r"add\..*, foo", TORCHPORT_FALLBACK_WARN="0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["fallback", "native"]
 
@@ -89,10 +83,10 @@ def test_fallback_off_raises_with_op_and_dtypes():
 
 
 def test_fallback_off_env():
-    r = _run("import torch, torchport.sim\n"
-             "x = torch.ones(3, device='sim')\n"
-             "try:\n    torch.special.bessel_j0(x)\nexcept NotImplementedError as e:\n"
-             "    print('raised', e)\n", TORCHPORT_FALLBACK="0")
+    r = run_python("import torch, torchport.sim\n"
+                   "x = torch.ones(3, device='sim')\n"
+                   "try:\n    torch.special.bessel_j0(x)\nexcept NotImplementedError as e:\n"
+                   "    print('raised', e)\n", TORCHPORT_FALLBACK="0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("raised special_bessel_j0")
 
@@ -206,8 +200,8 @@ def test_nested_recorders():
 
 
 def test_op_stats_env_prints_at_exit():
-    r = _run("import torch, torchport.sim\nx = torch.ones(3, device='sim')\n(x * 2).sum()\n",
-             TORCHPORT_OP_STATS="1")
+    r = run_python("import torch, torchport.sim\nx = torch.ones(3, device='sim')\n(x * 2).sum()\n",
+                   TORCHPORT_OP_STATS="1")
     assert r.returncode == 0, r.stderr
     assert "torchport op statistics" in r.stderr and "mul.Tensor" in r.stderr
 

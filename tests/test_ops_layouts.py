@@ -15,6 +15,8 @@ import torchport.sim  # noqa: F401
 from torchport.backend import active_backend
 from torchport.ops import fastpath
 
+pytestmark = pytest.mark.modes
+
 ASYNC = active_backend().runtime.asynchronous
 
 # the same values and layout on both sides: (x on its device) -> a non-contiguous view

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_native import python_views_serve, run_child
+from tests.helpers import python_views_serve, run_python
 from torchport import native, ops
 from torchport.backend import active_backend
 from torchport.ops import native_views
@@ -61,22 +61,22 @@ def test_python_kernels_serve_while_ops_are_recorded():
 
 
 def test_a_backends_own_view_kernel_is_never_overridden():
-    r = run_child("import torch\n"
-             "from torchport import ops\n"
-             "from torchport.backend import Backend\n"
-             "from torchport.backends.sim import SimRuntime\n"
-             "calls = []\n"
-             "ks = ops.KernelSet('own-view')\n"
-             "@ks.kernel('view')\n"
-             "def view(x, size):\n"
-             "    calls.append(tuple(size))\n"
-             "    return torch.ops.aten.view.default.redispatch(\n"
-             "        torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), x, size)\n"
-             "b = Backend('npu', SimRuntime(), [ks]).register()\n"
-             "with ops.record():\n"
-             "    pass\n"
-             + python_views_serve("b", "npu") +
-             "assert calls == [(2, 3)], calls\n"
+    r = run_python("import torch\n"
+                   "from torchport import ops\n"
+                   "from torchport.backend import Backend\n"
+                   "from torchport.backends.sim import SimRuntime\n"
+                   "calls = []\n"
+                   "ks = ops.KernelSet('own-view')\n"
+                   "@ks.kernel('view')\n"
+                   "def view(x, size):\n"
+                   "    calls.append(tuple(size))\n"
+                   "    return torch.ops.aten.view.default.redispatch(\n"
+                   "        torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), x, size)\n"
+                   "b = Backend('npu', SimRuntime(), [ks]).register()\n"
+                   "with ops.record():\n"
+                   "    pass\n"
+                   + python_views_serve("b", "npu") +
+                   "assert calls == [(2, 3)], calls\n"
              "print('ok')", TORCHPORT_FALLBACK_WARN="0")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
     assert "Overriding a previously registered kernel" not in r.stderr

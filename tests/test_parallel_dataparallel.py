@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,21 +12,13 @@ from torch.nn.parallel import comm
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchport.sim
+from tests.helpers import ExactNet, check_python, exact_batches, exact_net, train_exact
 from torchport import native
 from torchport.parallel_comm import NAMES
 from torchport.pinned import PinnedMemoryWarning
 
 B = torchport.sim.BACKEND
 NO_NCCL = pytest.mark.filterwarnings("ignore:PyTorch is not compiled with NCCL support")
-
-
-def run_child(code: str, **env: str) -> str:
-    """Run ``code`` in a fresh process from the repository (``tests`` importable); its output."""
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=300, cwd=Path(__file__).parents[1],
-                       env={**os.environ, "TORCHPORT_FALLBACK_WARN": "0", **env})
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    return r.stdout
 
 
 # ---- torch._C's comm functions -------------------------------------------------------
@@ -155,63 +143,14 @@ def test_reduce_add():
 
 # ---- DataParallel -----------------------------------------------------------------------
 
-class Net(nn.Module):
-    """Two linear layers and a buffer (broadcast to the replicas without gradients)."""
-
-    def __init__(self, dtype: torch.dtype = torch.float64) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(4, 6, dtype=dtype)
-        self.fc2 = nn.Linear(6, 2, dtype=dtype)
-        self.register_buffer("scale", torch.tensor(0.5, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x))) * self.scale
-
-
-def exact_net() -> Net:
-    """Weights on a grid of 1/256 (see :func:`train`)."""
-    net = Net()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.copy_(torch.randint(-8, 9, p.shape, generator=g) / 8)
-    return net
-
-
-def exact_batches(n: int, batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randint(-3, 4, (batch, 4), generator=g).double(),
-             torch.randint(-3, 4, (batch, 2), generator=g).double()) for _ in range(n)]
-
-
-def train(model: nn.Module, batches, device: str, grid: bool = True) -> list[torch.Tensor]:
-    """SGD steps on inputs moved to ``device``; every step's gradients, then the parameters,
-    on the CPU. Integer data and weights put back on a grid of 1/256 after each step keep
-    every float64 sum exact, so the order in which the devices' partial sums are added up
-    cannot show: the results must equal the CPU's bit for bit."""
-    opt = torch.optim.SGD(model.parameters(), lr=1 / 32)
-    seen = []
-    for x, y in batches:
-        out = model(x.to(device, non_blocking=True))
-        loss = (out - y.to(out.device, non_blocking=True)).pow(2).mean()  # 16: exact mean
-        opt.zero_grad()
-        loss.backward()
-        seen += [p.grad.cpu() for p in model.parameters()]
-        opt.step()
-        with torch.no_grad():
-            for p in model.parameters() if grid else ():
-                p.copy_(torch.round(p * 256) / 256)
-    return seen + [p.detach().cpu() for p in model.parameters()]
-
-
 @NO_NCCL
 @pytest.mark.parametrize("inputs_on", ["cpu", "sim"])
 def test_dataparallel_trains_as_on_the_cpu_bit_for_bit(inputs_on):
     batches = exact_batches(4)
-    want = train(exact_net(), batches, "cpu")
+    want = train_exact(exact_net(), batches, "cpu")
     dp = nn.DataParallel(exact_net().to("sim"))
     assert dp.device_ids == [0, 1] and dp.output_device == 0
-    got = train(dp, batches, inputs_on)  # CPU inputs are scattered, sim ones split on sim:0
+    got = train_exact(dp, batches, inputs_on)  # CPU inputs scattered, sim ones split on sim:0
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     assert all(p.device == torch.device("sim", 0) for p in dp.parameters())
     x = batches[0][0]
@@ -226,12 +165,12 @@ def test_dataparallel_float32_matches_the_cpu_within_rounding():
     # Each device sums its half of the batch and reduce_add adds the halves: another
     # order of the same float32 additions than the CPU's single matmul, so a few ULPs.
     torch.manual_seed(0)
-    cpu = Net(torch.float32)
-    dev = Net(torch.float32)
+    cpu = ExactNet(torch.float32)
+    dev = ExactNet(torch.float32)
     dev.load_state_dict(cpu.state_dict())
     batches = [(torch.randn(10, 4), torch.randn(10, 2)) for _ in range(3)]
-    want = train(cpu, batches, "cpu", grid=False)
-    got = train(nn.DataParallel(dev.to("sim")), batches, "cpu", grid=False)  # chunks of 5
+    want = train_exact(cpu, batches, "cpu", grid=False)
+    got = train_exact(nn.DataParallel(dev.to("sim")), batches, "cpu", grid=False)  # chunks: 5
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
 
@@ -297,20 +236,20 @@ print("ok")
 
 @needs_native
 def test_pinned_blocks_come_from_the_runtimes_host_memory():
-    assert run_child(RUNTIME_HOST_MEMORY).strip() == "ok"
+    assert check_python(RUNTIME_HOST_MEMORY, TORCHPORT_FALLBACK_WARN="0").strip() == "ok"
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_dataloader_pin_memory_trains_as_on_the_cpu(workers):
     xs, ys = zip(*exact_batches(4), strict=True)
     ds = TensorDataset(torch.cat(xs), torch.cat(ys))
-    want = train(exact_net(), exact_batches(4), "cpu")
+    want = train_exact(exact_net(), exact_batches(4), "cpu")
     loader = DataLoader(ds, batch_size=8, pin_memory=True, num_workers=workers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PinnedMemoryWarning)
         batches = list(loader)
     assert all(x.is_pinned() == B.pinned_memory for x, _ in batches)
-    got = train(exact_net().to("sim"), batches, "sim")
+    got = train_exact(exact_net().to("sim"), batches, "sim")
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
@@ -319,7 +258,7 @@ def test_fresh_process_without_the_cpp_library():
     # build has (a CUDA build's); without the C++ hooks, pinning warns once and gives
     # unpinned copies, and DataParallel serves with PyTorch's Python guard (whose streams
     # all name device 0).
-    out = run_child(
+    out = check_python(
         "import warnings, torch, torchport\n"
         "from torchport.parallel_comm import NAMES\n"
         "assert not any(hasattr(torch._C, n) for n in NAMES)  # no backend yet: nothing\n"
@@ -329,7 +268,7 @@ def test_fresh_process_without_the_cpp_library():
         "assert torch._C._gather_out is mine and all(hasattr(torch._C, n) for n in NAMES)\n"
         "from torch.utils.data import DataLoader, TensorDataset\n"
         "from torchport.pinned import PinnedMemoryWarning\n"
-        "from tests.test_parallel_dataparallel import exact_net, exact_batches, train\n"
+        "from tests.helpers import exact_net, exact_batches, train_exact\n"
         "warnings.simplefilter('ignore')\n"
         "assert not torchport.sim.BACKEND.pinned_memory\n"
         "xs, ys = zip(*exact_batches(4))\n"
@@ -340,12 +279,13 @@ def test_fresh_process_without_the_cpp_library():
         "    p = torch.arange(3.).pin_memory()\n"
         "assert len([x for x in w if x.category is PinnedMemoryWarning]) == 1, w\n"
         "assert torch.equal(p, torch.arange(3.)) and not p.is_pinned()\n"
-        "want = train(exact_net(), exact_batches(4), 'cpu')\n"
-        "got = train(exact_net().to('sim'), batches, 'sim')\n"
+        "want = train_exact(exact_net(), exact_batches(4), 'cpu')\n"
+        "got = train_exact(exact_net().to('sim'), batches, 'sim')\n"
         "assert all(torch.equal(g, v) for g, v in zip(got, want))\n"
-        "got = train(torch.nn.DataParallel(exact_net().to('sim')), exact_batches(4), 'cpu')\n"
+        "got = train_exact(torch.nn.DataParallel(exact_net().to('sim')), exact_batches(4),\n"
+        "                  'cpu')\n"
         "assert all(torch.equal(g, v) for g, v in zip(got, want))\n"
-        "print('ok')\n", TORCHPORT_NATIVE="0")
+        "print('ok')\n", TORCHPORT_NATIVE="0", TORCHPORT_FALLBACK_WARN="0")
     assert out.strip() == "ok"
 
 
@@ -382,9 +322,9 @@ w.zero_()
 s1.synchronize()
 assert torch.equal(b.cpu(), x * 3)
 # DataParallel, kernels queued on both devices
-from tests.test_parallel_dataparallel import exact_net, exact_batches, train
-want = train(exact_net(), exact_batches(4), "cpu")
-got = train(torch.nn.DataParallel(exact_net().to("sim")), exact_batches(4), "cpu")
+from tests.helpers import exact_net, exact_batches, train_exact
+want = train_exact(exact_net(), exact_batches(4), "cpu")
+got = train_exact(torch.nn.DataParallel(exact_net().to("sim")), exact_batches(4), "cpu")
 assert all(torch.equal(g, v) for g, v in zip(got, want))
 print("ok")
 """
@@ -394,4 +334,5 @@ def test_async_copies_between_devices_are_ordered_as_on_cuda():
     # A non-blocking copy between two devices waits for the work queued on the source's
     # stream and the destination's, and later work on either waits for it (CUDA's
     # two-way barrier); DataParallel's broadcasts, gathers and reduce_add rely on it.
-    assert run_child(ASYNC_COPIES, TORCHPORT_SIM_ASYNC="1").strip() == "ok"
+    out = check_python(ASYNC_COPIES, TORCHPORT_SIM_ASYNC="1", TORCHPORT_FALLBACK_WARN="0")
+    assert out.strip() == "ok"

@@ -15,6 +15,8 @@ import torch
 import torchport.sim  # noqa: F401
 from torchport import ops
 
+pytestmark = pytest.mark.tools
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -17,6 +17,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import torchport.sim  # noqa: F401
 from torchport import native, profiling
 
+pytestmark = pytest.mark.modes
+
 B = torch.sim.backend
 RT = B.runtime
 DEVICE = B.name.upper()  # the table's column names: "Self SIM", "SIM total"

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.gloo_reference import free_port
+from tests.helpers import free_port
+
+pytestmark = [pytest.mark.strict, pytest.mark.scripts]
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "examples" / "scripts"

@@ -4,25 +4,13 @@ have served. Fresh interpreters: the device's capacity is set at import."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import MODE_VARIABLES, check_python, child_env
 
 
 def _run(code: str, memory: str) -> str:
-    env = dict(os.environ, TORCHPORT_SIM_MEMORY=memory,
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"),
-                                                        os.environ.get("PYTHONPATH")])))
-    for k in ("TORCHPORT_SIM_ASYNC", "TORCHPORT_SIM_STRICT"):
-        env.pop(k, None)
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout
+    """``code``'s output in a fresh process with ``memory`` of sim memory, default mode."""
+    return check_python(code, env=child_env(drop=MODE_VARIABLES, importable=True),
+                        TORCHPORT_SIM_MEMORY=memory, timeout=600)
 
 
 def test_random_sizes_keep_reserved_memory_near_the_peak() -> None:

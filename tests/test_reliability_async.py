@@ -5,34 +5,28 @@ Each test runs a fresh interpreter, since the sim's mode is chosen at import."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import MODE_VARIABLES, ROOT, child_env, run_python
+
 MODES = {"async": {"TORCHPORT_SIM_ASYNC": "1"},
          "strict-async": {"TORCHPORT_SIM_ASYNC": "1", "TORCHPORT_SIM_STRICT": "1"},
          "sync": {}}
 
 
 def _env(mode: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TORCHPORT_SIM_ASYNC", "TORCHPORT_SIM_STRICT", "TORCHPORT_LAUNCH_BLOCKING")}
-    env.update(MODES[mode])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT),
-                                                      env.get("PYTHONPATH")]))
-    return env
+    return child_env(drop=(*MODE_VARIABLES, "TORCHPORT_LAUNCH_BLOCKING"), importable=True,
+                     **MODES[mode])
 
 
 def _python(code: str, mode: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=_env(mode),
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return run_python(code, env=_env(mode), timeout=timeout)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -9,6 +9,8 @@ import torch
 
 import torchport.sim  # noqa: F401
 
+pytestmark = pytest.mark.strict
+
 F = torch.nn.functional
 
 

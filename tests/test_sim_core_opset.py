@@ -7,11 +7,14 @@ kernel, which would decompose it above the backend) must be a native sim kernel
 takes the CPU fallback.
 """
 
+import pytest
 import torch
 
 import torchport.sim  # noqa: F401  (registers the device)
 from torchport.ops import native_overloads
 from torchport.ops.registry import _has_backend_slot, core_overloads
+
+pytestmark = pytest.mark.strict
 
 # Core overloads with a backend slot that the sim may leave to another path, with
 # the reason. Empty: every one is native.

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import copyreg
 import io
-import os
 import pickle
-import re
 import runpy
 import subprocess
 import sys
@@ -22,7 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gloo_reference import free_port, run_gloo_reference
+from tests.helpers import child_env, example_values, free_port, run_gloo_reference, save_as_cuda
+
+pytestmark = pytest.mark.tools
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "cuda"
@@ -37,17 +37,6 @@ def argv_path(monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))
 
 
-def _values(s: str) -> dict[str, str]:
-    """``key value`` lines printed by the examples."""
-    out = {}
-    for line in s.splitlines():
-        m = re.match(r"^(final loss|params checksum|probs checksum|accuracy|autocast dtype|"
-                     r"predictions|world size|loaded epoch) (.*)$", line)
-        if m:
-            out[m.group(1)] = m.group(2)
-    return out
-
-
 def _run_example(name: str, args: list[str], capsys, transfer: bool) -> dict[str, str]:
     script = str(EXAMPLES / name)
     if transfer:
@@ -57,18 +46,7 @@ def _run_example(name: str, args: list[str], capsys, transfer: bool) -> dict[str
     else:
         sys.argv = [script, *args]
         runpy.run_path(script, run_name="__main__")
-    return _values(capsys.readouterr().out)
-
-
-def _save_as_cuda(obj, f) -> None:
-    """``torch.save`` with sim storages tagged ``cuda:N``: what a GPU machine writes."""
-    entry = (0, lambda s: f"cuda:{s.device.index}" if s.device.type == "sim" else None,
-             lambda s, loc: None)
-    torch.serialization._package_registry.insert(0, entry)
-    try:
-        torch.save(obj, f)
-    finally:
-        torch.serialization._package_registry.remove(entry)
+    return example_values(capsys.readouterr().out)
 
 
 # ---- device naming -----------------------------------------------------------------
@@ -296,7 +274,7 @@ def test_init_process_group_nccl(xfer, tmp_path):
 def test_cuda_checkpoint_map_location_forms(xfer):
     w = torch.arange(6.0).reshape(2, 3)
     buf = io.BytesIO()
-    _save_as_cuda({"w": w.to("sim:0"), "b": torch.ones(2, device="sim:1")}, buf)
+    save_as_cuda({"w": w.to("sim:0"), "b": torch.ones(2, device="sim:1")}, buf)
     with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
         pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
     assert b"cuda:0" in pkl and b"cuda:1" in pkl and b"sim" not in pkl
@@ -399,7 +377,7 @@ def test_example_infer_checkpoint(xfer, capsys, argv_path, tmp_path):
     torch.manual_seed(0)
     model = ns["Classifier"]().to("sim:0")
     path = tmp_path / "model.pt"
-    _save_as_cuda({"model": model.state_dict(), "epoch": 7}, path)
+    save_as_cuda({"model": model.state_dict(), "epoch": 7}, path)
     dev = _run_example("infer_checkpoint.py", [str(path)], capsys, transfer=True)
     xfer.disable()
     cpu = _run_example("infer_checkpoint.py", [str(path), "--cpu"], capsys, transfer=False)
@@ -429,20 +407,14 @@ def test_cli_register_run_command(xfer, capsys, argv_path, tmp_path):
     assert "ARGV ['--lr', '1', 'x'] __main__ sim:0" in res.output
 
 
-def _env(**kw: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    env.update(kw)
-    return env
-
-
 def test_env_var_and_ddp_subprocesses():
     """TORCHPORT_TRANSFER=1 and 2-rank DDP over "nccl" need fresh interpreters; so does the
-    CPU/gloo reference (:mod:`tests.gloo_reference`)."""
+    CPU/gloo reference (:func:`tests.helpers.run_gloo_reference`)."""
     procs = [subprocess.Popen(
         [sys.executable, "-c", "import torch, torchport.sim\n"
          "print(torch.cuda.is_available(), torch.zeros(1, device='cuda:1').device)"],
-        env=_env(TORCHPORT_TRANSFER="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=child_env(importable=True, TORCHPORT_TRANSFER="1"), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True)]
     import torch.distributed as dist
 
@@ -453,8 +425,8 @@ def test_env_var_and_ddp_subprocesses():
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "torchport.run", str(EXAMPLES / "ddp_nccl.py"),
                  "--steps", "6"],
-                env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                         MASTER_PORT=port),
+                env=child_env(importable=True, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=120) for p in procs]
     for p, (_out, err) in zip(procs, outs, strict=True):
@@ -462,8 +434,8 @@ def test_env_var_and_ddp_subprocesses():
     assert outs[0][0].strip() == "True sim:1"
     if not ddp:
         pytest.skip("no simccl distributed backend")
-    dev = _values(outs[1][0])
+    dev = example_values(outs[1][0])
     assert dev["world size"] == "2 backend simccl"
-    cpu = _values(run_gloo_reference(EXAMPLES / "ddp_nccl.py", ["--steps", "6", "--cpu"],
+    cpu = example_values(run_gloo_reference(EXAMPLES / "ddp_nccl.py", ["--steps", "6", "--cpu"],
                                       ROOT))
     assert float(dev["params checksum"]) == pytest.approx(float(cpu["params checksum"]), abs=1e-4)

@@ -20,7 +20,9 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from tests.gloo_reference import free_port
+from tests.helpers import free_port
+
+pytestmark = pytest.mark.tools
 
 
 def _cuda_submodules() -> dict[str, types.ModuleType]:
