@@ -43,7 +43,8 @@ test: $(STAMP)
 	echo "== TORCHPORT_SIM_STRICT=1"; cat $$logs/strict; \
 	echo "== TORCHPORT_SIM_ASYNC=1"; cat $$logs/async; rm -rf $$logs; exit $$rc
 
-# Every OpInfo of PyTorch's op_db, sim vs CPU, in both sim memory modes, default
+# Every OpInfo of PyTorch's op_db, sim vs CPU (python -m torchport.conformance, which a vendor
+# runs with --backend against its own), in both sim memory modes, default
 # (reports/conformance.{json,md}) and TORCHPORT_SIM_STRICT=1 (reports/conformance-strict.*),
 # and with kernels queued on stream workers, TORCHPORT_SIM_ASYNC=1
 # (reports/conformance-async.*), 3-7 minutes each on 2 cores; every ModuleInfo of
@@ -54,9 +55,9 @@ CONFORMANCE_ARGS ?= --full --max-samples 5 --op-timeout 120 --quiet
 MODULES_ARGS ?= --max-samples 3 --quiet
 conformance: $(STAMP)
 	rc=0; \
-	$(BIN)/python -m tests.conformance.run $(CONFORMANCE_ARGS) || rc=1; \
-	$(BIN)/python -m tests.conformance.run $(CONFORMANCE_ARGS) --strict || rc=1; \
-	$(BIN)/python -m tests.conformance.run $(CONFORMANCE_ARGS) --async || rc=1; \
+	$(BIN)/python -m torchport.conformance $(CONFORMANCE_ARGS) || rc=1; \
+	$(BIN)/python -m torchport.conformance $(CONFORMANCE_ARGS) --strict || rc=1; \
+	$(BIN)/python -m torchport.conformance $(CONFORMANCE_ARGS) --async || rc=1; \
 	$(BIN)/python -m tests.conformance.modules $(MODULES_ARGS) || rc=1; \
 	$(BIN)/python -m tests.conformance.modules $(MODULES_ARGS) --strict || rc=1; \
 	$(BIN)/python -m tests.conformance.modules $(MODULES_ARGS) --async || rc=1; \

@@ -19,11 +19,40 @@ Conventions every method follows:
   relative to other work on that stream.
 * A method that fails raises; :meth:`Runtime.malloc` alone reports exhaustion by
   returning ``None`` so the caching allocator can free cached blocks and retry.
+
+What a vendor must implement: the devices (:meth:`~Runtime.device_count`,
+:meth:`~Runtime.get_device_properties`), memory (:meth:`~Runtime.malloc`,
+:meth:`~Runtime.free`, :meth:`~Runtime.mem_get_info`) and copies (``copy_h2d``,
+``copy_d2h``, ``copy_d2d``, ``memset``): the abstract methods. The rest has defaults.
+
+Synchronous and asynchronous devices. A real accelerator has in-order queues (CUDA
+streams, ACL/CNRT queues): the host appends work -- a kernel launch, a copy, an event
+record, a wait on another queue's event -- and goes on; the device runs each queue's work
+in the order it was appended. :attr:`Runtime.asynchronous` says which kind a runtime is:
+
+* **Synchronous** (``asynchronous = False``, the default): every call is complete on
+  return -- a kernel has run when :meth:`Runtime.launch` returns, a copy has landed. Each
+  queue is then always empty, and the stream and event methods have exact defaults:
+  ``create_stream`` returns a handle, ``synchronize``/``synchronize_stream`` return at once,
+  ``query_*`` say finished, ``stream_wait_event`` waits for nothing, ``record_event``
+  takes the host's clock so that ``event_elapsed_time`` measures. A device whose driver
+  blocks (or a first port) implements only the abstract methods.
+* **Asynchronous** (``asynchronous = True``): a stream handle names one of the device's
+  queues (``None``: its default queue). :meth:`Runtime.launch` and every copy or memset
+  given a stream *append* to that queue and return; ``stream=None`` copies are complete
+  on return (torchport first synchronises the current stream where the copy must see
+  queued work). ``record_event`` appends a marker, ``stream_wait_event`` appends a wait
+  on it, ``synchronize_*`` block until the queue (or marker) is reached and re-raise the
+  first error of work that ran there, ``query_*`` poll. Such a runtime overrides all the
+  stream and event methods and :meth:`Runtime.launch` (``Runtime.ASYNC_REQUIRED``);
+  torchport then keeps freed memory until the queues that used it are past it, and
+  orders copies across devices with events, as PyTorch does on CUDA.
 """
 
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,9 +111,10 @@ class Runtime(abc.ABC):
     def get_device_properties(self, index: int) -> DeviceProperties:
         """Static properties of device ``index``: name, total memory, capability."""
 
-    @abc.abstractmethod
     def synchronize(self, index: int) -> None:
-        """Block the host until all work queued on every stream of ``index`` finished."""
+        """Block the host until all work queued on every stream of ``index`` finished
+        (default, a synchronous device: nothing is ever queued)."""
+        return None
 
     # ---- memory --------------------------------------------------------------
     @abc.abstractmethod
@@ -147,52 +177,68 @@ class Runtime(abc.ABC):
         """Fill ``nbytes`` at ``ptr`` with the byte ``value``."""
 
     # ---- streams -------------------------------------------------------------
-    @abc.abstractmethod
+    # The defaults below are those of a synchronous device (every call complete on
+    # return): one queue per device that is always empty. An asynchronous runtime
+    # overrides them all (see the module docstring; a subclass that sets
+    # ``asynchronous = True`` and keeps them is refused at class creation).
     def create_stream(self, index: int, priority: int = 0) -> StreamHandle:
-        """A new stream on device ``index``; lower ``priority`` runs first, as CUDA."""
+        """A new stream on device ``index``; lower ``priority`` runs first, as CUDA.
+        Default: a handle naming the device's one queue."""
+        return SyncStream(index, priority)
 
-    @abc.abstractmethod
     def destroy_stream(self, index: int, stream: StreamHandle) -> None:
         """Release a stream created by :meth:`create_stream` after its work finished."""
+        return None
 
-    @abc.abstractmethod
     def synchronize_stream(self, index: int, stream: StreamHandle | None) -> None:
-        """Block until all work queued on ``stream`` finished; re-raise its errors."""
+        """Block until all work queued on ``stream`` finished; re-raise its errors.
+        Default: nothing is ever queued."""
+        return None
 
-    @abc.abstractmethod
     def query_stream(self, index: int, stream: StreamHandle | None) -> bool:
-        """True when all work queued on ``stream`` has finished."""
+        """True when all work queued on ``stream`` has finished (default: always)."""
+        return True
 
     # ---- events --------------------------------------------------------------
-    @abc.abstractmethod
     def create_event(self, index: int, enable_timing: bool = False,
                      blocking: bool = False) -> EventHandle:
-        """A new event on device ``index``."""
+        """A new event on device ``index`` (default: a host timestamp holder)."""
+        return SyncEvent(index, enable_timing)
 
-    @abc.abstractmethod
     def destroy_event(self, index: int, event: EventHandle) -> None:
         """Release an event."""
+        return None
 
-    @abc.abstractmethod
     def record_event(self, index: int, event: EventHandle, stream: StreamHandle | None) -> None:
-        """Capture the work queued so far on ``stream`` in ``event``."""
+        """Capture the work queued so far on ``stream`` in ``event``. Default: the work is
+        done already; the event takes the host's time now, for :meth:`event_elapsed_time`."""
+        event.timestamp = time.perf_counter()
 
-    @abc.abstractmethod
     def stream_wait_event(self, index: int, stream: StreamHandle | None,
                           event: EventHandle) -> None:
-        """Make future work on ``stream`` wait until ``event`` completed (no host block)."""
+        """Make future work on ``stream`` wait until ``event`` completed (no host block).
+        Default: nothing to wait for."""
+        return None
 
-    @abc.abstractmethod
     def synchronize_event(self, index: int, event: EventHandle) -> None:
-        """Block the host until ``event`` completed."""
+        """Block the host until ``event`` completed (default: it has)."""
+        return None
 
-    @abc.abstractmethod
     def query_event(self, index: int, event: EventHandle) -> bool:
         """True when the work captured by ``event`` completed (or it was never recorded)."""
+        return True
 
-    @abc.abstractmethod
     def event_elapsed_time(self, index: int, start: EventHandle, end: EventHandle) -> float:
-        """Milliseconds between two completed timing events."""
+        """Milliseconds between two completed timing events (default: between the host
+        times :meth:`record_event` took)."""
+        for e in (start, end):
+            if not getattr(e, "enable_timing", False):
+                raise RuntimeError("Both events must be created with enable_timing=True "
+                                   "to measure elapsed time")
+            if getattr(e, "timestamp", None) is None:
+                raise RuntimeError("Both events must be recorded before calculating "
+                                   "elapsed time")
+        return (end.timestamp - start.timestamp) * 1000.0
 
     # ---- optional ------------------------------------------------------------
     def host_address(self, ptr: int) -> int:
@@ -201,14 +247,62 @@ class Runtime(abc.ABC):
             raise RuntimeError(f"{type(self).__name__}: device memory is not host-addressable")
         return ptr
 
-    #: True when :meth:`launch` queues work and returns before it ran. torchport then
-    #: launches kernels whose output layout the meta kernels give, and synchronises the
-    #: device before the host touches its memory (host views, the CPU fallback).
+    #: True when :meth:`launch` (and a copy given a stream) queues work on the stream
+    #: and returns before it ran, as a real device's in-order queues do. torchport then
+    #: launches kernels whose output layout the meta kernels give, orders streams with
+    #: events, and synchronises the current stream before the host touches device memory
+    #: (host views, blocking copies, the CPU fallback). False: every call is complete on
+    #: return and the stream and event defaults above are exact.
     asynchronous: bool = False
 
     def launch(self, index: int, stream: StreamHandle | None, fn: Any, name: str = "") -> None:
         """Run ``fn()`` (a kernel's device-side work) in order on ``stream``.
 
-        Runtimes that execute synchronously keep this default; asynchronous ones
-        queue ``fn`` and report its exceptions at the next synchronising call."""
+        ``fn`` stands for what a real device does when the stream's queue reaches the
+        work (a kernel launch, a DMA): it must only touch device memory and host buffers
+        kept alive for it. A synchronous runtime keeps this default (run now); an
+        asynchronous one appends ``fn`` to the stream's queue, runs it after the work
+        queued before it, and reports its exception at the next synchronising call on
+        that stream (:meth:`synchronize_stream`, :meth:`synchronize`,
+        :meth:`synchronize_event`), as CUDA reports an asynchronous kernel error. ``name``
+        labels the work in that error."""
         fn()
+
+    #: What an asynchronous runtime must implement itself (the defaults are synchronous).
+    ASYNC_REQUIRED = ("launch", "synchronize", "create_stream", "synchronize_stream",
+                      "query_stream", "create_event", "record_event", "stream_wait_event",
+                      "synchronize_event", "query_event", "event_elapsed_time")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("asynchronous") is True:
+            missing = [m for m in Runtime.ASYNC_REQUIRED
+                       if getattr(cls, m) is getattr(Runtime, m)]
+            if missing:
+                raise TypeError(f"{cls.__name__} sets asynchronous = True but keeps the "
+                                f"synchronous defaults of {', '.join(missing)}; implement them "
+                                f"over its stream queues (docs/vendor-guide.md)")
+
+
+class SyncStream:
+    """The default stream handle of a synchronous runtime (:meth:`Runtime.create_stream`)."""
+
+    __slots__ = ("index", "priority")
+
+    def __init__(self, index: int, priority: int = 0) -> None:
+        self.index = index
+        self.priority = priority
+
+    def __repr__(self) -> str:
+        return f"SyncStream(index={self.index}, priority={self.priority})"
+
+
+class SyncEvent:
+    """The default event handle of a synchronous runtime: the host time it was recorded."""
+
+    __slots__ = ("enable_timing", "index", "timestamp")
+
+    def __init__(self, index: int, enable_timing: bool = False) -> None:
+        self.index = index
+        self.enable_timing = enable_timing
+        self.timestamp: float | None = None

@@ -1,6 +1,6 @@
 """Conformance of the sim device against the CPU, over PyTorch's nn.Module database.
 
-A second yardstick next to the OpInfo run (:mod:`tests.conformance.run`): op-level
+A second yardstick next to the OpInfo run (:mod:`torchport.conformance`): op-level
 conformance misses what only whole modules do (fused RNN cells, batch norm running
 statistics, attention fast paths, ``Module.to`` and serialization of device modules).
 
@@ -56,8 +56,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.conformance.run import (
-    ROOT,
+from torchport.conformance.opinfo import (
     _alarm,
     _md,
     _read_worker,
@@ -67,6 +66,8 @@ from tests.conformance.run import (
     add_mode_arguments,
     report_name,
 )
+
+ROOT = Path(__file__).resolve().parents[2]  # workers run -m tests.conformance.<driver>
 
 DEVICE = "sim"
 DTYPES = ("float32", "float64")

@@ -2,7 +2,7 @@
 
 import json
 
-from tests.conformance import run
+from torchport.conformance import opinfo as run
 
 
 def _result(oid, fwd, grad=None):
@@ -71,3 +71,16 @@ def test_report_lists_failures_known_paths_and_skips(tmp_path):
     assert "| **sin** |  |  |  | 2 |" in md
     assert "| fallback | 1 | sin |" in md
     assert "TORCHPORT_SIM_STRICT=1" in md
+
+
+def test_report_of_another_backend_names_it(tmp_path):
+    """A vendor's run (``--backend``) names its device and backend where the sim's gives
+    its memory mode; the sim's own report keeps its header."""
+    meta = {"command": "x", "torch": "2.13", "strict": False, "dtypes": ["float32"],
+            "max_samples": 2, "seconds": 1.0, "complete": True, "device": "mychip",
+            "backend": "mychip_torchport"}
+    run.write_reports([_result("add", {"float32": _pass()})], tmp_path, meta, "v")
+    md = (tmp_path / "v.md").read_text()
+    assert md.startswith("# torchport conformance: mychip vs CPU over PyTorch's OpInfo database")
+    assert "backend: mychip_torchport" in md and "sim memory" not in md
+    assert "Each sample runs on the CPU and on `mychip`" in md

@@ -1,11 +1,11 @@
 """A representative subset of the OpInfo conformance run (sim vs CPU), in the default suite.
 
-The full run is ``make conformance`` (``python -m tests.conformance.run --full``).
+The full run is ``make conformance`` (``python -m torchport.conformance --full``).
 """
 
 import pytest
 
-from tests.conformance.run import SUBSET, SUBSET_DTYPES, SUBSET_MAX_SAMPLES, run_in_process
+from torchport.conformance import SUBSET, SUBSET_DTYPES, SUBSET_MAX_SAMPLES, run_in_process
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from torchport import tensors
 from torchport.backend import Backend
 from torchport.backends.sim.attention import make_attention_kernels
 from torchport.backends.sim.kernels import make_kernels
 from torchport.backends.sim.runtime import SimRuntime, parse_size
 from torchport.backends.sim.syncbn_kernels import make_syncbn_kernels
+from torchport.kernel_api import device_address, device_index
 
 __all__ = ["SimRuntime", "make_backend", "parse_size"]
 
@@ -25,14 +25,15 @@ def make_backend(runtime: SimRuntime | None = None) -> Backend:
     rt = runtime if runtime is not None else SimRuntime()
 
     def device_view(t: torch.Tensor) -> torch.Tensor:
-        # The simulated chip reading its own memory: zero-copy in both memory modes.
-        ptr = tensors.storage_ptr(t)
+        # The simulated chip reading its own memory: zero-copy in both memory modes,
+        # addressed as any vendor kernel addresses it (torchport.kernel_api).
+        ptr = device_address(t)
         if ptr == 0:  # no elements: nothing to alias
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-        typed, off = rt.typed_memory(visible[t.device.index], ptr, t.dtype)
-        return typed.as_strided(t.shape, t.stride(), off + t.storage_offset())
+        offset = t.storage_offset()
+        # the storage's base address: the runtime caches its segment lookup per block
+        typed, off = rt.typed_memory(device_index(t), ptr - offset * t.element_size(), t.dtype)
+        return typed.as_strided(t.shape, t.stride(), off + offset)
 
-    b = Backend("sim", rt, [make_kernels(device_view), make_syncbn_kernels(),
-                            make_attention_kernels()])
-    visible = b.visible
-    return b
+    return Backend("sim", rt, [make_kernels(device_view), make_syncbn_kernels(),
+                               make_attention_kernels()])
