@@ -35,9 +35,7 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -46,7 +44,6 @@ from typing import Any
 from torchport.conformance.opinfo import (
     Runner,
     _alarm,
-    _read_worker,
     _short,
     _Timeout,
     _uninitialized,
@@ -54,7 +51,9 @@ from torchport.conformance.opinfo import (
     load_op_db,
     opinfo_id,
     report_name,
+    run_worker_pool,
     select,
+    worker_env,
 )
 
 ROOT = Path(__file__).resolve().parents[2]  # workers run -m tests.conformance.<driver>
@@ -358,62 +357,22 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _run_workers(args: argparse.Namespace, keys: list[str],
                  progress: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
-    env = {**os.environ, "TORCHPORT_FALLBACK_WARN": "0"}
-    env.pop("TORCHPORT_OP_STATS", None)
-    if args.strict:
-        env["TORCHPORT_SIM_STRICT"] = "1"
-    if args.asynchronous:
-        env["TORCHPORT_SIM_ASYNC"] = "1"
+    env = worker_env(args)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    tmp = Path(tempfile.mkdtemp(prefix="torchport-layouts-"))
-    results: dict[str, dict[str, Any]] = {}
-    procs: list[tuple[subprocess.Popen, Path, list[str]]] = []
-    n = 0
 
-    def launch(todo: list[str]) -> None:
-        nonlocal n
-        n += 1
-        ids, out = tmp / f"ids{n}.json", tmp / f"out{n}.jsonl"
-        ids.write_text(json.dumps(todo))
+    def command(ids: Path, out: Path) -> list[str]:
         cmd = [sys.executable, "-m", "tests.conformance.layouts", "--worker",
                "--worker-ids", str(ids), "--worker-out", str(out),
                "--dtypes", ",".join(args.dtypes), "--op-timeout", str(args.op_timeout),
                "--max-samples", str(args.max_samples)]
-        if args.ops:
-            cmd += ["--ops", args.ops]
-        procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                       stderr=open(tmp / f"err{n}.txt", "w")), out, todo))
+        return cmd + (["--ops", args.ops] if args.ops else [])
 
-    jobs = max(1, min(args.jobs, len(keys)))
-    for c in (keys[i::jobs] for i in range(jobs)):
-        launch(list(c))
-    last = time.monotonic()
-    while procs:
-        time.sleep(0.5)
-        for entry in list(procs):
-            p, out, todo = entry
-            if p.poll() is None:
-                continue
-            procs.remove(entry)
-            started = _read_worker(out, results)
-            if started is not None and started not in results:  # the worker died on it
-                results[started] = {"id": started.split(":", 1)[1], "key": started,
-                                    "cells": {}, "failures": [], "tolerances": [], "known": [],
-                                    "status": "fail",
-                                    "error": f"worker died (exit status {p.returncode})"}
-            rest = [k for k in todo if k not in results]
-            if rest and started is None and p.returncode != 0:
-                raise SystemExit(f"layout worker failed (exit {p.returncode}); see {tmp}")
-            if rest:
-                launch(rest)
-        if time.monotonic() - last > 60:
-            last = time.monotonic()
-            for _, out, _ in procs:
-                _read_worker(out, results)
-            progress([results[k] for k in keys if k in results])
-            if not args.quiet:
-                print(f"{len(results)}/{len(keys)} OpInfos", file=sys.stderr, flush=True)
-    return [results[k] for k in keys if k in results]
+    def died(key: str, why: str) -> dict[str, Any]:
+        return {"id": key.split(":", 1)[1], "key": key, "cells": {}, "failures": [],
+                "tolerances": [], "known": [], "status": "fail", "error": why}
+
+    return run_worker_pool(keys, args.jobs, command, died, env, label="OpInfos",
+                           quiet=args.quiet, progress=progress, cwd=ROOT)
 
 
 # ---- report ----------------------------------------------------------------------------

@@ -45,11 +45,8 @@ import math
 import os
 import pickle
 import re
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -59,12 +56,13 @@ from typing import Any
 from torchport.conformance.opinfo import (
     _alarm,
     _md,
-    _read_worker,
     _short,
     _stub_expecttest,
     _Timeout,
     add_mode_arguments,
     report_name,
+    run_worker_pool,
+    worker_env,
 )
 
 ROOT = Path(__file__).resolve().parents[2]  # workers run -m tests.conformance.<driver>
@@ -727,71 +725,23 @@ def _run_workers(args: argparse.Namespace, keys: list[str],
                  ) -> list[dict[str, Any]]:
     """The ModuleInfos ``keys`` in ``--jobs`` worker processes; a worker that dies costs the
     ModuleInfo it was running (a crash), and a new worker takes the rest of its list."""
-    env = {**os.environ, "TORCHPORT_FALLBACK_WARN": "0"}
-    env.pop("TORCHPORT_OP_STATS", None)
-    if args.strict:
-        env["TORCHPORT_SIM_STRICT"] = "1"
-    if args.asynchronous:
-        env["TORCHPORT_SIM_ASYNC"] = "1"
+    env = worker_env(args)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    jobs = max(1, min(args.jobs, len(keys)))
-    tmp = Path(tempfile.mkdtemp(prefix="torchport-modules-"))
-    results: dict[str, dict[str, Any]] = {}
-    procs: list[tuple[subprocess.Popen, Path, list[str], int]] = []
-    n = 0
 
-    def launch(todo: list[str]) -> None:
-        nonlocal n
-        n += 1
-        ids, out = tmp / f"ids{n}.json", tmp / f"out{n}.jsonl"
-        ids.write_text(json.dumps(todo))
+    def command(ids: Path, out: Path) -> list[str]:
         cmd = [sys.executable, "-m", "tests.conformance.modules", "--worker",
                "--worker-ids", str(ids), "--worker-out", str(out),
                "--timeout", str(args.timeout)]
         if args.max_samples is not None:
             cmd += ["--max-samples", str(args.max_samples)]
-        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                             stderr=open(tmp / f"err{n}.txt", "w"))
-        procs.append((p, out, todo, n))
+        return cmd
 
-    for i in range(jobs):
-        launch(keys[i::jobs])
-    shown, last_write, last_read = -1, time.monotonic(), time.monotonic()
-    while procs:
-        time.sleep(0.5)
-        for entry in list(procs):
-            p, out, todo, k = entry
-            if p.poll() is None:
-                continue
-            procs.remove(entry)
-            started = _read_worker(out, results)
-            if started is not None and started not in results:  # died on this ModuleInfo
-                err = tmp / f"err{k}.txt"
-                tail = err.read_text(errors="replace").strip().splitlines()[-1:] \
-                    if err.exists() else []
-                results[started] = apply_known({
-                    "id": started.split(":", 1)[1], "key": started, "entries": [],
-                    "error": f"worker died (exit status {p.returncode})"
-                    + (f": {tail[0][:200]}" if tail else "")})
-            rest = [key for key in todo if key not in results]
-            if rest and started is None and p.returncode != 0 and not out.exists():
-                raise SystemExit(f"modules worker failed (exit {p.returncode}); see {tmp}")
-            if rest:
-                launch(rest)
-        if time.monotonic() - last_read > 5:  # results so far of the running workers
-            last_read = time.monotonic()
-            for _, out, _, _ in procs:
-                _read_worker(out, results)
-        if progress is not None and time.monotonic() - last_write > 60:
-            last_write = time.monotonic()
-            progress([results[key] for key in keys if key in results])
-        if not args.quiet and len(results) != shown:
-            shown = len(results)
-            print(f"\r{shown}/{len(keys)} ModuleInfos", end="", file=sys.stderr, flush=True)
-    if not args.quiet:
-        print(file=sys.stderr)
-    shutil.rmtree(tmp, ignore_errors=True)
-    return [results[key] for key in keys if key in results]
+    def died(key: str, why: str) -> dict[str, Any]:
+        return apply_known({"id": key.split(":", 1)[1], "key": key, "entries": [],
+                            "error": why})
+
+    return run_worker_pool(keys, args.jobs, command, died, env, label="ModuleInfos",
+                           quiet=args.quiet, progress=progress, cwd=ROOT)
 
 
 # ---- report ----------------------------------------------------------------------------

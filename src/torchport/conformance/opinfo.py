@@ -44,7 +44,7 @@ import time
 import traceback
 import types
 import unittest
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -527,8 +527,9 @@ def _keys(pattern: str | None) -> list[str]:
     return [f"{i}:{opinfo_id(op)}" for i, op in enumerate(ops)]
 
 
-def _run_workers(args: argparse.Namespace, keys: list[str],
-                 progress: Any = None) -> list[dict[str, Any]]:
+def worker_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment of worker processes: the run's sim modes, no op statistics, no
+    fallback warnings, this torchport on the path."""
     env = {**os.environ, "TORCHPORT_FALLBACK_WARN": "0"}
     env.pop("TORCHPORT_OP_STATS", None)
     if args.strict:
@@ -536,19 +537,75 @@ def _run_workers(args: argparse.Namespace, keys: list[str],
     if args.asynchronous:
         env["TORCHPORT_SIM_ASYNC"] = "1"
     env["PYTHONPATH"] = worker_path(env)
-    jobs = max(1, min(args.jobs, len(keys)))
-    chunks = [keys[i::jobs] for i in range(jobs)]
+    return env
+
+
+def run_worker_pool(keys: list[str], jobs: int, command: Callable[[Path, Path], list[str]],
+                    died: Callable[[str, str], dict[str, Any]], env: dict[str, str], *,
+                    label: str, quiet: bool, progress: Any = None,
+                    cwd: Path | None = None) -> list[dict[str, Any]]:
+    """Run ``keys`` in ``jobs`` worker processes, each ``command(ids_file, out_file)``
+    writing ``{"start": key}`` and ``{"result": r}`` lines for the keys of its ids file. A
+    worker that dies costs the key it was running (``died(key, why)`` is its result) and a
+    new worker takes the rest of its list; a worker that ends without starting any of its
+    keys stops the run. ``progress(results so far)`` every minute; a count of ``label`` on stderr."""
+    jobs = max(1, min(jobs, len(keys)))
     tmp = Path(tempfile.mkdtemp(prefix="torchport-conf-"))
     results: dict[str, dict[str, Any]] = {}
-    pending = [list(c) for c in chunks if c]
-    procs: list[tuple[subprocess.Popen, Path, list[str]]] = []
+    procs: list[tuple[subprocess.Popen, Path, list[str], Path]] = []
     n = 0
 
     def launch(todo: list[str]) -> None:
         nonlocal n
         n += 1
-        ids, out = tmp / f"ids{n}.json", tmp / f"out{n}.jsonl"
+        ids, out, err = tmp / f"ids{n}.json", tmp / f"out{n}.jsonl", tmp / f"err{n}.txt"
         ids.write_text(json.dumps(todo))
+        p = subprocess.Popen(command(ids, out), cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                             stderr=open(err, "w"))
+        procs.append((p, out, todo, err))
+
+    for i in range(jobs):
+        if keys[i::jobs]:
+            launch(keys[i::jobs])
+    shown, last_write, last_read = -1, time.monotonic(), time.monotonic()
+    while procs:
+        time.sleep(0.5)
+        for entry in list(procs):
+            p, out, todo, err = entry
+            if p.poll() is None:
+                continue
+            procs.remove(entry)
+            started = _read_worker(out, results)
+            if started is not None and started not in results:  # the worker died on it
+                tail = err.read_text(errors="replace").strip().splitlines()[-1:] \
+                    if err.exists() else []
+                results[started] = died(started, f"worker died (exit status {p.returncode})"
+                                        + (f": {tail[0][:200]}" if tail else ""))
+            rest = [k for k in todo if k not in results]
+            if started is None and rest == todo:  # it ran none of its keys: it would again
+                raise SystemExit(f"{label} worker ran none of its keys (exit {p.returncode});"
+                                 f" see {tmp}")
+            if rest:
+                launch(rest)
+        if time.monotonic() - last_read > 5:  # results so far of the running workers
+            last_read = time.monotonic()
+            for _, out, _, _ in procs:
+                _read_worker(out, results)
+        if progress is not None and time.monotonic() - last_write > 60:
+            last_write = time.monotonic()
+            progress([results[k] for k in keys if k in results])
+        if not quiet and len(results) != shown:
+            shown = len(results)
+            print(f"\r{shown}/{len(keys)} {label}", end="", file=sys.stderr, flush=True)
+    if not quiet:
+        print(file=sys.stderr)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return [results[k] for k in keys if k in results]
+
+
+def _run_workers(args: argparse.Namespace, keys: list[str],
+                 progress: Any = None) -> list[dict[str, Any]]:
+    def command(ids: Path, out: Path) -> list[str]:
         cmd = [sys.executable, "-m", "torchport.conformance", "--worker",
                "--backend", args.backend,
                "--worker-ids", str(ids), "--worker-out", str(out),
@@ -559,50 +616,15 @@ def _run_workers(args: argparse.Namespace, keys: list[str],
             cmd += ["--max-samples", str(args.max_samples)]
         if args.no_grad:
             cmd.append("--no-grad")
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                             stderr=open(tmp / f"err{n}.txt", "w"))
-        procs.append((p, out, todo))
+        return cmd
 
-    for c in pending:
-        launch(c)
-    total = len(keys)
-    shown = -1
-    last_write = time.monotonic()
-    while procs:
-        time.sleep(0.5)
-        for entry in list(procs):
-            p, out, todo = entry
-            if p.poll() is None:
-                continue
-            procs.remove(entry)
-            started = _read_worker(out, results)
-            if started is not None and started not in results:  # the worker died on this op
-                oid = started.split(":", 1)[1]
-                err = tmp / f"err{out.stem.removeprefix('out')}.txt"
-                tail = err.read_text(errors="replace").strip().splitlines()[-1:] \
-                    if err.exists() else []
-                results[started] = apply_known({
-                    "id": oid, "name": oid, "dtypes": {}, "grad": {}, "paths": {},
-                    "key": started, "error": f"worker died (exit status {p.returncode})"
-                    + (f": {tail[0][:200]}" if tail else "")})
-            rest = [k for k in todo if k not in results]
-            if rest and started is None and p.returncode != 0 and not out.exists():
-                raise SystemExit(f"conformance worker failed to start (exit {p.returncode}); "
-                                 f"see {tmp}")
-            if rest:
-                launch(rest)
-        if progress is not None and time.monotonic() - last_write > 60:
-            last_write = time.monotonic()
-            for _, out, _ in procs:  # results so far of the running workers too
-                _read_worker(out, results)
-            progress([results[k] for k in keys if k in results])
-        if not args.quiet and len(results) != shown:
-            shown = len(results)
-            print(f"\r{shown}/{total} OpInfos", end="", file=sys.stderr, flush=True)
-    if not args.quiet:
-        print(file=sys.stderr)
-    shutil.rmtree(tmp, ignore_errors=True)
-    return [results[k] for k in keys if k in results]
+    def died(key: str, why: str) -> dict[str, Any]:
+        oid = key.split(":", 1)[1]
+        return apply_known({"id": oid, "name": oid, "dtypes": {}, "grad": {}, "paths": {},
+                            "key": key, "error": why})
+
+    return run_worker_pool(keys, args.jobs, command, died, worker_env(args), label="OpInfos",
+                           quiet=args.quiet, progress=progress)
 
 
 def worker_path(env: dict[str, str]) -> str:
