@@ -167,12 +167,19 @@ def test_backward_on_two_devices_matches_the_cpu_in_any_thread():
 
 
 @needs_cpp
-def test_backward_runs_on_the_devices_threads_as_on_cuda():
-    x = torch.randn(4, device="sim:1", requires_grad=True)
-    threads = []
-    x.register_hook(lambda g: threads.append(threading.get_ident()))
-    (x * 2).sum().backward()
-    assert threads and threads[0] != threading.get_ident()  # autograd's sim:1 worker
+def test_backward_in_other_threads_runs_on_the_devices_threads_as_on_cuda():
+    threads, caller = [], []
+
+    def run() -> None:
+        caller.append(threading.get_ident())
+        x = torch.randn(4, device="sim:1", requires_grad=True)
+        x.register_hook(lambda g: threads.append(threading.get_ident()))
+        (x * 2).sum().backward()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert threads and threads[0] != caller[0]  # autograd's sim:1 worker
 
 
 @needs_cpp

@@ -370,6 +370,11 @@ class Backend:
             profiling.install(self)
             if self._guard_device is None:
                 self._autograd_in_calling_threads()
+            else:
+                # Backward of the registering thread in that thread: with the engine's device
+                # threads, a process ending right after a backward can abort in
+                # finalization (a device thread taking the GIL while Python shuts down).
+                torch.autograd.set_multithreading_enabled(False)
         except Exception:
             _ACTIVE = None
             raise
