@@ -352,30 +352,29 @@ _FOREACH_CALLS = {
 @sync_path
 @pytest.mark.parametrize("name", list(_FOREACH_CALLS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
-def test_functional_foreach_ops_keep_cpu_layouts_and_bits(name: str, dtype: torch.dtype,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchport.ops import fastpath
+def test_functional_foreach_ops_keep_cpu_layouts_and_bits(name: str, dtype: torch.dtype) -> None:
     fn = _FOREACH_CALLS[name]
     cpu = _foreach_inputs(dtype)
     dev = [[t.to("sim") for t in lst] for lst in cpu]
     copies = [[t.clone() for t in lst] for lst in dev]
-    moved: list = []
-    real = fastpath._results_to_device
-    monkeypatch.setattr(fastpath, "_results_to_device", lambda *a: moved.append(1) or real(*a))
     try:
         want = fn(*cpu)
     except RuntimeError as e:  # an op the CPU refuses for this dtype: the same error
         with pytest.raises(RuntimeError, match=str(e)[:30].replace("(", ".").replace(")", ".")):
             fn(*dev)
         return
-    got = fn(*dev)
+    with torchport.ops.record() as rec:
+        got = fn(*dev)
+    subs = {k for s in rec.ops.values() for k in s.subpaths}
+    moved = "native:cpu-result" in subs
     for g, w in zip(got, want, strict=True):
         assert (g.device.type, g.dtype, g.shape, g.stride()) == ("sim", w.dtype, w.shape, w.stride())
         torch.testing.assert_close(g.cpu(), w, rtol=0, atol=0, equal_nan=True)
     for lst, kept in zip(dev, copies, strict=True):  # inputs untouched
         assert all(torch.equal(t.cpu(), k.cpu()) for t, k in zip(lst, kept, strict=True))
     # float32 kept by the result: computed in place into new device tensors
-    assert bool(moved) == (dtype != torch.float32 or name == "add.complex")
+    assert moved == (dtype != torch.float32 or name == "add.complex")
+    assert ("native:foreach-twin" in subs) != moved
 
 
 def _foreach_sample(op: torch._ops.OpOverload, dtype: torch.dtype, number: float) -> list | None:
@@ -401,7 +400,8 @@ def _foreach_sample(op: torch._ops.OpOverload, dtype: torch.dtype, number: float
 
 def test_every_foreach_twin_computes_the_functional_bits() -> None:
     # what makes the in-place route of functional foreach ops exact, op by op
-    from torchport.ops import fastpath
+    from torchport.ops.hostkernels import lists
+    from torchport.ops.hostkernels import schema as op_schema
     checked = 0
     for schema in torch._C._jit_get_all_schemas():
         name = schema.name.split("::")[1]
@@ -409,8 +409,8 @@ def test_every_foreach_twin_computes_the_functional_bits() -> None:
             continue
         packet = getattr(torch.ops.aten, name, None)
         op = getattr(packet, schema.overload_name or "default", None)
-        twin = fastpath._foreach_twin(op) if op is not None else None
-        for dtype in fastpath._TWIN_DTYPES if twin is not None else ():
+        twin = op_schema.foreach_twin(op) if op is not None else None
+        for dtype in lists.TWIN_DTYPES if twin is not None else ():
             for number in (0.37, 3, -1.7e-3):
                 args = _foreach_sample(op, dtype, number)
                 if args is None:
@@ -425,26 +425,26 @@ def test_every_foreach_twin_computes_the_functional_bits() -> None:
     assert checked > 300
 
 
-def test_unary_foreach_ops_on_large_tensors_compute_tensor_by_tensor(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unary_foreach_ops_on_large_tensors_compute_tensor_by_tensor() -> None:
     # one pass per tensor into its new device tensor (no copy, no twin), the CPU's bits
-    from torchport.ops import fastpath
-    copies: list = []
-    copy = fastpath._foreach_copy
-    monkeypatch.setattr(fastpath, "_foreach_copy", lambda *a: copies.append(1) or copy(*a))
+    from torchport.ops.hostkernels import lists
+    from torchport.ops.hostkernels import schema as op_schema
     checked = 0
     for schema in torch._C._jit_get_all_schemas():
         name = schema.name.split("::")[1]
         if not name.startswith("_foreach_") or name.endswith("_") or schema.overload_name:
             continue
         op = getattr(getattr(torch.ops.aten, name, None), "default", None)
-        if op is None or fastpath._per_tensor_out(op) is None:
+        if op is None or op_schema.per_tensor_out(op) is None:
             continue
-        for dtype in fastpath._TWIN_DTYPES:
+        for dtype in lists.TWIN_DTYPES:
             xs = [(torch.rand(s) + 0.05).to(dtype) for s in [(64, 80), (5, 40, 30), (4100,)]]
             xs[1] = xs[1].permute(2, 0, 1)  # dense, not contiguous
             dev = [x.to("sim") for x in xs]
-            want, got = op(xs), op(dev)
+            with torchport.ops.record() as rec:
+                want, got = op(xs), op(dev)
+            sub = "general" if active_backend().runtime.asynchronous else "foreach-per-tensor"
+            assert rec.subpaths_of(name) == {f"native:{sub}": 1}, name
             for g, w in zip(got, want, strict=True):
                 assert (g.device.type, g.dtype, g.shape, g.stride()) == \
                     ("sim", w.dtype, w.shape, w.stride()), name
@@ -452,7 +452,7 @@ def test_unary_foreach_ops_on_large_tensors_compute_tensor_by_tensor(
                                            msg=lambda m, n=name: f"{n}: {m}")
             assert all(torch.equal(d.cpu(), x) for d, x in zip(dev, xs, strict=True))
             checked += 1
-    assert checked >= 60 and copies == []
+    assert checked >= 60
 
 
 def test_functional_foreach_errors_are_the_cpus() -> None:
@@ -552,8 +552,8 @@ def test_gradients_sum_in_place_as_on_cpu() -> None:
 def _into(op: torch._ops.OpOverload) -> list:
     import gc
 
-    from torchport.ops import fastpath
-    return [o for o in gc.get_objects() if isinstance(o, fastpath._IntoDevice) and o.op is op]
+    from torchport.ops import hostkernels
+    return [o for o in gc.get_objects() if isinstance(o, hostkernels.IntoDevice) and o.op is op]
 
 
 def _plans(op: torch._ops.OpOverload) -> list:
@@ -637,14 +637,10 @@ def test_factory_ops_match_cpu_on_the_named_device(index: int) -> None:
 
 
 @sync_path
-def test_fill_factories_are_one_allocation_and_one_fill(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fill_factories_are_one_allocation_and_one_fill() -> None:
     # ones_like & co. are PyTorch composites entering the device three times (empty_like,
     # fill_); once the composite has shown a layout, later calls allocate it and fill the
     # chip's view of it themselves
-    from torchport.ops import fastpath
-    fills: list = []
-    real = fastpath._fill_boxed
-    monkeypatch.setattr(fastpath, "_fill_boxed", lambda *a: (fills.append(a[2]), real(*a))[1])
     x = torch.randn(4, 6).t()  # strides (1, 4): *_like keeps them
     cases = [
         (lambda t: torch.zeros_like(t), 0.0),
@@ -655,19 +651,25 @@ def test_fill_factories_are_one_allocation_and_one_fill(monkeypatch: pytest.Monk
         (lambda t: torch.full_like(t, 1 + 2j, dtype=torch.complex64), 1 + 2j),
         (lambda t: torch.zeros_like(t, memory_format=torch.contiguous_format), 0.0),
         (lambda t: t.new_zeros((3, 2)), 0.0),
-        (lambda t: t.new_ones((2, 0, 3)), None),  # no bytes: nothing to fill
+        (lambda t: t.new_ones((2, 0, 3)), None),  # no bytes
         (lambda t: t.new_full((5,), 7, dtype=torch.int32), 7),
     ]
     for index in (0, 1):
         xd = x.to(f"sim:{index}")
-        for make, value in cases:
+        for make, _ in cases:  # (the value each fills with)
             for call in range(3):
-                fills.clear()
-                got, want = make(xd), make(x)
+                with torchport.ops.record() as rec:
+                    got = make(xd)
+                want = make(x)
                 assert got.device == xd.device and got.dtype == want.dtype
                 assert got.stride() == want.stride() and torch.equal(got.cpu(), want)
                 if call:  # the first one may be the composite's (the device's own fill_)
-                    assert fills == ([] if value is None else [value])
+                    made = {n: st.subpaths for n, st in rec.ops.items()
+                            if n.split(".")[0].endswith(("_like", "new_zeros", "new_ones",
+                                                         "new_full"))}
+                    assert list(made.values()) == [{"native:fill": 1}], rec.table()
+                    assert not {"empty_like", "empty_strided", "empty.memory_format",
+                                "fill_.Scalar", "zero_"} & set(rec.ops), rec.table()
     # the CPU's fill_ errors, the block freed
     alloc = active_backend().allocators[0]
     u = torch.zeros(3, dtype=torch.uint8, device="sim")
@@ -961,3 +963,45 @@ def test_backward_of_views_is_one_native_op(name: str, view) -> None:
     ops = json.loads(rec.to_json())["ops"]
     assert ops[name]["paths"] == {"native": 1}
     assert not {"copy_", "zero_", "empty.memory_format"} & set(ops), sorted(ops)
+
+
+@sync_path
+@pytest.mark.parametrize("index", [0, 1])
+def test_the_functional_kernels_inlined_output_is_new_output(index: int) -> None:
+    # the functional kernel inlines outputs.new_output on its hot path: the same tensor
+    from torchport.ops.hostkernels import outputs
+    b = active_backend()
+    alloc = b.allocators[index]
+    for x in (torch.randn(5, 7), torch.randn(6, 4, 3).permute(2, 0, 1),
+              torch.randn(3, 1, 4).expand(3, 2, 4), torch.randn(0, 4)):
+        d = x.to(f"sim:{index}")
+        torch.add(d, d)  # the first call learns the layout
+        with torchport.ops.record() as rec:
+            got = torch.add(d, d)
+        assert rec.subpaths_of("add.Tensor") == {"native:out": 1}
+        made = outputs.new_output(b, index, outputs.spec_for(b, got.shape, got.stride(),
+                                                             got.dtype))
+        assert got.device == made.device == d.device and got.dtype == made.dtype
+        assert (made.shape, made.stride(), made.storage_offset()) == \
+            (got.shape, got.stride(), got.storage_offset())
+        assert made.untyped_storage().nbytes() == got.untyped_storage().nbytes()
+        assert made.untyped_storage().device == got.untyped_storage().device
+        if got.numel():
+            mine, theirs = alloc.active[made.data_ptr()], alloc.active[got.data_ptr()]
+            assert (mine.size, mine.requested, mine.stream, mine.small) == \
+                (theirs.size, theirs.requested, theirs.stream, theirs.small)
+        assert torch.equal(got.cpu(), x + x)
+        held = len(alloc.active)
+        del got, made  # both blocks go back when the tensors die
+        assert len(alloc.active) == held - (2 if x.numel() else 0)
+
+
+def test_empty_results_stay_on_their_device() -> None:
+    # tensors without elements have no address: a cache keyed by address must not give a
+    # sim:1 call the entry (and device) of a sim:0 one
+    for index in (0, 1):
+        d = torch.randn(0, 4).to(f"sim:{index}")
+        for _ in range(2):
+            for r in (torch.add(d, d), torch.cat([d, d]), (d * 2).sum(0), d.clone(),
+                      torch.zeros_like(d)):
+                assert r.device == d.device

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import torchport.sim  # noqa: F401
 from torchport.backend import active_backend
-from torchport.ops import fastpath
+from torchport.ops import hostkernels
+from torchport.ops.hostkernels import trials
 
 pytestmark = pytest.mark.modes
 
@@ -102,7 +103,7 @@ def _kernel_of(op: torch._ops.OpOverload) -> list:
     with warnings.catch_warnings():  # isinstance on every object touches deprecated ones
         warnings.simplefilter("ignore")
         return [o for o in gc.get_objects()
-                if isinstance(o, fastpath._IntoDevice) and o.op is op]
+                if isinstance(o, hostkernels.IntoDevice) and o.op is op]
 
 
 @pytest.mark.skipif(ASYNC, reason="the synchronous trial (the asynchronous one: below)")
@@ -142,34 +143,31 @@ def test_an_out_kernel_giving_other_bits_is_not_used(monkeypatch: pytest.MonkeyP
 def test_launch_trial_refuses_unwritten_outputs_and_other_bits() -> None:
     # the asynchronous path's trial, asked directly (it runs on stand-ins, on the host)
     x = torch.randn(4, 3, 8, 10).to("sim")
-    into = fastpath._IntoDevice(active_backend(), torch.ops.aten.native_batch_norm.default,
-                                lambda t: t)
+    bn, bn_out = torch.ops.aten.native_batch_norm.default, torch.ops.aten.native_batch_norm.out
+    names = ["out", "save_mean", "save_invstd"]
     args = (x[..., ::2], None, None, None, None, True, 0.1, 1e-5)
-    assert fastpath._launch_specs(into, args, {}) is None  # save_mean/invstd left unwritten
+    assert trials.launch_specs(bn, bn_out, names, args, {}) is None  # save_mean/invstd unwritten
     contiguous = (x, None, None, None, None, True, 0.1, 1e-5)
-    assert fastpath._launch_specs(into, contiguous, {}) is not None
+    assert trials.launch_specs(bn, bn_out, names, contiguous, {}) is not None
 
-    atan2 = fastpath._IntoDevice(active_backend(), torch.ops.aten.atan2.default, lambda t: t)
+    atan2 = torch.ops.aten.atan2.default
     pair = (torch.randn(3, 5).to("sim"), torch.randn(3, 5).to("sim"))
-    assert fastpath._launch_specs(atan2, pair, {}) is not None
-    atan2.out = torch.ops.aten.sub.out  # the right layout, other values
-    assert fastpath._launch_specs(atan2, pair, {}) is None
-    atan2.out = lambda *args, out: out  # writes nothing
-    assert fastpath._launch_specs(atan2, pair, {}) is None
+    assert trials.launch_specs(atan2, torch.ops.aten.atan2.out, ["out"], pair, {}) is not None
+    # the right layout, other values; then an out= writing nothing
+    assert trials.launch_specs(atan2, torch.ops.aten.sub.out, ["out"], pair, {}) is None
+    assert trials.launch_specs(atan2, lambda *args, out: out, ["out"], pair, {}) is None
 
 
-def test_random_ops_never_take_the_trial(monkeypatch: pytest.MonkeyPatch) -> None:
-    tried: list = []
-    real = fastpath._launch_specs
-    monkeypatch.setattr(fastpath, "_launch_specs",
-                        lambda into, *a: tried.append(into.op) or real(into, *a))
+def test_random_ops_never_take_the_trial() -> None:
     x = torch.randn(6, 8).to("sim")[:, ::2]
-    for _ in range(2):
-        y = F.dropout(x, 0.5, training=True)
-        assert y.shape == x.shape and y.device.type == "sim"
+    with torchport.ops.record() as rec:
+        for _ in range(2):
+            y = F.dropout(x, 0.5, training=True)
+            assert y.shape == x.shape and y.device.type == "sim"
     torch.sim.synchronize()
-    trials = [op for op in tried if torch.Tag.nondeterministic_seeded in op.tags]
-    assert not trials
+    subs = rec.subpaths_of("native_dropout")
+    assert sum(subs.values()) == 2
+    assert set(subs) <= {"native:random", "native:general"}  # (general: asynchronous runtimes)
     assert not any(v for o in _kernel_of(torch.ops.aten.native_dropout.default)
                    for v in o.layouts.values())
 

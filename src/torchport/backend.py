@@ -174,10 +174,10 @@ class Backend:
 
     def _new_tensor(self, index: int, size, stride, dtype: torch.dtype,
                     nbytes: int) -> torch.Tensor:
-        alloc = self.allocators[index]
         hook = self.stream_hook
-        block = alloc.malloc(nbytes, None if hook is None else hook(index)) if nbytes else None
-        return tensors.wrap_block(self.devices[index], alloc, block, nbytes, dtype, size, stride)
+        return tensors.new_device_tensor(self.devices[index], self.allocators[index], nbytes,
+                                         dtype, size, stride,
+                                         None if hook is None else hook(index))
 
     def empty(self, size, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
         return self.empty_strided(size, tensors.contiguous_strides(size), dtype, device)

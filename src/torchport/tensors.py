@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import math
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -222,6 +222,16 @@ def wrap_block(device: torch.device, allocator, block, nbytes: int, dtype: torch
         watch(storage, allocator, block)
     shell = _alias_boxed(_CPU_KS, _template(device, dtype))
     return _set_storage_boxed(_CPU_KS, shell, storage, 0, size, stride)
+
+
+def new_device_tensor(device: torch.device, allocator, nbytes: int, dtype: torch.dtype,
+                      size, stride, stream: Any = None,
+                      header: Header | None | object = _LOOK_UP) -> torch.Tensor:
+    """A new device tensor of ``nbytes`` (the layout's storage bytes) from ``allocator``,
+    the block taken for ``stream`` (``None``: the default stream): the one way the
+    layers above make device tensors (``header`` as :func:`wrap_block` takes it)."""
+    block = allocator.malloc(nbytes, stream) if nbytes else None
+    return wrap_block(device, allocator, block, nbytes, dtype, size, stride, header)
 
 
 def storage_nbytes(size, stride, itemsize: int, offset: int = 0) -> int:

@@ -327,14 +327,21 @@ def _native(backend: DeviceBackend, op: Any, route: Route, fn: Callable[..., Any
     if route.forced:
         return run_cpu(backend, op, route.name, args, kwargs, forced=True)
     t0 = time.perf_counter()
+    outer = stats.swap_subpath(None)  # the kernel notes its own sub-path
     try:
         result = fn(*args, **kwargs)
     except Decline:
+        stats.swap_subpath(outer)
         if stats.ENABLED:
             stats.add_decline(route.name)
         return next_path(backend, op, route.name, args, kwargs, call)
+    except BaseException:
+        stats.swap_subpath(outer)
+        raise
+    sub = stats.swap_subpath(outer)
     if stats.ENABLED:
-        stats.add(route.name, "native", args, kwargs, time.perf_counter() - t0)
+        stats.add(route.name, "native", args, kwargs, time.perf_counter() - t0,
+                  sub or "kernel")
     return result
 
 

@@ -64,12 +64,14 @@ class HostViews:
         if d.index is None or d.index >= len(devices) or devices[d.index] != d \
                 or (plain and (t.is_conj() or t.is_neg())):
             return None
+        e = (self.to_cpu(t) if view is None else view, layout_id(key[1], key[2], key[3]),
+             devices[d.index])
+        if not key[0]:  # no memory: every device's empty tensors share the address 0
+            return e
         entries = self.entries
         if len(entries) >= _MAX_ENTRIES:
             self.clear()
-        e = entries[key] = (self.to_cpu(t) if view is None else view,
-                            layout_id(key[1], key[2], key[3]),
-                            devices[d.index])
+        entries[key] = e
         at = self._keys.get(key[0])
         if at is None:
             bisect.insort(self._ptrs, key[0])

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport.ops import core, derive, fallback, fastpath, hostexec, native_views, paths
+from torchport.ops import core, derive, fallback, hostexec, hostkernels, native_views, paths
 from torchport.ops.declarations import Decline, KernelDecl, KernelSet
 from torchport.ops.plan import plan_for
 
@@ -78,17 +78,19 @@ def core_overloads() -> frozenset[str]:
 
 
 def _wrap(backend: DeviceBackend, op: torch._ops.OpOverload, name: str, fn: Callable[..., Any],
-          route: fallback.Route) -> Callable[..., Any]:
+          route: fallback.Route, traced: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """A native kernel as registered: one flag check, then the kernel.
 
     The flag (``fallback.SLOW``) is set while some op is forced to the CPU or op
     statistics record; then :func:`fallback.run_native_slow` reads the
-    precomputed per-overload route. A :class:`Decline` takes the next path."""
+    precomputed per-overload route and calls ``traced`` (the kernel noting its
+    sub-paths), or ``fn``. A :class:`Decline` takes the next path."""
     fb = fallback
+    slow_fn = fn if traced is None else traced
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if fb.SLOW:
-            return fb.run_native_slow(backend, op, route, fn, args, kwargs)
+            return fb.run_native_slow(backend, op, route, slow_fn, args, kwargs)
         try:
             return fn(*args, **kwargs)
         except Decline:
@@ -101,14 +103,15 @@ def _host_kernel(backend: DeviceBackend, op: torch._ops.OpOverload, name: str, d
     """A host-op kernel as registered; without a dtype restriction it checks the
     slow-path flag itself (one Python frame less on every call)."""
     if decl.dtypes is not None:
-        kernel = fastpath.host_kernel(backend, op, decl.to_cpu)
-        return _wrap(backend, op, name, _dtype_checked(op, kernel, decl.dtypes), route)
+        kernel, traced = hostkernels.host_kernels(backend, op, decl.to_cpu)
+        return _wrap(backend, op, name, _dtype_checked(op, kernel, decl.dtypes), route,
+                     _dtype_checked(op, traced, decl.dtypes))
     holder: list[Callable[..., Any]] = []
 
     def slow(args: tuple, kwargs: dict) -> Any:
         return fallback.run_native_slow(backend, op, route, holder[0], args, kwargs)
-    kernel = fastpath.host_kernel(backend, op, decl.to_cpu, slow)
-    holder.append(fastpath.host_kernel(backend, op, decl.to_cpu))
+    kernel, traced = hostkernels.host_kernels(backend, op, decl.to_cpu, slow)
+    holder.append(traced)
     return kernel
 
 

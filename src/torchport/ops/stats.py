@@ -2,8 +2,10 @@
 
 ``with torchport.ops.record() as rec:`` collects, per ATen overload, the number of
 calls, the path each call took (``native`` kernel, ``decomposed`` into native
-ops, CPU ``fallback``, metadata-only ``view``), the dtypes seen and the host
-time spent. ``TORCHPORT_OP_STATS=1`` records the whole process and prints the
+ops, CPU ``fallback``, metadata-only ``view``) and, for native kernels, the sub-path
+inside the kernel (``native:out``, ``native:trial``, ``native:cpu-result``,
+``native:general``...: :mod:`torchport.ops.hostkernels` lists them; ``native:kernel``
+for a kernel with none), the dtypes seen and the host time spent. ``TORCHPORT_OP_STATS=1`` records the whole process and prints the
 table at exit. Knowing which ops fall back is the first step of porting a
 model; the host time says where the per-op overhead goes.
 
@@ -51,9 +53,11 @@ class OpStat:
     dtypes: set[str] = field(default_factory=set)
     host_time_s: float = 0.0
     declined: int = 0  # calls where a kernel raised Decline
+    subpaths: dict[str, int] = field(default_factory=dict)  # "native:out" -> calls
 
     def to_dict(self) -> dict[str, Any]:
-        return {"calls": self.calls, "paths": dict(self.paths), "dtypes": sorted(self.dtypes),
+        return {"calls": self.calls, "paths": dict(self.paths),
+                "subpaths": dict(self.subpaths), "dtypes": sorted(self.dtypes),
                 "host_time_s": self.host_time_s, "declined": self.declined}
 
 
@@ -70,12 +74,16 @@ class Recorder:
     def __exit__(self, *exc: object) -> None:
         _stop(self)
 
-    def add(self, name: str, path: str, dtypes: Iterable[torch.dtype], seconds: float) -> None:
+    def add(self, name: str, path: str, dtypes: Iterable[torch.dtype], seconds: float,
+            sub: str | None = None) -> None:
         s = self.ops.get(name)
         if s is None:
             s = self.ops[name] = OpStat()
         s.calls += 1
         s.paths[path] = s.paths.get(path, 0) + 1
+        if sub is not None:
+            key = f"{path}:{sub}"
+            s.subpaths[key] = s.subpaths.get(key, 0) + 1
         for d in dtypes:
             s.dtypes.add(str(d).removeprefix("torch."))
         s.host_time_s += seconds
@@ -86,6 +94,11 @@ class Recorder:
         if s is None or not s.paths:
             return None
         return max(s.paths.items(), key=lambda kv: kv[1])[0]
+
+    def subpaths_of(self, name: str) -> dict[str, int]:
+        """Calls of an overload per sub-path (``{"native:out": 9, "native:trial": 1}``)."""
+        s = self.ops.get(name)
+        return dict(s.subpaths) if s is not None else {}
 
     def totals(self) -> dict[str, int]:
         """Calls per path, over all overloads."""
@@ -102,8 +115,7 @@ class Recorder:
     def table(self) -> str:
         """A plain-text table of :meth:`rows` (rich's layout when available)."""
         header = ("overload", "calls", "paths", "dtypes", "host ms")
-        body = [(name, str(s.calls),
-                 " ".join(f"{p}:{n}" for p, n in sorted(s.paths.items())),
+        body = [(name, str(s.calls), _paths_text(s),
                  ",".join(sorted(s.dtypes)), f"{s.host_time_s * 1e3:.3f}")
                 for name, s in self.rows()]
         try:
@@ -131,6 +143,17 @@ class Recorder:
                            "totals": self.totals()}, indent=1)
 
 
+def _paths_text(s: OpStat) -> str:
+    """``native:10 (out:9 trial:1) fallback:2``: calls per path, sub-paths in brackets."""
+    parts = []
+    for p, n in sorted(s.paths.items()):
+        subs = sorted((k.split(":", 1)[1], v) for k, v in s.subpaths.items()
+                      if k.split(":", 1)[0] == p)
+        inner = f" ({' '.join(f'{k}:{v}' for k, v in subs)})" if subs else ""
+        parts.append(f"{p}:{n}{inner}")
+    return " ".join(parts)
+
+
 class _NullFile:
     def write(self, s: str) -> int:
         return len(s)
@@ -144,12 +167,59 @@ def record() -> Recorder:
     return Recorder()
 
 
-def add(name: str, path: str, args: tuple, kwargs: dict, seconds: float) -> None:
+def add(name: str, path: str, args: tuple, kwargs: dict, seconds: float,
+        sub: str | None = None) -> None:
     """Record one call in every active recorder (only called when ``ENABLED``)."""
     dtypes = _dtypes(args, kwargs)
     with _LOCK:
         for r in _RECORDERS.members:
-            r.add(name, path, dtypes, seconds)
+            r.add(name, path, dtypes, seconds, sub)
+
+
+# ---- sub-paths: which branch of a native kernel a call took ---------------------------
+# A kernel built with ``trace`` (used only while recording) notes its branch here; the
+# caller (``fallback``'s native path) clears the note before the call and reads it
+# after, restoring the caller's own, so an op called inside another keeps its own note.
+_NOTE = threading.local()
+
+
+def note_subpath(name: str) -> None:
+    """Say which sub-path the kernel now running took (``"out"``, ``"trial"``...)."""
+    _NOTE.sub = name
+
+
+def swap_subpath(sub: str | None) -> str | None:
+    """Set the current note to ``sub``; return the one it replaces."""
+    prev = getattr(_NOTE, "sub", None)
+    _NOTE.sub = sub
+    return prev
+
+
+def noted(fn: Callable[..., Any], sub: str, on: bool) -> Callable[..., Any]:
+    """``fn``, noting ``sub`` when it returns (``on``), else ``fn`` itself: kernels built
+    without ``trace`` pay nothing."""
+    if not on:
+        return fn
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        r = fn(*args, **kwargs)
+        _NOTE.sub = sub
+        return r
+    return call
+
+
+def traced(kernel: Callable[..., Any], default: str, on: bool) -> Callable[..., Any]:
+    """``kernel``, noting ``default`` when it returns without having noted a sub-path
+    (``on``), else ``kernel`` itself."""
+    if not on:
+        return kernel
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        r = kernel(*args, **kwargs)
+        if getattr(_NOTE, "sub", None) is None:
+            _NOTE.sub = default
+        return r
+    return call
 
 
 def add_decline(name: str) -> None:

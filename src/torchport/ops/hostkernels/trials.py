@@ -1,0 +1,196 @@
+"""Trials: does an ``out=`` overload give the functional CPU kernel's bits for a layout?
+
+Some CPU ``out=`` kernels take another path for strided inputs (``native_batch_norm.out``
+leaves its saved statistics unwritten), stage a larger result in ``out``, or warn. A
+host kernel therefore trusts an ``out=`` overload for a layout of its inputs only after
+running it once on copies of those inputs in their exact layouts, into outputs filled
+with a pattern no result has, and comparing the bytes with the functional kernel's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchport import tensors
+from torchport.ops import derive
+
+Tensor = torch.Tensor
+
+
+class OpsSeen(TorchDispatchMode):
+    """The ATen overloads a block of code reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def flat_tensors(values: Any) -> list[Tensor]:
+    """The tensors of an argument list, those inside tensor lists included, in order."""
+    return [t for v in values for t in (v if isinstance(v, (list, tuple)) else (v,))
+            if isinstance(t, Tensor)]
+
+
+# Alignment kept by :func:`layout_copy`: vectorised CPU kernels may take another path
+# for data that is not aligned as the original is.
+_COPY_ALIGN = 64
+
+
+def layout_copy(t: Tensor) -> Tensor:
+    """A copy of ``t`` in its exact layout (sizes, strides, overlaps, the storage offset's
+    alignment): a CPU kernel can choose its path by layout (``clone`` makes non-dense
+    inputs contiguous), so a trial must see the layout the real call sees."""
+    itemsize = t.element_size()
+    n = tensors.storage_nbytes(t.shape, t.stride(), itemsize) // itemsize
+    pad = t.storage_offset() % max(1, _COPY_ALIGN // itemsize)
+    span = t.as_strided((n,), (1,), t.storage_offset())
+    base = torch.empty(pad + n, dtype=t.dtype)
+    base[pad:].copy_(span)
+    return base.as_strided(t.shape, t.stride(), pad)
+
+
+def layout_copies(values: list) -> list:
+    """:func:`layout_copy` of every tensor of an argument list (also inside tensor lists),
+    a tensor passed twice copied once."""
+    memo: dict[int, Tensor] = {}
+
+    def copy(v: Any) -> Any:
+        if not isinstance(v, Tensor):
+            return v
+        c = memo.get(id(v))
+        if c is None:
+            c = memo[id(v)] = layout_copy(v)
+        return c
+    return [type(v)(copy(x) for x in v) if isinstance(v, (list, tuple)) else copy(v)
+            for v in values]
+
+
+# 251 bytes (a prime: no element size divides it), none repeating within an element
+_PATTERN = (torch.arange(251, dtype=torch.int32) * 97 + 0xA5).remainder_(251).to(torch.uint8)
+
+
+def patterned(size: list, stride: list, dtype: torch.dtype) -> Tensor:
+    """A host output laid out as ``size``/``stride``, its bytes a position-dependent
+    pattern: an output a kernel leaves unwritten keeps bytes no result has."""
+    nbytes = tensors.storage_nbytes(size, stride, dtype.itemsize)
+    raw = _PATTERN.repeat(nbytes // _PATTERN.numel() + 1)[:nbytes]
+    return raw.view(dtype).as_strided(size, stride)
+
+
+def same_bits(a: Tensor, b: Tensor) -> bool:
+    """Same shape, dtype and bytes (NaN payloads and signed zeros included)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.numel() == 0:
+        return True
+
+    def raw(t: Tensor) -> Tensor:
+        flat = torch.empty(t.numel(), dtype=t.dtype)  # (a size-1 dimension keeps any stride)
+        flat.view(t.shape).copy_(t.resolve_conj().resolve_neg())
+        return flat.view(torch.uint8)
+    return torch.equal(raw(a), raw(b))
+
+
+def warnings_of(fn: Callable[[], Any]) -> list:
+    """The warnings ``fn`` gives, those of C++ (``TORCH_WARN``) included. Inside a kernel,
+    C++ warnings go to the user's outer call, which shows them when it returns; running
+    ``fn`` inside a PyTorch Python binding (``Tensor.apply_`` calls it back) makes them
+    Python warnings here."""
+    def element(_: float) -> float:
+        fn()
+        return 0.0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.zeros(1).apply_(element)
+    return seen
+
+
+# ---- asynchronous launches: specs from stand-ins ------------------------------------
+class _Refused:
+    """The functional CPU kernel refused the stand-ins (try other values)."""
+
+
+REFUSED = _Refused()
+
+
+def launch_specs(op: torch._ops.OpOverload, out: Callable[..., Any], out_names: list[str],
+                 args: tuple, kwargs: dict) -> list | None:
+    """(shape, strides, dtype) of each result the CPU kernel gives for inputs laid out as
+    ``args`` and ``kwargs``, or ``None`` where a launch of ``out`` (``op``'s ``out=``
+    overload) cannot be trusted: the meta kernel cannot say (a data-dependent shape), or
+    the ``out=`` overload fails, warns, resizes its outputs, or gives other bits than the
+    functional kernel (:func:`specs_on_stand_ins`). Asked without waiting for the stream,
+    of stand-ins in the inputs' layouts: varied values, or zeros, or ones, the first the
+    functional kernel accepts (an index, an integer division)."""
+    try:
+        derive.output_specs(op, args, kwargs)
+    except Exception:  # no meta kernel, a data-dependent shape, a bad input
+        return None
+    for value in (None, 0, 1):
+        specs = specs_on_stand_ins(op, out, out_names, args, kwargs, value)
+        if specs is not REFUSED:
+            return specs
+    return None
+
+
+def stand_in_values(n: int, dtype: torch.dtype, value: int | None) -> Tensor:
+    """``n`` values of ``dtype``: ``value``, or (``None``) varied ones, the same each time."""
+    if value is not None:
+        return torch.full((n,), value, dtype=dtype)
+    if dtype.is_floating_point or dtype.is_complex:
+        g = torch.Generator().manual_seed(n)
+        return torch.randn(n, dtype=torch.float64, generator=g).to(dtype)
+    return torch.arange(n).remainder_(2 if dtype is torch.bool else 3).to(dtype)
+
+
+def specs_on_stand_ins(op: torch._ops.OpOverload, out: Callable[..., Any],
+                       out_names: list[str], args: tuple, kwargs: dict,
+                       value: int | None) -> Any:
+    """:func:`launch_specs` asked of stand-ins filled as :func:`stand_in_values` says;
+    :data:`REFUSED` when the functional CPU kernel raises on them. The ``out=`` overload
+    runs on copies of the stand-ins into outputs filled with a pattern, and must give
+    the functional kernel's bits, in the outputs and in any input either writes."""
+    def stand_in(v: Any) -> Any:
+        if not isinstance(v, Tensor):
+            return v
+        n = tensors.storage_nbytes(v.shape, v.stride(), v.element_size()) // v.element_size()
+        return stand_in_values(n, v.dtype, value).as_strided(v.shape, v.stride())
+
+    sargs = [stand_in(a) for a in args]
+    skw = {k: stand_in(v) for k, v in kwargs.items()}
+    names = list(skw)
+    copies = layout_copies([*sargs, *skw.values()])
+    oargs, okw = copies[:len(sargs)], dict(zip(names, copies[len(sargs):], strict=True))
+    got: list = []
+    try:
+        if warnings_of(lambda: got.append(op._op(*sargs, **skw))):
+            return None
+    except Exception:
+        return REFUSED
+    results = [got[0]] if isinstance(got[0], Tensor) else list(got[0])
+    specs = [(tuple(x.shape), x.stride(), x.dtype) for x in results]
+    outs = [patterned(list(sh), list(st), dt) for sh, st, dt in specs]
+    okw.update(zip(out_names, outs, strict=True))
+    try:
+        if warnings_of(lambda: out(*oargs, **okw)):
+            return None
+    except Exception:
+        return None
+    if any((tuple(o.shape), o.stride()) != (sh, st)
+           for o, (sh, st, _) in zip(outs, specs, strict=True)):
+        return None
+    if not all(same_bits(o, x) for o, x in zip(outs, results, strict=True)) or not all(
+            same_bits(a, b) for a, b in zip(flat_tensors([*sargs, *skw.values()]),
+                                            flat_tensors(copies), strict=True)):
+        return None  # the out= overload computes other bits for this layout
+    return specs
