@@ -200,3 +200,35 @@ def test_the_current_device_is_per_thread():
         assert torch.sim.current_device() == 0 and torch.tensor([1.0], device="sim").device.index == 0
     finally:
         torch.sim.set_device(0)
+
+
+# The names the feature layers add to torch.<device> (torchport.features, device_module.add).
+FEATURE_NAMES = {"Stream", "Event", "StreamContext", "current_stream", "default_stream",
+                 "set_stream", "stream", "amp", "init_device_from_env"}
+
+
+def test_public_names_are_the_declared_ones():
+    from torchport import device_module
+    public = {n for n in dir(torch.sim) if not n.startswith("_")}
+    assert public == set(torch.sim.__all__)
+    assert set(torch.sim.__all__) == set(device_module.EXPORTS) | FEATURE_NAMES
+    private = {n for n in dir(torch.sim) if n.startswith("_") and not n.startswith("__")}
+    assert private == {*device_module.PYTORCH_PRIVATE, "_stream_state"}
+    assert not hasattr(torch.sim, "_index")  # make_device_module's own helper stays inside
+
+
+def test_declared_names_mirror_torch_cuda():
+    from torchport import device_module
+    ours = {"backend", "get_amp_supported_dtype", "init_device_from_env"}
+    names = set(device_module.EXPORTS) | FEATURE_NAMES | set(device_module.PYTORCH_PRIVATE)
+    assert names - ours <= set(dir(torch.cuda)), sorted(names - ours - set(dir(torch.cuda)))
+    for name in names - ours - {"OutOfMemoryError", "amp", "default_generators"}:
+        assert callable(getattr(torch.sim, name)) == callable(getattr(torch.cuda, name)), name
+
+
+def test_a_feature_adds_names_through_add_only():
+    from torchport import device_module
+    mod = types.ModuleType("torch.fake")
+    mod.__all__ = ["is_available"]
+    device_module.add(mod, thing=1, _state=2)
+    assert mod.__all__ == ["is_available", "thing"] and mod._state == 2

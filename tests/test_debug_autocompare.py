@@ -31,8 +31,7 @@ def kernel(sim_backend):
 
     def register(name: str, op, fn):
         lib = torch.library.Library("aten", "IMPL")
-        lib.impl(name, registry._wrap(sim_backend, op, name, fn, fallback.Route(name)),
-                 "PrivateUse1")
+        lib.impl(name, registry.wrap_kernel(sim_backend, op, fn), "PrivateUse1")
         libs.append(lib)
 
     yield register

@@ -12,7 +12,7 @@ import torchport.cli
 import torchport.ops as ops
 from torchport import debug
 from torchport.debug.compare import DumpFormatError, tensor_diff
-from torchport.ops import fallback, registry
+from torchport.ops import registry
 
 pytestmark = pytest.mark.tools
 
@@ -37,9 +37,8 @@ class _Perturbed:
 
     def __enter__(self):
         self.lib = torch.library.Library("aten", "IMPL")
-        self.lib.impl("hardshrink", registry._wrap(self.backend, A.hardshrink.default,
-                                                   "hardshrink", _wrong_hardshrink,
-                                                   fallback.Route("hardshrink")), "PrivateUse1")
+        self.lib.impl("hardshrink", registry.wrap_kernel(self.backend, A.hardshrink.default,
+                                                         _wrong_hardshrink), "PrivateUse1")
 
     def __exit__(self, *exc):
         self.lib._destroy()

@@ -50,3 +50,96 @@ def test_an_upward_import_breaks_the_layers(tmp_path: Path, how: str):
     assert r.returncode == 1, r.stdout + r.stderr
     assert "torchport layers BROKEN" in r.stdout
     assert "torchport.runtime -> torchport.backend" in r.stdout, r.stdout
+
+
+def _python(code: str, **env: str) -> str:
+    """Run ``code`` in a fresh interpreter on this checkout; its stdout."""
+    import os
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "src"),
+                                         **env})
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+# What each leaf module loads of torchport today: itself and its packages.
+LEAF_MODULES = {"torchport.ops.plan": 3, "torchport.settings": 2, "torchport.runtime": 2}
+
+
+@pytest.mark.parametrize("leaf", sorted(LEAF_MODULES))
+def test_importing_a_leaf_module_loads_only_what_it_needs(leaf: str):
+    # the package __init__s resolve their names lazily: neither registration (backend)
+    # nor the op layer's fallback and registry come with a leaf
+    out = _python(f"import sys, {leaf}\n"
+                  "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torchport'))")
+    loaded = eval(out)
+    assert leaf in loaded and len(loaded) <= LEAF_MODULES[leaf], loaded
+    assert "torchport.backend" not in loaded and "torchport.ops.registry" not in loaded
+
+
+def test_every_public_name_of_the_packages_resolves():
+    out = _python(
+        "import importlib, sys, torchport, torchport.ops\n"
+        "for pkg in (torchport, torchport.ops):\n"
+        "    assert set(pkg.__all__) <= set(dir(pkg)), pkg\n"
+        "    for name in pkg.__all__:\n"
+        "        value = getattr(pkg, name)\n"
+        "        exec(f'from {pkg.__name__} import {name} as again')\n"
+        "        assert again is value, name\n"
+        "        where = getattr(value, '__module__', None)\n"
+        "        if where is not None and where.startswith('torchport'):\n"
+        "            assert getattr(importlib.import_module(where), name, value) is value\n"
+        "    try:\n"
+        "        pkg.no_such_name\n"
+        "    except AttributeError as e:\n"
+        "        assert 'no_such_name' in str(e)\n"
+        "    else:\n"
+        "        raise AssertionError('a missing name resolved')\n"
+        "from torchport import Backend\n"
+        "from torchport.ops import KernelSet\n"
+        "print(torchport.Backend is Backend, torchport.ops.KernelSet is KernelSet,\n"
+        "      torchport.__version__)\n"
+        "from torchport.ops import *\n"
+        "print(sorted(k for k in torchport.ops.__all__ if k not in globals()))\n")
+    assert out.split("\n")[:2] == ["True True 0.1.0", "[]"], out
+
+
+def test_import_torchport_still_registers_what_it_registered():
+    # the autoload entry point and `import torchport.sim` register the backend, with the
+    # feature layers installed, whatever was imported of torchport first
+    out = _python("import torch, torchport\n"
+                  "print(torch._C._get_privateuse1_backend_name(), torchport.active_backend().name,"
+                  " hasattr(torch.sim, 'Stream'))", TORCHPORT_AUTOLOAD="sim")
+    assert out.split() == ["sim", "sim", "True"], out
+    out = _python("import torchport, torchport.ops, torch\n"
+                  "import torchport.sim\n"
+                  "print(torchport.active_backend() is torchport.sim.BACKEND, torch.sim.amp.__name__)")
+    assert out.split() == ["True", "torch.sim.amp"], out
+
+
+def test_importing_a_feature_module_changes_no_device_module():
+    # every feature module imported before any backend: nothing is registered by that; a
+    # device module made then has the declared names only; registering installs them all
+    out = _python(
+        "import importlib, sys\n"
+        "from multiprocessing.reduction import ForkingPickler\n"
+        "import torch, torch.multiprocessing.reductions\n"
+        "reducer = ForkingPickler._extra_reducers.get(torch.UntypedStorage)\n"
+        "from torchport import device_module, features\n"
+        "from torchport.ops import hooks\n"
+        "for name in features.FEATURE_MODULES:\n"
+        "    importlib.import_module(name)\n"
+        "print(ForkingPickler._extra_reducers.get(torch.UntypedStorage) is reducer)\n"
+        "print(len(hooks._ENV_STARTERS))\n"
+        "from torchport.backend import Backend\n"
+        "from torchport.backends.sim.runtime import SimRuntime\n"
+        "mod = device_module.make_device_module(Backend('npu', SimRuntime(num_devices=1,"
+        " memory=1 << 20)))\n"
+        "print(sorted(n for n in vars(mod) if not n.startswith('_')) =="
+        " sorted(device_module.EXPORTS))\n"
+        "import torchport.sim\n"
+        "print(ForkingPickler._extra_reducers.get(torch.UntypedStorage) is reducer)\n"
+        "print(len(hooks._ENV_STARTERS))\n"
+        "print(all(hasattr(torch.sim, n) for n in ('Stream', 'Event', 'amp',"
+        " 'init_device_from_env')), 'torch.sim.amp' in sys.modules)\n")
+    assert out.split() == ["True", "0", "True", "False", "1", "True", "True"], out

@@ -64,7 +64,7 @@ def test_views_dropped_when_segments_go_back() -> None:
     y = (x * 2).cpu()
 
     def views_into() -> int:
-        return sum(ptr <= k[0] < ptr + size for hv in hostviews._ALL for k in hv.entries)
+        return len(hostviews.cached(ptr, size))
     assert views_into()
     del x
     b.device_module.empty_cache()
@@ -238,7 +238,7 @@ def test_an_adopted_result_is_its_own_host_view_until_it_dies(
     torch.ones(32, 16, 32, 32, device="sim") * 3  # mul's first call of this layout: a trial
     y = torch.nn.functional.conv2d(x.to("sim"), w.to("sim"), padding=1)
     key = (y.data_ptr(), y.dtype, y.shape, y.stride())
-    holders = [hv for hv in hostviews._ALL if key in hv.entries]
+    holders = [hv for hv in hostviews.caches() if key in hv.entries]
     assert len(holders) == 1
     hv = holders[0]
     assert hv.entries[key][0].data_ptr() == y.data_ptr()
@@ -507,11 +507,16 @@ def test_a_rewritten_header_takes_the_slow_way(monkeypatch: pytest.MonkeyPatch) 
     assert torch.equal(y.cpu(), x.cpu())
 
 
-def test_layout_headers_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_layout_headers_are_bounded() -> None:
     from torchport import tensors
-    monkeypatch.setattr(tensors, "_MAX_HEADERS", len(tensors._HEADERS))
-    x = torch.randn(13, 17, 19)
-    y = (x.to("sim") * 3).cpu()  # a layout no header was made for: the slow way
+    kept = tensors.header_count()
+    old = tensors.set_max_headers(kept)
+    try:
+        x = torch.randn(13, 17, 19)
+        y = (x.to("sim") * 3).cpu()  # a layout no header was made for: the slow way
+        assert tensors.header_count() == kept
+    finally:
+        tensors.set_max_headers(old)
     assert torch.equal(y, x * 3)
 
 

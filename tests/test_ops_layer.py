@@ -127,19 +127,37 @@ def test_decline_takes_decomposition_then_fallback():
 
     b = _sim()
     x = torch.randn(6, device="sim")
-    k = registry._wrap(b, A.hardshrink.default, "hardshrink", declining,
-                       fallback.Route("hardshrink"))
+    k = registry.wrap_kernel(b, A.hardshrink.default, declining)
     with ops.record() as rec:
         r = k(x, 0.5)
     assert torch.equal(r.cpu(), torch.nn.functional.hardshrink(x.cpu(), 0.5))
     assert rec.path_of("hardshrink") == "decomposed" and rec.ops["hardshrink"].declined == 1
-    k2 = registry._wrap(b, A.special_bessel_j0.default, "special_bessel_j0", declining,
-                        fallback.Route("special_bessel_j0"))
+    k2 = registry.wrap_kernel(b, A.special_bessel_j0.default, declining)
     r2 = k2(x)  # no decomposition: CPU fallback
     assert torch.equal(r2.cpu(), torch.special.bessel_j0(x.cpu()))
     with ops.record() as rec:
         k2(x)
     assert rec.path_of("special_bessel_j0") == "fallback"
+
+
+def test_a_wrapped_kernel_is_forced_to_the_cpu_like_a_native_one():
+    calls = []
+
+    def wrong(x, lambd=0.5):
+        calls.append(1)
+        return x * 0
+
+    k = registry.wrap_kernel(_sim(), A.hardshrink.default, wrong)
+    x = torch.randn(6, device="sim")
+    old = ops.set_force_fallback(["hardshrink"])
+    try:
+        with ops.record() as rec:
+            r = k(x, 0.5)
+    finally:
+        ops.set_force_fallback(old)
+    assert calls == [] and rec.path_of("hardshrink") == "fallback"
+    assert torch.equal(r.cpu(), torch.nn.functional.hardshrink(x.cpu(), 0.5))
+    assert torch.equal(k(x, 0.5).cpu(), torch.zeros(6)) and calls == [1]
 
 
 def test_declared_dtypes_decline_others():

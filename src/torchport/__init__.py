@@ -6,19 +6,53 @@ A vendor supplies a :class:`~torchport.runtime.Runtime` and kernels
 built-in simulated accelerator. A kernel reaches its tensors' device memory through
 :mod:`torchport.kernel_api` (``device_address``, ``device_index``, ``current_stream``,
 ``launch``), also exported here; ``docs/vendor-guide.md`` is the walkthrough.
+
+The public names are resolved on first use (PEP 562), so that importing one module
+(``torchport.settings``, ``torchport.ops.plan``) loads only what that module needs,
+not registration and the op layer.
 """
 
-from torchport.backend import Backend, BackendError, active_backend
-from torchport.kernel_api import (
-    current_backend,
-    current_stream,
-    device_address,
-    device_index,
-    launch,
-)
-from torchport.runtime import DeviceProperties, Runtime
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torchport.backend import Backend, BackendError, active_backend
+    from torchport.kernel_api import (
+        current_backend,
+        current_stream,
+        device_address,
+        device_index,
+        launch,
+    )
+    from torchport.runtime import DeviceProperties, Runtime
 
 __version__ = "0.1.0"
 __all__ = ["Backend", "BackendError", "DeviceProperties", "Runtime", "active_backend",
            "current_backend", "current_stream", "device_address", "device_index", "launch",
            "__version__"]
+
+# public name -> the module that defines it
+_LAZY = {
+    "Backend": "torchport.backend", "BackendError": "torchport.backend",
+    "active_backend": "torchport.backend",
+    "current_backend": "torchport.kernel_api", "current_stream": "torchport.kernel_api",
+    "device_address": "torchport.kernel_api", "device_index": "torchport.kernel_api",
+    "launch": "torchport.kernel_api",
+    "DeviceProperties": "torchport.runtime", "Runtime": "torchport.runtime",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module defining public ``name`` on first use, and keep the value."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

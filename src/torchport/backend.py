@@ -324,12 +324,11 @@ class Backend:
         current = torch._C._get_privateuse1_backend_name()
         if current != "privateuseone" and current != self.name:
             raise BackendError(f"PrivateUse1 is already renamed to {current!r} by another plug-in")
-        import importlib
-
         from torchport import (
             accelerator_memory,
             device_module,
             dynamo_device,
+            features,
             forking,
             pinned,
             profiling,
@@ -337,13 +336,10 @@ class Backend:
             streams,
             tensor_types,
         )
-        from torchport.features import FEATURE_MODULES
-
-        for feature in FEATURE_MODULES:
-            importlib.import_module(feature)
         from torchport.ops import registry
 
         self.device_module = device_module.make_device_module(self)
+        features.install(self, self.device_module)
         _ACTIVE = self
         try:
             # the hooks in C++ (pinned memory), where the library loads; first, since the

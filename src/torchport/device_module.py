@@ -2,8 +2,10 @@
 
 PyTorch looks attributes up on this module (AMP asks ``get_amp_supported_dtype``,
 serialization ``device_count``, ``torch.manual_seed`` ``manual_seed_all``), so it is
-a real module object, registered in ``sys.modules`` as ``torch.<device>``. Other
-layers (streams, amp) add their names with :func:`extend`.
+a real module object, registered in ``sys.modules`` as ``torch.<device>``. Its names
+are declared: :data:`EXPORTS` (and the private :data:`PYTORCH_PRIVATE` PyTorch calls),
+plus what the feature layers (streams, amp, ...) add with :func:`add` as a backend
+registers (:mod:`torchport.features`); ``module.__all__`` lists the public ones.
 """
 
 from __future__ import annotations
@@ -20,16 +22,43 @@ from torchport.allocator import format_size
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
 
-_EXTENSIONS: list[Any] = []
+# The public names of every device module, torch.cuda's where torch.cuda has the name;
+# ``backend`` (the Backend) and ``get_amp_supported_dtype`` (asked by autocast) are ours.
+EXPORTS: tuple[str, ...] = (
+    # devices
+    "is_available", "is_initialized", "init", "device_count", "current_device",
+    "set_device", "device", "device_of", "get_device_properties", "get_device_name",
+    "get_device_capability", "synchronize",
+    # memory
+    "memory_stats", "memory_allocated", "max_memory_allocated", "memory_reserved",
+    "max_memory_reserved", "reset_peak_memory_stats", "reset_max_memory_allocated",
+    "reset_max_memory_cached", "reset_accumulated_memory_stats", "empty_cache",
+    "mem_get_info", "set_per_process_memory_fraction", "get_per_process_memory_fraction",
+    "memory_snapshot", "memory_summary", "list_gpu_processes", "OutOfMemoryError",
+    # random numbers
+    "default_generators", "manual_seed", "manual_seed_all", "seed", "seed_all",
+    "initial_seed", "get_rng_state", "get_rng_state_all", "set_rng_state",
+    "set_rng_state_all",
+    # dtypes
+    "get_amp_supported_dtype", "is_bf16_supported",
+    # torchport's
+    "backend",
+)
+# Private names PyTorch calls on a device module, as on torch.cuda.
+PYTORCH_PRIVATE: tuple[str, ...] = ("_lazy_init", "_is_in_bad_fork")
 
 
-def extend(fn: Any) -> Any:
-    """Register ``fn(module, backend)`` to add names to every device module made."""
-    _EXTENSIONS.append(fn)
-    return fn
+def add(module: types.ModuleType, **names: Any) -> None:
+    """Add a feature layer's names to a device module (public ones join ``__all__``)."""
+    for name, value in names.items():
+        setattr(module, name, value)
+        if not name.startswith("_") and name not in module.__all__:
+            module.__all__.append(name)
 
 
 def make_device_module(backend: DeviceBackend) -> types.ModuleType:
+    """``torch.<device>`` for ``backend`` with the names of :data:`EXPORTS`; the feature
+    layers add theirs as the backend registers (:func:`add`)."""
     mod = types.ModuleType(f"torch.{backend.name}",
                            f"torch.{backend.name}: the {backend.name} device, mirroring torch.cuda.")
     b = backend
@@ -208,14 +237,12 @@ def make_device_module(backend: DeviceBackend) -> types.ModuleType:
     def is_bf16_supported(including_emulation: bool = True) -> bool:
         return torch.bfloat16 not in b.runtime.unsupported_dtypes
 
-    for name, value in list(locals().items()):
-        if not name.startswith("__") and name not in ("mod", "b", "backend",
-                                                       "device_generators"):
-            setattr(mod, name, value)
-    mod.backend = b
-    mod.OutOfMemoryError = torch.OutOfMemoryError
-    for ext in _EXTENSIONS:
-        ext(mod, b)
+    OutOfMemoryError = torch.OutOfMemoryError
+    # only the declared names go out: a helper defined above and not declared stays here
+    defined = locals()
+    for name in EXPORTS + PYTORCH_PRIVATE:
+        setattr(mod, name, defined[name])
+    mod.__all__ = list(EXPORTS)
     sys.modules[mod.__name__] = mod
     return mod
 

@@ -881,12 +881,13 @@ def register_backend(backend: DeviceBackend) -> str:
 _BACKEND: DeviceBackend | None = None  # the backend whose device module has these names
 
 
-@device_module.extend
-def _install(mod: Any, backend: DeviceBackend) -> None:
+def on_register(backend: DeviceBackend, module: Any) -> None:
+    """Register the c10d backend and add ``torch.<device>.init_device_from_env`` as
+    ``backend`` registers (:mod:`torchport.features`)."""
     global _BACKEND
     register_backend(backend)
     _BACKEND = backend
-    mod.init_device_from_env = init_device_from_env
+    device_module.add(module, init_device_from_env=init_device_from_env)
 
 
 def init_device_from_env() -> torch.device:

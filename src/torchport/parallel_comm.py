@@ -23,8 +23,6 @@ import torch
 from torch._prims_common import suggest_memory_format
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from torchport import device_module
-
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
 
@@ -325,6 +323,6 @@ def install(backend: DeviceBackend, mod: Any) -> list[str]:
     return added
 
 
-@device_module.extend
-def _install(mod: Any, backend: DeviceBackend) -> None:
-    install(backend, mod)
+def on_register(backend: DeviceBackend, module: Any) -> None:
+    """The feature's install as ``backend`` registers (:mod:`torchport.features`)."""
+    install(backend, module)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceSharingError", "install"]
+__all__ = ["DeviceSharingError", "install", "on_register"]
 
 
 class DeviceSharingError(RuntimeError):
@@ -55,4 +55,7 @@ def install() -> None:
     ForkingPickler.register(torch.UntypedStorage, _guard(reduce))
 
 
-install()
+def on_register(backend: Any, module: Any) -> None:
+    """Guard the reducer as a backend registers (:mod:`torchport.features`); one guard
+    serves every backend, it asks PyTorch for the device type."""
+    install()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import device_module, tensors
+from torchport import tensors
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -67,6 +67,6 @@ def resize_storage(backend: DeviceBackend, storage: torch.UntypedStorage, n: int
     tensors.swap_storage_blocks(storage, fresh)
 
 
-@device_module.extend
-def _install(mod: Any, backend: DeviceBackend) -> None:
+def on_register(backend: DeviceBackend, module: Any) -> None:
+    """The feature's install as ``backend`` registers (:mod:`torchport.features`)."""
     install_storage_resize(backend)

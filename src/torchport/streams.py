@@ -371,14 +371,9 @@ def _make(mod: types.ModuleType, b: DeviceBackend) -> None:
         """``with torch.<device>.stream(s):`` -- run the block's work on ``s``."""
         return StreamContext(stream)
 
-    mod.Stream = Stream
-    mod.Event = Event
-    mod.StreamContext = StreamContext
-    mod.current_stream = current_stream
-    mod.default_stream = default_stream
-    mod.set_stream = set_stream
-    mod.stream = stream
-    mod._stream_state = state
+    device_module.add(mod, Stream=Stream, Event=Event, StreamContext=StreamContext,
+                      current_stream=current_stream, default_stream=default_stream,
+                      set_stream=set_stream, stream=stream, _stream_state=state)
 
     # Until some thread makes another stream current, new work goes to the default
     # stream (handle None) and nothing needs asking: set_current installs the hook.
@@ -450,4 +445,6 @@ def connect_guard(b: DeviceBackend, guard: Any) -> None:
     mod._stream_state.connect(guard, lambda index, priority: mod.Stream(index, priority))
 
 
-device_module.extend(_make)
+def on_register(backend: DeviceBackend, module: types.ModuleType) -> None:
+    """Add the streams and events as ``backend`` registers (:mod:`torchport.features`)."""
+    _make(module, backend)

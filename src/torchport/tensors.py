@@ -94,6 +94,20 @@ def layout_header(index: int, dtype: torch.dtype, size, stride) -> Header | None
     return h
 
 
+def header_count() -> int:
+    """How many layouts have a header (or were found to need the slow way)."""
+    return len(_HEADERS)
+
+
+def set_max_headers(n: int) -> int:
+    """Bound the layout headers kept (they live as long as the process); returns the
+    previous bound. A layout met past it takes the slow way, one storage built per
+    tensor: for tools and tests that exercise that way, or limit the memory kept."""
+    global _MAX_HEADERS
+    old, _MAX_HEADERS = _MAX_HEADERS, int(n)
+    return old
+
+
 def _new_header(index: int, dtype: torch.dtype, size, stride, nbytes: int) -> Header:
     """A DLPack header (deleter null) describing a layout on device ``index``, its memory
     kept for the life of the process."""

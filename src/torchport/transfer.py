@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport import backend as _backend_mod
-from torchport import device_module as _device_module
 
 if TYPE_CHECKING:
     from torchport.backend import Backend
@@ -66,6 +65,7 @@ class _State:
         self.warned: set[str] = set()
         self.amp_ok: bool | None = None
         self.pin_ok = True
+        self.requested = False  # imported before any backend: enable as one registers
 
 
 _S = _State()
@@ -711,15 +711,16 @@ def disable() -> None:
     _S.backend = None
     _S.amp_ok = None
     _S.pin_ok = True
+    _S.requested = False
 
 
-def _on_register(mod: Any, backend: Backend) -> None:
-    """Device-module hook: enable once a backend registers (import before the backend)."""
-    if _S.backend is None:
-        enable(backend)
+def requested() -> bool:
+    """Whether transfer waits for a backend to register (imported before any did, not
+    disabled since): :mod:`torchport.transfer_env` enables it then."""
+    return _S.requested and _S.backend is None
 
 
 if _backend_mod._ACTIVE is not None:
     enable()
 else:
-    _device_module.extend(_on_register)
+    _S.requested = True

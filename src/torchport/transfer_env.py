@@ -1,11 +1,22 @@
 """``TORCHPORT_TRANSFER=1``: enable :mod:`torchport.transfer` when a backend registers.
 
-Listed in :mod:`torchport.features`, so it is imported during backend
-registration; importing :mod:`torchport.transfer` then (no backend active yet)
-hooks the device module, and transfer turns on as the device module is made.
+A feature module (:mod:`torchport.features`): :func:`on_register` enables transfer
+for the registering backend when the variable is set, or when ``torchport.transfer``
+was imported before any backend registered (importing it asks for transfer).
 """
+
+from __future__ import annotations
+
+import sys
+from typing import Any
 
 from torchport import settings
 
-if settings.get("TORCHPORT_TRANSFER"):
-    import torchport.transfer  # noqa: F401
+
+def on_register(backend: Any, module: Any) -> None:
+    """Enable transfer for ``backend`` if the variable or an earlier import asks for it."""
+    imported = sys.modules.get("torchport.transfer")
+    if settings.get("TORCHPORT_TRANSFER") or (imported is not None and imported.requested()):
+        from torchport import transfer
+
+        transfer.enable(backend)

@@ -1,6 +1,7 @@
 """The conformance report's bookkeeping: known failures stay visible, skips keep reasons."""
 
 import json
+import re
 
 from torchport.conformance import opinfo as run
 
@@ -79,8 +80,13 @@ def test_report_of_another_backend_names_it(tmp_path):
     meta = {"command": "x", "torch": "2.13", "strict": False, "dtypes": ["float32"],
             "max_samples": 2, "seconds": 1.0, "complete": True, "device": "mychip",
             "backend": "mychip_torchport"}
-    run.write_reports([_result("add", {"float32": _pass()})], tmp_path, meta, "v")
+    results = [_result("add", {"float32": _pass()}), _result("to_sparse", {"float32": _fail()})]
+    run.write_reports(results, tmp_path, meta, "v")
     md = (tmp_path / "v.md").read_text()
     assert md.startswith("# torchport conformance: mychip vs CPU over PyTorch's OpInfo database")
     assert "backend: mychip_torchport" in md and "sim memory" not in md
     assert "Each sample runs on the CPU and on `mychip`" in md
+    assert "| to_sparse | float32 | limitation | sparse layouts:" in md
+    # the text describes the backend under test: it never says sim for it
+    assert not re.search(r"\bsim\b", md), [ln for ln in md.splitlines()
+                                            if re.search(r"\bsim\b", ln)]

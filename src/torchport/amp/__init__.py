@@ -1,6 +1,6 @@
 """Mixed precision for torchport devices: autocast, GradScaler and Apex-style AMP.
 
-Importing this module (a feature module, see :mod:`torchport.features`) registers
+As a backend registers (a feature module, see :mod:`torchport.features`), this registers
 CUDA's autocast policy for the backend's autocast key (:mod:`torchport.amp.policy`)
 and adds ``torch.<device>.amp`` with ``autocast``, ``GradScaler``, ``custom_fwd``
 and ``custom_bwd``. ``torch.autocast(device_type="<device>")`` and
@@ -62,10 +62,10 @@ def make_amp_module(mod: types.ModuleType, b: DeviceBackend) -> types.ModuleType
     return amp
 
 
-@device_module.extend
-def _extend(mod: types.ModuleType, b: DeviceBackend) -> None:
-    amp = make_amp_module(mod, b)
-    mod.amp = amp
+def on_register(backend: DeviceBackend, module: types.ModuleType) -> None:
+    """Add ``torch.<device>.amp`` as ``backend`` registers (:mod:`torchport.features`)."""
+    amp = make_amp_module(module, backend)
+    device_module.add(module, amp=amp)
     sys.modules[amp.__name__] = amp
 
 

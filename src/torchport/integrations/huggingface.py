@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import device_module, settings
+from torchport import settings
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -324,8 +324,9 @@ def patched() -> list[str]:
     return list(_S.done)
 
 
-@device_module.extend
-def _extend(mod: types.ModuleType, b: DeviceBackend) -> None:
+def on_register(backend: DeviceBackend, module: types.ModuleType) -> None:
+    """Install for ``backend`` as it registers, unless TORCHPORT_HF_INTEGRATION is off
+    (:mod:`torchport.features`)."""
     if not settings.get("TORCHPORT_HF_INTEGRATION"):
         return
-    install(b.name)
+    install(backend.name)

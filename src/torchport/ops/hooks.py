@@ -127,8 +127,9 @@ def dispatch(op: Any, name: str, path: str, args: tuple, kwargs: dict,
 
 def on_load_env(start: Callable[[], None]) -> None:
     """Call ``start`` at :func:`load_env`: a tool that environment variables switch on
-    (the porting tools register theirs, :mod:`torchport.debug.env`)."""
-    _ENV_STARTERS.append(start)
+    (the porting tools register theirs, :mod:`torchport.debug.env`); once per ``start``."""
+    if start not in _ENV_STARTERS:
+        _ENV_STARTERS.append(start)
 
 
 def load_env() -> None:

@@ -121,4 +121,23 @@ def forget(ptr: int, size: int) -> None:
         hv.forget(ptr, ptr + size)
 
 
+def caches() -> list[HostViews]:
+    """Every view cache made so far (one per ``to_cpu``), for tools and tests."""
+    return list(_ALL)
+
+
+def cached(ptr: int = 0, size: int | None = None) -> list[tuple]:
+    """The keys ``(data_ptr, dtype, shape, strides)`` of the views kept, over every
+    cache, whose address lies in device memory [ptr, ptr + size) (all without ``size``):
+    what tools and tests inspect, e.g. that a freed segment left no view behind."""
+    end = None if size is None else ptr + size
+    return [k for hv in _ALL for k in hv.entries if ptr <= k[0] and (end is None or k[0] < end)]
+
+
+def clear() -> None:
+    """Drop every kept view, in every cache (the next use of each layout makes it anew)."""
+    for hv in _ALL:
+        hv.clear()
+
+
 allocator.SEGMENT_FREED.append(forget)

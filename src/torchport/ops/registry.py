@@ -212,3 +212,12 @@ def _dtype_checked(op: torch._ops.OpOverload, fn: Callable[..., Any],
                 raise Decline(f"{op} does not handle {v.dtype}")
         return fn(*args, **kwargs)
     return kernel
+
+
+def wrap_kernel(backend: DeviceBackend, op: torch._ops.OpOverload,
+                fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` wrapped as a kernel set's native kernel of ``op`` is: a :class:`Decline`
+    takes the next path; forced fallback and op statistics see it. For tools and tests
+    that register a kernel of their own (``Library.impl(name, kernel, "PrivateUse1")``)."""
+    name = overload_name(op)
+    return _wrap(backend, op, name, fn, fallback.route_for(name))
