@@ -29,7 +29,7 @@ _construct_storage = torch._C._construct_storage_from_data_pointer
 
 # ---- DLPack plumbing -------------------------------------------------------------
 # PyTorch's DLPack import is the one way Python can make a tensor on any
-# ``<device>:<index>`` (DESIGN-NOTES); the capsule wraps a ``DLManagedTensor`` of our
+# ``<device>:<index>`` (docs/memory.md); the capsule wraps a ``DLManagedTensor`` of our
 # own that describes device memory.
 class _DLDevice(ctypes.Structure):
     _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
@@ -70,7 +70,7 @@ _DATA_OFFSET = _DLManagedTensor.dl_tensor.offset + _DLTensor.data.offset
 
 # ---- one DLPack header per layout ----------------------------------------------------
 # Importing a ready header whose data pointer was just rewritten is the cheapest way
-# Python has to make a device tensor (about 1 us, where alias + set_ take 3-4 us):
+# Python has to make a device tensor (an alias plus ``set_`` costs several times more):
 # PyTorch's import is a single C++ call building TensorImpl and storage. A header is
 # (its address, its data field, the storage bytes of its layout). PyTorch keeps the
 # header's address and reads its ``deleter`` field when the storage dies, so headers

@@ -1,7 +1,7 @@
 """The chip's views of device tensors, made once per layout of device memory.
 
 A host-op kernel runs PyTorch's CPU kernel on a view of device memory that its
-``to_cpu`` function makes (``as_strided`` over the chip's memory: about 2 us). What
+``to_cpu`` function makes (an ``as_strided`` over the chip's memory). What
 such a view aliases depends only on the device address, dtype, shape and strides,
 and a training step touches the same few hundred of those every step, so views are
 kept by that key. Blocks are reused at the same address with the same layout, so

@@ -1,10 +1,9 @@
 """View ops without Python: PyTorch's own C++ view kernels, registered for the device.
 
 A view op (``view``, ``as_strided``, ``select``, ``permute``...) only makes a tensor
-header over the same storage, and ATen's CPU kernels do that for any device
-(DESIGN-NOTES). As Python kernels they cost a Python entry each: 3-4 us warm, more in a
-training step, whose large kernels evict the interpreter from the caches; the large
-transformer's step makes about 90. ``native_views.cpp`` (part of :mod:`torchport.native`)
+header over the same storage, and ATen's CPU kernels do that for any device. As Python
+kernels they cost a Python entry each, more in a training step, whose large kernels evict
+the interpreter from the caches (docs/performance.md). ``native_views.cpp`` (part of :mod:`torchport.native`)
 registers the same ATen functions for PrivateUse1 from C++, and the composite views
 (``select``, ``t``...) then run PyTorch's composite kernels, all without Python.
 
