@@ -5,10 +5,11 @@
 the ``c10::DeviceAllocator`` registered in C++ for the device type
 (``c10::getDeviceAllocator``). A Python backend cannot register one, so there these
 functions fail with PyTorch's "Allocator for sim is not a DeviceAllocator". torchport's C++
-library (``native_allocator.cpp``) registers one whose every method calls back into this
-module, which answers with the functions of ``torch.<device>`` over the device's caching
-allocator (:mod:`torchport.allocator`): ``torch.accelerator`` and ``torch.<device>`` report
-the same statistics. The same allocator serves C++ that makes a device storage itself
+library (``native_allocator.cpp``) registers one over the device's caching allocator
+(:mod:`torchport.allocator`): with the C++ pools (:class:`~torchport.allocator.NativeAllocator`)
+allocations, frees and statistics are answered in C++, and the rest (or everything, with the
+Python allocator) calls back into this module, which answers with the functions of
+``torch.<device>``: ``torch.accelerator`` and ``torch.<device>`` report the same statistics. The same allocator serves C++ that makes a device storage itself
 (``torch._C.StorageBase.__new__``, which crashed on the null allocator before): a block of
 the current device's caching allocator, counted as a tensor of that size, returned when the
 storage dies (the block's DataPtr deleter).

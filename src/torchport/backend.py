@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from torchport import native, settings, tensors
-from torchport.allocator import ADOPT_MIN_BYTES, DeviceAllocator
+from torchport.allocator import ADOPT_MIN_BYTES, DeviceAllocator, NativeAllocator, make_allocators
 from torchport.contracts import BackendError
 from torchport.libraries import keep_past_exit
 from torchport.runtime import Runtime
@@ -72,7 +72,9 @@ class Backend:
         self.kernel_sets = list(kernels)
         self.visible = parse_visible_devices(settings.get("TORCHPORT_VISIBLE_DEVICES"),
                                              runtime.device_count())
-        self.allocators = [DeviceAllocator(runtime, p, i, name) for i, p in enumerate(self.visible)]
+        # the Python allocators until registration, which may give the device the C++ ones
+        self.allocators: list[DeviceAllocator] | list[NativeAllocator] = [
+            DeviceAllocator(runtime, p, i, name) for i, p in enumerate(self.visible)]
         self._devices: list[torch.device] | None = None
         self.stream_hook: Any = None  # index -> current stream handle (set by the stream layer)
         # the state of each device's random numbers: its random ops draw from it, and with
@@ -146,7 +148,7 @@ class Backend:
             self._devices = [torch.device(self.name, i) for i in range(len(self.visible))]
         return self._devices
 
-    def allocator(self, index: int | None) -> DeviceAllocator:
+    def allocator(self, index: int | None) -> DeviceAllocator | NativeAllocator:
         return self.allocators[self.check_index(index)]
 
     # ---- tensors ------------------------------------------------------------
@@ -338,6 +340,9 @@ class Backend:
         )
         from torchport.ops import registry
 
+        # the device's caching allocators: C++ where the library loads (nothing was
+        # allocated before registration)
+        self.allocators = make_allocators(self.runtime, self.visible, self.name)
         self.device_module = device_module.make_device_module(self)
         features.install(self, self.device_module)
         _ACTIVE = self

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from torchport import native
+
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
 
@@ -49,6 +51,10 @@ def after_fork_in_child(backend: DeviceBackend) -> None:
     for a in backend.allocators:
         a.malloc = refuse  # every new tensor, every op's output
         a.adopt = refuse
+        a.new_tensor = refuse
+    cpp = native.loaded()
+    if cpp is not None and hasattr(cpp, "torchport_caching_detach"):
+        cpp.torchport_caching_detach()  # C++'s own allocations ask Python (refused) again
     for name in ("to_host", "write_tensor", "synchronize", "host_sync", "to_device"):
         setattr(backend, name, refuse)
 

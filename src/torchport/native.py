@@ -16,9 +16,10 @@ into one small library, with PyTorch's C++ view kernels:
 * the device generators (``native_generator.cpp``): ``torch.Generator(device="sim")`` and
   the per-device default generators, each over a CPU generator's state, which the device's
   CPU kernels draw from;
-* the device allocator (``native_allocator.cpp``, :mod:`torchport.accelerator_memory`):
-  ``torch.accelerator``'s memory API and storages PyTorch's C++ makes, from the caching
-  allocator;
+* the caching allocator and the device allocator (``native_allocator.cpp``,
+  :mod:`torchport.allocator`, :mod:`torchport.accelerator_memory`): the device's memory
+  pools, whose storages return their blocks from their deleters, ``torch.accelerator``'s
+  memory API and storages PyTorch's C++ makes;
 * the profiler stubs (``native_profiler.cpp``, :mod:`torchport.profiling`) and backend
   metadata in checkpoints (``native_metadata.cpp``).
 

@@ -205,6 +205,11 @@ c10::DeviceIndex guard_current_device() { return current_index; }
 void guard_set_device(c10::DeviceIndex index) {
   guard.setDevice(c10::Device(c10::DeviceType::PrivateUse1, index));
 }
+// A call into the stream layer (Op, arguments, *iout), for the caching allocator's events
+// (native_allocator.cpp); raises its failure as a c10::Error.
+int guard_call(int op, long long a, long long b, long long c, long long* iout) {
+  return call(static_cast<Op>(op), a, b, c, iout);
+}
 }  // namespace torchport
 
 // Puts this guard in the registry's PrivateUse1 slot, over the Python one registered

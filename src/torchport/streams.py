@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport import device_module
+from torchport.allocator import DeviceAllocator
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -48,6 +49,7 @@ class _StreamState:
         self.events: dict[int, tuple[int, Any, bool]] = {}  # guard event id -> (index, handle, timing)
         self.next_event = 1
         self.pools: dict[tuple[int, int], tuple[list[Any], list[int]]] = {}
+        self.sids: dict[int, int] = {}  # id of a stream's runtime handle -> its stream id
 
     def current(self, index: int) -> Any:
         guard = self.guard
@@ -207,6 +209,8 @@ def _make(mod: types.ModuleType, b: DeviceBackend) -> None:
             self.handle = handle
             self._priority = int(priority)
             state.by_id[(idx, sid)] = self
+            if handle is not None:
+                state.sids[id(handle)] = sid
             if sid and state.guard is not None:  # PyTorch may make it current from C++
                 state.watch()
             return self
@@ -378,14 +382,26 @@ def _make(mod: types.ModuleType, b: DeviceBackend) -> None:
     # Until some thread makes another stream current, new work goes to the default
     # stream (handle None) and nothing needs asking: set_current installs the hook.
     b.stream_hook = None
-    _install_stream_freeing(b)
+    _install_stream_freeing(b, state)
     _register_record_stream(b, _own)
 
 
-def _install_stream_freeing(b: DeviceBackend) -> None:
+def _install_stream_freeing(b: DeviceBackend, state: _StreamState) -> None:
     """Give each allocator the hook that names the work a freed block must wait for:
     an event on each stream ``record_stream`` named, and on an asynchronous runtime one
-    on the block's allocation stream while that stream still has queued work."""
+    on the block's allocation stream while that stream still has queued work. (The C++
+    allocator records those events itself, through the guard's stream layer: it is given
+    the stream ids of runtime stream handles instead.)"""
+    if any(not isinstance(a, DeviceAllocator) for a in b.allocators):
+        sids = state.sids
+
+        def stream_id_of(handle: Any) -> int:
+            return 0 if handle is None else sids[id(handle)]
+
+        for a in b.allocators:
+            a.stream_id_of = stream_id_of
+            a.stream_of = state.stream
+        return
     rt = b.runtime
     asynchronous = rt.asynchronous
 
@@ -417,6 +433,9 @@ def _record_use(b: DeviceBackend, address: int, index: int, stream: Any) -> None
     """Keep the allocator block at ``address`` on device ``index`` from reuse until the
     work queued so far on ``stream`` ran (``Tensor.record_stream``)."""
     alloc = b.allocator(index)
+    if not isinstance(alloc, DeviceAllocator):  # the C++ allocator
+        alloc.record_use(address, stream.device_index, stream.stream_id)
+        return
     with alloc.lock:
         block = alloc.active.get(address)
         if block is None:

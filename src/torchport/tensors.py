@@ -155,6 +155,10 @@ def import_header(header: Header, ptr: int) -> torch.Tensor | None:
 
 
 # ---- device tensors over allocator blocks ------------------------------------------
+# With the C++ allocator, :func:`new_device_tensor` makes a tensor in one call, its
+# storage's DataPtr returning the block (no Python object needed for the storage's life,
+# so the autograd engine sees the true reference counts). Blocks handed to Python
+# (``malloc``, ``adopt``) and every block of the Python allocator take the path below.
 # A new device tensor comes from its layout's DLPack header (above); where there is
 # none, from a storage built over the block (``_construct_storage_from_data_pointer``,
 # no copy, no deleter) given to a fresh TensorImpl (an alias of a per-(device, dtype)
@@ -238,14 +242,19 @@ def wrap_block(device: torch.device, allocator, block, nbytes: int, dtype: torch
     return _set_storage_boxed(_CPU_KS, shell, storage, 0, size, stride)
 
 
-def new_device_tensor(device: torch.device, allocator, nbytes: int, dtype: torch.dtype,
-                      size, stride, stream: Any = None,
+def new_device_tensor(device: torch.device, alloc, nbytes: int, dtype: torch.dtype, size,
+                      stride, stream: Any = None,
                       header: Header | None | object = _LOOK_UP) -> torch.Tensor:
-    """A new device tensor of ``nbytes`` (the layout's storage bytes) from ``allocator``,
-    the block taken for ``stream`` (``None``: the default stream): the one way the
-    layers above make device tensors (``header`` as :func:`wrap_block` takes it)."""
-    block = allocator.malloc(nbytes, stream) if nbytes else None
-    return wrap_block(device, allocator, block, nbytes, dtype, size, stride, header)
+    """A new device tensor of ``nbytes`` (its storage's bytes) from ``alloc`` on ``stream``
+    (a runtime stream handle, ``None``: the default stream): the one way the layers above
+    make device tensors. With the C++ allocator one call, whose storage returns the block
+    from its deleter; else :func:`wrap_block` over a block of the Python allocator
+    (``header`` as :func:`wrap_block` takes it)."""
+    new = getattr(alloc, "new_tensor", None)
+    if new is not None:
+        return new(nbytes, dtype, size, stride, stream)
+    block = alloc.malloc(nbytes, stream) if nbytes else None
+    return wrap_block(device, alloc, block, nbytes, dtype, size, stride, header)
 
 
 def storage_nbytes(size, stride, itemsize: int, offset: int = 0) -> int:
