@@ -39,6 +39,8 @@ def functional_kernel(backend: DeviceBackend, into: IntoDevice, general: Call,
     add_view = into.views.add
     layouts = into.layouts
     allocators = backend.allocators
+    # the C++ allocator's one-call tensors (tensors.new_device_tensor), per device
+    new_tensors = [getattr(a, "new_tensor", None) for a in allocators]
     devices = backend.devices
     watch = tensors.watch
     wrap_block = tensors.wrap_block
@@ -101,22 +103,28 @@ def functional_kernel(backend: DeviceBackend, into: IntoDevice, general: Call,
         if out_name is None:
             return outputs(device.index, call, specs, fast, cargs, kwargs)
         index = device.index
-        alloc = allocators[index]
         hook = backend.stream_hook
         nbytes, dtype, size, stride, shape_t, stride_t, headers = specs[0]
         # outputs.new_output, inlined (tests/test_ops_hotpath.py proves them equal)
-        block = alloc.malloc(nbytes, None if hook is None else hook(index)) if nbytes else None
-        ptr = block.ptr if nbytes else 0
-        h = headers[index]
-        if h is not None:
-            h[1].value = ptr
-            r = import_dlpack(new_capsule(h[0], dl_name, None))
-            if r.data_ptr() == ptr:
-                watch(r.untyped_storage(), alloc, block)
-            else:  # another thread rewrote the header in between: the slow way
-                h = None
-        if h is None:
-            r = wrap_block(devices[index], alloc, block, nbytes, dtype, size, stride)
+        new = new_tensors[index]
+        if new is not None:  # the C++ allocator: one call
+            r = new(nbytes, dtype, size, stride, None if hook is None else hook(index))
+            ptr = r.data_ptr()
+        else:
+            alloc = allocators[index]
+            block = alloc.malloc(nbytes, None if hook is None else hook(index)) if nbytes \
+                else None
+            ptr = block.ptr if nbytes else 0
+            h = headers[index]
+            if h is not None:
+                h[1].value = ptr
+                r = import_dlpack(new_capsule(h[0], dl_name, None))
+                if r.data_ptr() == ptr:
+                    watch(r.untyped_storage(), alloc, block)
+                else:  # another thread rewrote the header in between: the slow way
+                    h = None
+            if h is None:
+                r = wrap_block(devices[index], alloc, block, nbytes, dtype, size, stride)
         k = (ptr, dtype, shape_t, stride_t)
         e = entries.get(k)
         if e is None:
