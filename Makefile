@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,opencl]'  # opencl: pyopencl + PoCL wheels
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	$(BIN)/python -c "from torchport import native; native.load()"  # views, device guard
 	touch $(STAMP)
@@ -23,7 +23,8 @@ demo: $(STAMP)
 # real-scripts subset (`scripts`); beside it, the modules marked `modes` (core tests, the op
 # layer's, the conformance subsets, the device layer's) with device-only memory
 # (TORCHPORT_SIM_STRICT=1), where every byte must go through the runtime, plus those marked
-# `strict` (the real-scripts subset runs there only), and with asynchronous streams
+# `strict` (the real-scripts subset runs there only) and `opencl` (the OpenCL backend on PoCL,
+# in a worker process of its own), and with asynchronous streams
 # (TORCHPORT_SIM_ASYNC=1), plus those marked `asynchronous` (streams, migrated examples).
 # The runs go side by side (the mode runs with one intra-op thread each; their logs are
 # printed when all ended). The porting tools' tests (`tools`: mostly subprocesses; default
@@ -32,12 +33,12 @@ demo: $(STAMP)
 MODE_PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 test: $(STAMP)
 	logs=$$(mktemp -d); rc=0; \
-	TORCHPORT_SIM_STRICT=1 $(MODE_PYTEST) -m "modes or strict" tests \
+	TORCHPORT_SIM_STRICT=1 $(MODE_PYTEST) -m "modes or strict or opencl" tests \
 		> $$logs/strict 2>&1 & strict=$$!; \
 	( TORCHPORT_SIM_ASYNC=1 $(MODE_PYTEST) -m "modes or asynchronous" tests \
 		> $$logs/async 2>&1; arc=$$?; \
 	  $(MODE_PYTEST) -m tools tests > $$logs/tools 2>&1 || arc=1; exit $$arc ) & async=$$!; \
-	$(BIN)/python -m pytest -q --durations=15 -m "not tools and not scripts" tests || rc=1; \
+	$(BIN)/python -m pytest -q --durations=15 -m "not tools and not scripts and not opencl" tests || rc=1; \
 	wait $$strict || rc=1; wait $$async || rc=1; \
 	echo "== porting tools (default mode)"; cat $$logs/tools; \
 	echo "== TORCHPORT_SIM_STRICT=1"; cat $$logs/strict; \

@@ -29,6 +29,10 @@ from torchport import settings
 
 def load_backend(name: str) -> Any:
     """Import a backend by name: ``sim``, a ``torchport.backends.<name>`` package, or a module path."""
+    if name.endswith(".py") or os.sep in name:  # a file: its module path is what imports
+        module = name.removesuffix(".py").strip(os.sep).replace(os.sep, ".")
+        raise typer.BadParameter(f"backend {name!r} is a file; give its module path, "
+                                 f"e.g. -b {module} (importable from the current directory)")
     candidates = ["torchport.sim"] if name == "sim" else (
         [name] if "." in name else [f"torchport.backends.{name}", name])
     last: Exception | None = None
@@ -41,8 +45,10 @@ def load_backend(name: str) -> Any:
                 raise  # the backend exists but one of its own imports is missing
             last = e
     else:
-        raise typer.BadParameter(f"unknown backend {name!r} (tried {', '.join(candidates)})") \
-            from last
+        raise typer.BadParameter(
+            f"unknown backend {name!r}: no module {' or '.join(candidates)} can be imported "
+            f"from {os.getcwd()} or PYTHONPATH; give sim, a torchport.backends name (opencl) or "
+            f"a module path whose import registers the backend") from last
     from torchport import active_backend
 
     return active_backend()

@@ -169,7 +169,9 @@ class Runtime(abc.ABC):
     def copy_d2d(self, dst_index: int, dst: int, src_index: int, src: int, nbytes: int,
                  stream: StreamHandle | None = None) -> None:
         """Copy ``nbytes`` between device addresses, possibly across devices
-        (``stream`` belongs to ``dst_index``)."""
+        (``stream`` belongs to ``dst_index``). Within one device (``dst_index ==
+        src_index``) it also serves same-device copies of device-only memory
+        (``b.copy_(a)`` of one dense span), ordered on the current stream."""
 
     @abc.abstractmethod
     def memset(self, index: int, ptr: int, value: int, nbytes: int,

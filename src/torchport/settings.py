@@ -150,6 +150,13 @@ _DECLARED = [
     Setting("TORCHPORT_SIM_ASYNC", "flag", "0", "1: sim streams run work on worker threads",
             "`1`: sim streams run runtime work on worker threads (see "
             "[streams](streams-rng-amp.md))", scope="backend"),
+    Setting("TORCHPORT_OPENCL_PLATFORM", "str", None, "OpenCL platform of the ocl backend",
+            "OpenCL platform the `ocl` backend (`import torchport.opencl`) uses: an index into "
+            "pyopencl's platform list or a part of the platform's name (`Portable`, `NVIDIA`); "
+            "unset: the first platform that lists a device", scope="backend"),
+    Setting("TORCHPORT_OPENCL_DEVICES", "list", None, "OpenCL devices of the ocl backend",
+            "comma list of device indices of that platform the `ocl` backend uses (unset: all)",
+            scope="backend", allowed="comma-separated device indices such as 0,1"),
     Setting("TORCHPORT_LAUNCH_BLOCKING", "flag", "0", "1: every launch synchronous",
             "`1`: every launch synchronous (debugging)"),
     Setting("TORCHPORT_TRANSFER", "flag", "0", "1: run CUDA code on the device",

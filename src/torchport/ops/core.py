@@ -14,11 +14,16 @@ import torch
 
 from torchport import tensors
 from torchport.ops import hostviews
+from torchport.ops.declarations import Decline
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
 
 _CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+#: Core overloads a vendor's kernel set may take over: a ``copy_`` kernel does the
+#: same-device copies (any layout and dtype; the core kernel still does the others), a
+#: ``_to_copy`` kernel is tried first. Either may raise Decline for an input.
+OVERRIDABLE = frozenset({"copy_", "_to_copy"})
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset
 
 
@@ -48,8 +53,10 @@ def preserved_strides(t: torch.Tensor) -> list[int]:
 
 
 def copy_between(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor,
-                 non_blocking: bool = False) -> torch.Tensor:
-    """``dst.copy_(src)`` where either side is a device tensor."""
+                 non_blocking: bool = False,
+                 overrides: dict[str, Callable[..., Any]] | None = None) -> torch.Tensor:
+    """``dst.copy_(src)`` where either side is a device tensor (``overrides``: the vendor's
+    kernels for :data:`OVERRIDABLE` overloads)."""
     name = backend.name
     if src.device == dst.device:
         _assert_no_partial_overlap(dst, src)
@@ -58,12 +65,31 @@ def copy_between(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor,
     if dst.numel() == 0:
         return dst
     if dst.device.type == name:
-        if src.device == dst.device and backend.runtime.host_addressable \
-                and not backend.runtime.asynchronous:
-            # one device, memory the host can address: ATen's copy between the two views
-            values = _host_values(backend, src, _host_view(backend, src))
-            _host_view(backend, dst).copy_(_as_stored_in(dst, values))
-            return dst
+        if src.device == dst.device:
+            rt = backend.runtime
+            host_views = rt.host_addressable and not rt.asynchronous
+            if not rt.host_addressable and _plain_bytes(src, dst):
+                # device-only memory, one span of bytes: the runtime copies within the
+                # device, in stream order
+                i = dst.device.index
+                p = backend.phys(i)
+                if dst.data_ptr() != src.data_ptr():  # else the same elements: nothing to do
+                    rt.copy_d2d(p, dst.data_ptr(), p, src.data_ptr(),
+                                dst.numel() * dst.element_size(),
+                                backend.current_stream_handle(i) if rt.asynchronous else None)
+                return dst
+            vendor = overrides.get("copy_") if overrides else None
+            if vendor is not None:
+                try:
+                    vendor(dst, src, non_blocking)  # the device's own strided copy
+                    return dst
+                except Decline:
+                    pass
+            if host_views:
+                # one device, memory the host can address: ATen's copy between the two views
+                values = _host_values(backend, src, _host_view(backend, src))
+                _host_view(backend, dst).copy_(_as_stored_in(dst, values))
+                return dst
         if src.device.type == name and src.device != dst.device and _plain_bytes(src, dst):
             rt = backend.runtime
             n = dst.numel() * dst.element_size()
@@ -161,8 +187,12 @@ def _plain_bytes(src: torch.Tensor, dst: torch.Tensor) -> bool:
             and src.is_conj() == dst.is_conj() and src.is_neg() == dst.is_neg())
 
 
-def core_kernels(backend: DeviceBackend) -> dict[str, Callable[..., Any]]:
-    """ATen overload name -> kernel, for the ops torchport implements for every backend."""
+def core_kernels(backend: DeviceBackend, overrides: dict[str, Callable[..., Any]] | None = None
+                 ) -> dict[str, Callable[..., Any]]:
+    """ATen overload name -> kernel, for the ops torchport implements for every backend.
+    ``overrides`` (read at call time, so a kernel set added later counts): the vendor's
+    kernels for :data:`OVERRIDABLE` overloads."""
+    vendor: dict[str, Callable[..., Any]] = {} if overrides is None else overrides
 
     # A kind of allocation (size, strides or memory format, dtype, layout, device, the
     # current device) -> _new_tensor's arguments: the checks and the layout arithmetic
@@ -201,15 +231,15 @@ def core_kernels(backend: DeviceBackend) -> dict[str, Callable[..., Any]]:
         return remember(key, backend.empty_strided(size, stride, dtype, device))
 
     def copy_(self, src, non_blocking=False):
-        return copy_between(backend, self, src, non_blocking)
+        return copy_between(backend, self, src, non_blocking, vendor)
 
     def _copy_from(self, dst, non_blocking=False):
-        return copy_between(backend, dst, self, non_blocking)
+        return copy_between(backend, dst, self, non_blocking, vendor)
 
     def _copy_from_and_resize(self, dst):
         if dst.shape != self.shape:
             backend.resize_device_tensor(dst, self.shape, tensors.contiguous_strides(self.shape))
-        return copy_between(backend, dst, self)
+        return copy_between(backend, dst, self, overrides=vendor)
 
     def resize_(self, size, memory_format=None):
         if memory_format is None and list(self.shape) == list(size):
@@ -240,6 +270,14 @@ def core_kernels(backend: DeviceBackend) -> dict[str, Callable[..., Any]]:
                 non_blocking=False, memory_format=None):
         # Own kernel: PyTorch's would pin the CPU destination of a non_blocking copy, which
         # needs a pinned-memory allocator hook a Python backend cannot register.
+        own = vendor.get("_to_copy")
+        if own is not None:
+            try:
+                return own(self, dtype=dtype, layout=layout, device=device,
+                           pin_memory=pin_memory, non_blocking=non_blocking,
+                           memory_format=memory_format)
+            except Decline:
+                pass
         _check_layout(layout)
         if type(self).shape is not torch.Tensor.shape:
             # a subclass that hides its metadata from Python (a lazy module's
@@ -254,7 +292,7 @@ def core_kernels(backend: DeviceBackend) -> dict[str, Callable[..., Any]]:
             out = backend.empty_strided(self.shape, stride, dtype, device)
         else:
             out = torch.empty_strided(self.shape, stride, dtype=dtype, device=device)
-        return copy_between(backend, out, self, non_blocking)
+        return copy_between(backend, out, self, non_blocking, vendor)
 
     def local_scalar_dense(self):
         # a training loop's loss.item() every step: the cached view, not a new one

@@ -23,6 +23,7 @@ Declarations stay inspectable: :func:`native_overloads` lists them.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,7 @@ def _has_backend_slot(op: torch._ops.OpOverload) -> bool:
 
 _NATIVE: dict[str, KernelDecl] = {}
 _CORE: set[str] = set()
+_OVERRIDES: dict[str, Callable[..., Any]] = {}  # the vendor's core.OVERRIDABLE kernels
 
 
 def native_overloads() -> dict[str, KernelDecl]:
@@ -119,7 +121,7 @@ def install(backend: DeviceBackend) -> None:
     """Register core kernels, the backend's kernel sets and the fallback."""
     lib = backend.library()
     taken: set[str] = set()
-    for name, fn in core.core_kernels(backend).items():
+    for name, fn in core.core_kernels(backend, _OVERRIDES).items():
         op = resolve_overloads(name)[0]
         # Never forced: the fallback itself allocates and copies with them.
         lib.impl(name, _wrap(backend, op, name, fn, fallback.Route(name)), "PrivateUse1")
@@ -128,7 +130,7 @@ def install(backend: DeviceBackend) -> None:
     for ks in backend.kernel_sets:
         install_kernel_set(backend, ks, lib, taken)
     from torchport.ops import device_routes  # after the backend's own: its kernels win
-    install_kernel_set(backend, device_routes.make_kernel_set(backend), lib, taken)
+    install_kernel_set(backend, device_routes.make_kernel_set(backend), lib, taken, warn=False)
     fb = backend.library("_")
     fb.fallback(fallback.make_fallback(backend), "PrivateUse1", with_keyset=True)
     native_views.install(backend)
@@ -164,9 +166,11 @@ def _expand(decl: KernelDecl) -> list[tuple[torch._ops.OpOverload, Callable[...,
 
 
 def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library.Library | None = None,
-                       taken: set[str] | None = None) -> list[str]:
+                       taken: set[str] | None = None, warn: bool = True) -> list[str]:
     """Register a kernel set's declarations (at registration, or later for one added
-    after it); returns the overloads registered. The first declaration of an overload wins."""
+    after it); returns the overloads registered. The first declaration of an overload wins;
+    one that names an overload (or a core one) and makes nothing native because others were
+    first is reported (``warn``)."""
     if lib is None:
         lib = backend.library()
     if taken is None:
@@ -178,8 +182,17 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                 lib.impl(overload_name(op), decl.fn, "AutogradPrivateUse1")
                 done.append(overload_name(op))
             continue
+        ignored, installed = [], False
         for op, make, d in _expand(decl):
             oname = overload_name(op)
+            if oname in core.OVERRIDABLE and d.kind == "aten" and oname not in _OVERRIDES:
+                _OVERRIDES[oname] = d.fn if d.dtypes is None else _dtype_checked(op, d.fn, d.dtypes)
+                _NATIVE[oname] = d
+                done.append(oname)
+                installed = True
+                continue
+            if oname in taken:
+                ignored.append(oname)
             if oname in taken or not _has_backend_slot(op):
                 continue
             route = fallback.route_for(oname)
@@ -199,6 +212,12 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
             taken.add(oname)
             _NATIVE[oname] = d
             done.append(oname)
+            installed = True
+        if ignored and not installed and warn and decl.kind != "host" \
+                and ("." in decl.name or any(n in _CORE for n in ignored)):
+            warnings.warn(f"{ks.name}: the declaration of {decl.name!r} is ignored: "
+                          f"{', '.join(ignored)} already has a kernel (torchport's own, or an "
+                          f"earlier declaration); declare each overload once", stacklevel=3)
     paths.forget_decisions()
     return done
 

@@ -1,0 +1,619 @@
+"""The OpenCL backend's kernels: OpenCL C generated per op, dtype and rank, launched on the
+tensor's current stream (an in-order queue) with buffer arguments found through the
+runtime's segment table.
+
+Every kernel reads its operands where they are, strided (views, broadcast inputs with
+stride 0, storage offsets), so no kernel copies an input first. Three generators cover the
+ops: elementwise (any number of inputs, broadcasting, type promotion as PyTorch's
+``elementwise_dtypes`` says, the computation in PyTorch's "opmath" type), row kernels
+(one work-item per output element looping over the reduced dimensions: reductions,
+softmax) and a tiled GEMM. Programs are built once per source and device, on first use
+(PoCL and pyopencl keep built binaries on disk). What no kernel here handles raises
+:class:`~torchport.ops.Decline`: decompositions, then the CPU fallback, take it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyopencl as cl
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as PROMOTE
+from torch._prims_common import elementwise_dtypes
+
+import torchport
+from torchport.backends.opencl.runtime import OpenCLRuntime
+from torchport.ops import Decline, KernelSet
+
+_CL = {torch.float32: "float", torch.float64: "double", torch.float16: "half",
+       torch.int64: "long", torch.int32: "int", torch.int16: "short", torch.int8: "char",
+       torch.uint8: "uchar", torch.bool: "uchar"}
+_NP = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64,
+       torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
+       torch.uint8: np.uint8, torch.bool: np.uint8}
+FLOATS = (torch.float32, torch.float64, torch.float16)
+DTYPES = frozenset(_CL)
+_OPTIONS = ["-cl-fp32-correctly-rounded-divide-sqrt"]  # IEEE division and sqrt, as the CPU
+# a float rounded to float16 and back (vstore_half needs no cl_khr_fp16)
+_ROUND_HALF = """inline float round_half(float v) {
+  ushort h; vstore_half_rte(v, 0, (__private half*)&h); return vload_half(0, (__private const half*)&h);
+}
+"""
+
+
+class Programs:
+    """Built programs per (device, source): compiled on first use, then reused."""
+
+    def __init__(self, runtime: OpenCLRuntime) -> None:
+        self.runtime = runtime
+        self.kernels: dict[tuple[int, str], cl.Kernel] = {}
+        self.lock = threading.Lock()  # a kernel object's arguments are set, then enqueued
+
+    def kernel(self, index: int, source: str) -> cl.Kernel:
+        k = self.kernels.get((index, source))
+        if k is None:
+            head = "#pragma OPENCL FP_CONTRACT OFF\n"  # no fused multiply-add: the CPU's rounding
+            if self.runtime.fp64[index]:
+                head += "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"
+            if "round_half(" in source:
+                head += _ROUND_HALF
+            program = cl.Program(self.runtime.contexts[index], head + source).build(_OPTIONS)
+            k = self.kernels[(index, source)] = program.all_kernels()[0]
+        return k
+
+    def run(self, index: int, queue: cl.CommandQueue, source: str, size: Sequence[int],
+            args: list[Any], local: Sequence[int] | None = None) -> None:
+        k = self.kernel(index, source)
+        with self.lock:
+            k(queue, tuple(size), None if local is None else tuple(local), *args)
+
+
+@dataclass
+class Operand:
+    """A kernel argument: a device tensor (buffer, byte offset, strides) or a scalar."""
+
+    dtype: torch.dtype
+    tensor: torch.Tensor | None = None
+    value: Any = None
+
+
+def _operand(v: Any) -> Operand:
+    if isinstance(v, torch.Tensor):
+        if v.device.type == "cpu":
+            if v.dim() != 0:
+                raise Decline("a CPU tensor operand")
+            return Operand(v.dtype, value=v.item())
+        if v.dtype not in DTYPES or v.is_conj() or v.is_neg():
+            raise Decline(f"ocl kernels do not handle {v.dtype}")
+        return Operand(v.dtype, tensor=v)
+    if isinstance(v, bool):
+        return Operand(torch.bool, value=v)
+    if isinstance(v, int):
+        return Operand(torch.int64, value=v)
+    if isinstance(v, float):
+        return Operand(torch.float64, value=v)
+    raise Decline(f"operand {type(v).__name__}")
+
+
+def _coalesce(sizes: list[int], strides: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """Drop size-1 dimensions and merge neighbours every operand walks as one (the order of
+    elements is kept: row-major over ``sizes``)."""
+    keep = [d for d, s in enumerate(sizes) if s != 1]
+    sizes = [sizes[d] for d in keep]
+    strides = [[st[d] for d in keep] for st in strides]
+    i = len(sizes) - 1
+    while i > 0:
+        if all(st[i - 1] == st[i] * sizes[i] for st in strides):
+            sizes[i - 1] *= sizes[i]
+            for st in strides:
+                st[i - 1] = st[i]
+                del st[i]
+            del sizes[i]
+        i -= 1
+    return sizes, strides
+
+
+def _load(dtype: torch.dtype, ptr: str, index: str) -> str:
+    if dtype == torch.float16:
+        return f"vload_half({index}, (__global const half*)({ptr}))"
+    return f"((__global const {_CL[dtype]}*)({ptr}))[{index}]"
+
+
+def _store(dtype: torch.dtype, ptr: str, index: str, value: str) -> str:
+    if dtype == torch.float16:
+        return f"vstore_half_rte((float)({value}), {index}, (__global half*)({ptr}));"
+    if dtype == torch.bool:
+        return f"((__global uchar*)({ptr}))[{index}] = ({value}) != 0;"
+    return f"((__global {_CL[dtype]}*)({ptr}))[{index}] = ({_CL[dtype]})({value});"
+
+
+def _ctype(dtype: torch.dtype) -> str:
+    """The C type a value of ``dtype`` is computed in (half: in float, as PyTorch's opmath)."""
+    return "float" if dtype == torch.float16 else _CL[dtype]
+
+
+def _scalar(dtype: torch.dtype, value: Any) -> Any:
+    return _NP[torch.float32 if dtype == torch.float16 else dtype](value)
+
+
+def _positions(rank: int, count: int) -> list[str]:
+    """C statements: ``q{k}``, element ``r`` of the index space ``z0..`` in operand ``k``'s
+    strides ``t{k}_0..`` (one dimension: no division, the common contiguous case)."""
+    if rank == 1:
+        return [f"q{k} = r * t{k}_0;" for k in range(count)]
+    return [f"{{ long c = r % z{d}; r /= z{d}; "
+            + " ".join(f"q{k} += c * t{k}_{d};" for k in range(count)) + "}"
+            for d in reversed(range(rank))]
+
+
+class Launcher:
+    """Builds and enqueues the generated kernels for one runtime."""
+
+    def __init__(self, runtime: OpenCLRuntime) -> None:
+        self.runtime = runtime
+        self.programs = Programs(runtime)
+        self.placeholders: dict[int, cl.Buffer] = {}
+
+    def _where(self, t: torch.Tensor) -> tuple[int, cl.CommandQueue]:
+        index = torchport.device_index(t)
+        return index, self.runtime.queue(index, torchport.current_stream(t))
+
+    def _buffer(self, index: int, t: torch.Tensor) -> list[Any]:
+        if t.numel() == 0:  # owns no memory, and no work-item reads it
+            if index not in self.placeholders:
+                self.placeholders[index] = cl.Buffer(self.runtime.contexts[index],
+                                                     cl.mem_flags.READ_WRITE, 256)
+            return [self.placeholders[index], np.uint64(0)]
+        buf, off = self.runtime.locate(index, torchport.device_address(t))
+        return [buf, np.uint64(off)]
+
+    # ---- elementwise ----
+    def elementwise(self, out: torch.Tensor, inputs: Sequence[Any], expr: str,
+                    compute: torch.dtype | Sequence[torch.dtype],
+                    scalars: Sequence[tuple[torch.dtype, Any]] = ()) -> torch.Tensor:
+        """``out[i] = expr`` over ``out``'s elements: ``a0``, ``a1``, ... are the inputs
+        (broadcast to ``out``) converted to the computation type (``compute``: one, or one
+        per input), ``s0``, ``s1``, ... the ``scalars``."""
+        if out.numel() == 0:
+            return out
+        ops = [_operand(v) for v in inputs]
+        computes = [compute] * len(ops) if isinstance(compute, torch.dtype) else list(compute)
+        index, queue = self._where(out)
+        tensors = [out] + [o.tensor.expand(out.shape) for o in ops if o.tensor is not None]
+        for t in tensors[1:]:
+            if t.device != out.device:
+                raise Decline("operands on two devices")
+        sizes, strides = _coalesce(list(out.shape), [list(t.stride()) for t in tensors])
+        rank = len(sizes)
+        params = ["long n"] + [f"long z{d}" for d in range(rank)]
+        args: list[Any] = [np.int64(out.numel())] + [np.int64(s) for s in sizes]
+        body = ["long i = get_global_id(0);", "if (i >= n) return;", "long r = i;"]
+        names = [f"p{k}" for k in range(len(tensors))]
+        for k, (t, st) in enumerate(zip(tensors, strides, strict=True)):
+            params += [f"__global char* p{k}", f"ulong o{k}"] + [f"long t{k}_{d}" for d in range(rank)]
+            args += self._buffer(index, t) + [np.int64(s) for s in st]
+            body.append(f"long q{k} = 0;")
+        body += _positions(rank, len(tensors))
+        k = 1
+        for j, (o, ct) in enumerate(zip(ops, computes, strict=True)):
+            if o.tensor is not None:
+                body.append(f"{_ctype(ct)} a{j} = ({_ctype(ct)})"
+                            f"{_load(o.dtype, f'{names[k]} + o{k}', f'q{k}')};")
+                k += 1
+            else:
+                params.append(f"{_ctype(ct)} a{j}")
+                args.append(_scalar(ct, o.value))
+        for j, (dt, v) in enumerate(scalars):
+            params.append(f"{_ctype(dt)} s{j}")
+            args.append(_scalar(dt, v))
+        body.append(_store(out.dtype, "p0 + o0", "q0", expr))
+        source = (f"__kernel void elementwise({', '.join(params)}) {{\n  "
+                  + "\n  ".join(body) + "\n}\n")
+        self.programs.run(index, queue, source, [out.numel()], args)
+        return out
+
+    # ---- row kernels: one work-item per output element, a loop over reduced dims ----
+    def rows(self, outs: Sequence[torch.Tensor], out_kept: Sequence[Sequence[int]],
+             inputs: Sequence[torch.Tensor], kept: Sequence[int], reduced: Sequence[int],
+             body: str, extra: Sequence[tuple[str, Any]] = ()) -> None:
+        """For each position over ``inputs[0]``'s dims ``kept``: ``body`` with ``m``
+        (the number of reduced elements), ``IN{k}(j)`` (element ``j`` of input ``k`` along
+        the reduced dims, row-major) and output ``k`` at ``p{k} + o{k}``, element ``q{k}``.
+        ``out_kept``: each output's strides over ``kept``; ``extra``: more kernel parameters
+        (declaration, value)."""
+        x = inputs[0]
+        index, queue = self._where(x)
+        kept_sizes = [x.shape[d] for d in kept]
+        red_sizes = [x.shape[d] for d in reduced]
+        n, m = math.prod(kept_sizes), math.prod(red_sizes)
+        if n == 0:
+            return
+        ksz, kst = _coalesce(kept_sizes, [list(s) for s in out_kept]
+                             + [[t.stride(d) for d in kept] for t in inputs])
+        rsz, rst = _coalesce(red_sizes, [[t.stride(d) for d in reduced] for t in inputs])
+        params = ["long n", "long m"] + [f"long z{d}" for d in range(len(ksz))] \
+            + [f"long y{d}" for d in range(len(rsz))]
+        args: list[Any] = [np.int64(n), np.int64(m)] + [np.int64(s) for s in ksz + rsz]
+        code = ["long i = get_global_id(0);", "if (i >= n) return;", "long r = i;"]
+        tensors = list(outs) + list(inputs)
+        for k, t in enumerate(tensors):
+            params += [f"__global char* p{k}", f"ulong o{k}"] \
+                + [f"long t{k}_{d}" for d in range(len(ksz))]
+            args += self._buffer(index, t) + [np.int64(s) for s in kst[k]]
+            code.append(f"long q{k} = 0;")
+        for j in range(len(inputs)):
+            k = len(outs) + j
+            params += [f"long u{k}_{d}" for d in range(len(rsz))]
+            args += [np.int64(s) for s in rst[j]]
+        code += _positions(len(ksz), len(tensors))
+        macros = []
+        for j, t in enumerate(inputs):
+            k = len(outs) + j
+            macros.append(f"inline long inner{k}(long j{''.join(f', long y{d}, long u{d}' for d in range(len(rsz)))}) "
+                          + ("{ return j * u0; }" if len(rsz) == 1 else  # j < y0: no division
+                             "{ long q = 0; " + " ".join(f"q += (j % y{d}) * u{d}; j /= y{d};"
+                                                          for d in reversed(range(len(rsz))))
+                             + " return q; }"))
+            call = f"inner{k}(j{''.join(f', y{d}, u{k}_{d}' for d in range(len(rsz)))})"
+            code.append(f"#define IN{j}(j) ({_load(t.dtype, f'p{k} + o{k}', f'q{k} + {call}')})")
+        for decl, value in extra:
+            params.append(decl)
+            args.append(value)
+        code.append(body)
+        source = "\n".join(macros) + f"\n__kernel void rows({', '.join(params)}) {{\n  " \
+            + "\n  ".join(code) + "\n}\n"
+        self.programs.run(index, queue, source, [n], args)
+
+    # ---- GEMM ----
+    def gemm(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             bias: torch.Tensor | None = None, alpha: Any = 1, beta: Any = 1) -> torch.Tensor:
+        """``out = beta * bias + alpha * (a @ b)`` (batched when ``out`` is 3-d), tiled in
+        local memory; ``bias`` broadcast to ``out``."""
+        if out.numel() == 0:
+            return out
+        dt = out.dtype
+        if dt not in (torch.float32, torch.float64, torch.int64) \
+                or any(t.dtype != dt for t in (a, b) + ((bias,) if bias is not None else ())):
+            raise Decline(f"ocl gemm does not handle {dt}")
+        if out.dim() == 2:
+            out, a, b = out[None], a[None], b[None]
+            bias = None if bias is None else bias.expand(out.shape[1:])[None]
+        elif bias is not None:
+            bias = bias.expand(out.shape)
+        index, queue = self._where(out)
+        batch, m, n = out.shape
+        k = a.shape[-1]
+        ct = _CL[dt]
+        tile = 16
+        params = ["long B", "long M", "long N", "long K", f"{ct} alpha", f"{ct} beta"]
+        args: list[Any] = [np.int64(batch), np.int64(m), np.int64(n), np.int64(k),
+                           _scalar(dt, alpha), _scalar(dt, beta if bias is not None else 0)]
+        for name, t in (("c", out), ("a", a), ("b", b)) + ((("e", bias),) if bias is not None else ()):
+            params += [f"__global char* {name}p", f"ulong {name}o"] + [f"long {name}s{d}" for d in range(3)]
+            args += self._buffer(index, t) + [np.int64(s) for s in t.stride()]
+        a_at = f"((__global const {ct}*)(ap + ao))[z * as0 + (row) * as1 + (col) * as2]"
+        b_at = f"((__global const {ct}*)(bp + bo))[z * bs0 + (row) * bs1 + (col) * bs2]"
+        store = "c_at = alpha * acc;"
+        if bias is not None:
+            e_at = f"((__global const {ct}*)(ep + eo))[z * es0 + gm * es1 + gn * es2]"
+            store = f"c_at = (beta == 0 ? 0 : beta * {e_at}) + alpha * acc;"
+        source = f"""
+__kernel void gemm({', '.join(params)}) {{
+  __local {ct} As[{tile}][{tile}];
+  __local {ct} Bs[{tile}][{tile}];
+  long z = get_global_id(2);
+  int lx = get_local_id(0), ly = get_local_id(1);
+  long gn = get_global_id(0), gm = get_global_id(1);
+  {ct} acc = 0;
+  for (long t0 = 0; t0 < K; t0 += {tile}) {{
+    long row = gm, col = t0 + lx;
+    As[ly][lx] = (row < M && col < K) ? {a_at} : 0;
+    row = t0 + ly; col = gn;
+    Bs[ly][lx] = (row < K && col < N) ? {b_at} : 0;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int kk = 0; kk < {tile}; kk++) acc += As[ly][kk] * Bs[kk][lx];
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }}
+  if (gm < M && gn < N) {{
+    #define c_at ((__global {ct}*)(cp + co))[z * cs0 + gm * cs1 + gn * cs2]
+    {store}
+  }}
+}}
+"""
+        up = lambda v: -(-v // tile) * tile  # noqa: E731
+        self.programs.run(index, queue, source, [up(n), up(m), batch], args, [tile, tile, 1])
+        return out
+
+
+def make_kernels(runtime: OpenCLRuntime) -> KernelSet:
+    """The backend's kernel set over ``runtime``."""
+    ks = KernelSet("opencl")
+    L = Launcher(runtime)
+    dtypes = DTYPES if all(runtime.fp64) else DTYPES - {torch.float64}
+    floats = [d for d in FLOATS if d in dtypes]
+
+    def promote(kind: PROMOTE, *args: Any) -> torch.dtype:
+        return elementwise_dtypes(*args, type_promotion_kind=kind)[0]
+
+    def isfloat(dt: torch.dtype) -> bool:
+        return dt.is_floating_point
+
+    # ---- binary ----
+    def binary(name: str, expr: Callable[[torch.dtype], str],
+               kind: PROMOTE = PROMOTE.DEFAULT) -> None:
+        @ks.out_kernel(name, dtypes=dtypes)
+        def kernel(self, other, *, out, alpha=1):
+            ct = promote(kind, self, other)
+            scalars = [(ct, alpha)] if alpha != 1 else []
+            e = expr(ct) if alpha == 1 else expr(ct).replace("a1", "(s0 * a1)")
+            return L.elementwise(out, [self, other], e, ct, scalars)
+
+    binary("add.out", lambda ct: "a0 + a1")
+    binary("sub.out", lambda ct: "a0 - a1")
+    binary("mul.out", lambda ct: "a0 * a1")
+    maxi = "isnan(a0) ? a0 : (isnan(a1) ? a1 : (a0 {} a1 ? a0 : a1))"
+    binary("maximum.out", lambda ct: maxi.format(">") if isfloat(ct) else "a0 > a1 ? a0 : a1")
+    binary("minimum.out", lambda ct: maxi.format("<") if isfloat(ct) else "a0 < a1 ? a0 : a1")
+    for op, sym in (("eq", "=="), ("ne", "!="), ("lt", "<"), ("le", "<="), ("gt", ">"),
+                    ("ge", ">=")):
+        binary(f"{op}.Tensor_out", lambda ct, s=sym: f"a0 {s} a1", PROMOTE.ALWAYS_BOOL)
+        binary(f"{op}.Scalar_out", lambda ct, s=sym: f"a0 {s} a1", PROMOTE.ALWAYS_BOOL)
+
+    @ks.out_kernel("div.out", dtypes=dtypes)
+    def div_out(self, other, *, out):
+        ct = promote(PROMOTE.INT_TO_FLOAT, self, other)
+        return L.elementwise(out, [self, other], "a0 / a1", ct)
+
+    @ks.out_kernel("threshold_backward.grad_input", dtypes=dtypes)
+    def threshold_backward(grad_output, self, threshold, *, grad_input):
+        ct = promote(PROMOTE.DEFAULT, grad_output, self)
+        return L.elementwise(grad_input, [grad_output, self], "a1 <= s0 ? 0 : a0", ct,
+                             [(ct, threshold)])
+
+    @ks.out_kernel("sigmoid_backward.grad_input", dtypes=floats)
+    def sigmoid_backward(grad_output, output, *, grad_input):
+        ct = promote(PROMOTE.DEFAULT, grad_output, output)
+        return L.elementwise(grad_input, [grad_output, output], "a0 * (1 - a1) * a1", ct)
+
+    @ks.out_kernel("tanh_backward.grad_input", dtypes=floats)
+    def tanh_backward(grad_output, output, *, grad_input):
+        ct = promote(PROMOTE.DEFAULT, grad_output, output)
+        return L.elementwise(grad_input, [grad_output, output], "a0 * (1 - a1 * a1)", ct)
+
+    # ---- ternary (the optimizers' foreach ops decompose into these) ----
+    @ks.out_kernel("addcmul.out", dtypes=dtypes)
+    def addcmul(self, tensor1, tensor2, *, value=1, out):
+        ct = promote(PROMOTE.DEFAULT, self, tensor1, tensor2)
+        return L.elementwise(out, [self, tensor1, tensor2], "a0 + s0 * a1 * a2", ct,
+                             [(ct, value)])
+
+    @ks.out_kernel("addcdiv.out", dtypes=floats)
+    def addcdiv(self, tensor1, tensor2, *, value=1, out):
+        ct = promote(PROMOTE.DEFAULT, self, tensor1, tensor2)
+        return L.elementwise(out, [self, tensor1, tensor2], "a0 + s0 * a1 / a2", ct,
+                             [(ct, value)])
+
+    lerp = "fabs(a2) < 0.5f ? a0 + a2 * (a1 - a0) : a1 - (a1 - a0) * (1 - a2)"
+
+    @ks.out_kernel("lerp.Scalar_out", dtypes=floats)
+    def lerp_scalar(self, end, weight, *, out):
+        ct = promote(PROMOTE.DEFAULT, self, end)
+        return L.elementwise(out, [self, end, weight], lerp, ct)
+
+    @ks.out_kernel("lerp.Tensor_out", dtypes=floats)
+    def lerp_tensor(self, end, weight, *, out):
+        ct = promote(PROMOTE.DEFAULT, self, end, weight)
+        return L.elementwise(out, [self, end, weight], lerp, ct)
+
+    @ks.out_kernel("where.self_out", dtypes=dtypes)
+    def where(condition, self, other, *, out):
+        ct = promote(PROMOTE.NO_OPMATH, self, other)
+        return L.elementwise(out, [condition, self, other], "a0 ? a1 : a2",
+                             [torch.bool, ct, ct])
+
+    # ---- unary ----
+    def unary(name: str, expr: Callable[[torch.dtype], str], kind: PROMOTE = PROMOTE.DEFAULT,
+              only: Sequence[torch.dtype] = tuple(dtypes)) -> None:
+        @ks.out_kernel(name, dtypes=only)
+        def kernel(self, *, out):
+            ct = promote(kind, self)
+            return L.elementwise(out, [self], expr(ct), ct)
+
+    unary("neg.out", lambda ct: "-a0", only=tuple(dtypes - {torch.bool}))
+    unary("abs.out", lambda ct: "fabs(a0)" if isfloat(ct) else "(a0 < 0 ? -a0 : a0)")
+    for fn in ("exp", "log", "sqrt", "tanh", "sin", "cos", "log1p", "expm1"):
+        unary(f"{fn}.out", lambda ct, f=fn: f"{f}(a0)", PROMOTE.INT_TO_FLOAT)
+    unary("rsqrt.out", lambda ct: "1 / sqrt(a0)", PROMOTE.INT_TO_FLOAT)
+    unary("sigmoid.out", lambda ct: "1 / (1 + exp(-a0))", PROMOTE.INT_TO_FLOAT)
+    unary("reciprocal.out", lambda ct: "1 / a0", PROMOTE.INT_TO_FLOAT)
+
+    def relu_expr(t: torch.Tensor) -> str:
+        return "isnan(a0) ? a0 : (a0 > 0 ? a0 : 0)" if isfloat(t.dtype) else "a0 > 0 ? a0 : 0"
+
+    @ks.kernel("relu", dtypes=dtypes - {torch.bool})
+    def relu(self):
+        out = torch.empty_like(self)
+        return L.elementwise(out, [self], relu_expr(self), self.dtype)
+
+    @ks.kernel("relu_", dtypes=dtypes - {torch.bool})
+    def relu_(self):
+        return L.elementwise(self, [self], relu_expr(self), self.dtype)
+
+    @ks.out_kernel("pow.Tensor_Scalar_out", dtypes=floats)
+    def pow_scalar(self, exponent, *, out):
+        if not isinstance(exponent, int | float) or isinstance(exponent, bool):
+            raise Decline("pow with a complex exponent")
+        ct = promote(PROMOTE.DEFAULT, self, exponent)
+        # the CPU's special cases, for its rounding
+        expr = {2: "a0 * a0", 3: "a0 * a0 * a0", 0.5: "sqrt(a0)", -1: "1 / a0",
+                -2: "1 / (a0 * a0)", 1: "a0", 0: "1"}.get(exponent, "pow(a0, s0)")
+        return L.elementwise(out, [self], expr, ct, [(ct, exponent)])
+
+    # ---- fill and copies ----
+    @ks.kernel("fill_.Scalar", dtypes=dtypes)
+    def fill_scalar(self, value):
+        ct = self.dtype
+        return L.elementwise(self, [], "s0", ct, [(ct, value)])
+
+    @ks.kernel("fill_.Tensor", dtypes=dtypes)
+    def fill_tensor(self, value):
+        if value.dim() != 0:
+            raise Decline("fill_ with a tensor of several elements")
+        return L.elementwise(self, [value], "a0", value.dtype)
+
+    @ks.kernel("zero_", dtypes=dtypes)
+    def zero_(self):
+        return L.elementwise(self, [], "0", self.dtype)
+
+    @ks.kernel("copy_", dtypes=dtypes)
+    def copy_(self, src, non_blocking=False):
+        """Same-device copies of any layout and dtype (torchport's core copy calls it)."""
+        if src.device != self.device:
+            raise Decline("a copy between devices")
+        return L.elementwise(self, [src], "a0", src.dtype if src.dtype != torch.float16
+                             else torch.float32)
+
+    # ---- reductions ----
+    def dims_of(x: torch.Tensor, dim: Any) -> list[int]:
+        if dim is None or (isinstance(dim, list | tuple) and len(dim) == 0):
+            return list(range(x.dim()))
+        dims = [dim] if isinstance(dim, int) else list(dim)
+        return sorted({d % max(x.dim(), 1) for d in dims}) if x.dim() else []
+
+    def reduce(x: torch.Tensor, dim: Any, keepdim: bool, outs: Sequence[torch.Tensor],
+               body: str) -> None:
+        red = dims_of(x, dim)
+        kept = [d for d in range(x.dim()) if d not in red]
+        out_kept = []
+        for o in outs:
+            if keepdim and o.dim() == x.dim():
+                out_kept.append([o.stride(d) for d in kept])
+            else:
+                out_kept.append(list(o.stride())[: len(kept)] if o.dim() else [])
+        L.rows(outs, out_kept, [x], kept, red, body)
+
+    def acc_type(dt: torch.dtype) -> str:
+        if dt.is_floating_point:
+            return "double" if all(runtime.fp64) else "float"
+        return "long"
+
+    @ks.out_kernel("sum.IntList_out", dtypes=dtypes)
+    def sum_out(self, dim, keepdim=False, *, dtype=None, out):
+        at = acc_type(out.dtype)
+        reduce(self, dim, keepdim, [out],
+               f"{at} acc = 0; for (long j = 0; j < m; j++) acc += ({at})IN0(j);\n  "
+               + _store(out.dtype, "p0 + o0", "q0", "acc"))
+        return out
+
+    @ks.out_kernel("mean.out", dtypes=floats)
+    def mean_out(self, dim, keepdim=False, *, dtype=None, out):
+        at = acc_type(out.dtype)
+        reduce(self, dim, keepdim, [out],
+               f"{at} acc = 0; for (long j = 0; j < m; j++) acc += ({at})IN0(j);\n  "
+               + _store(out.dtype, "p0 + o0", "q0", f"acc / ({at})m"))
+        return out
+
+    def extreme(name: str, cmp: str) -> None:
+        @ks.out_kernel(name, dtypes=dtypes)
+        def kernel(self, dim=(), keepdim=False, *, out):
+            ct = _ctype(self.dtype)
+            better = f"isnan(v) || v {cmp} acc" if isfloat(self.dtype) else f"v {cmp} acc"
+            reduce(self, dim, keepdim, [out],
+                   f"{ct} acc = IN0(0); for (long j = 1; j < m; j++) {{ {ct} v = IN0(j); "
+                   f"if ({better}) acc = v; }}\n  " + _store(out.dtype, "p0 + o0", "q0", "acc"))
+            return out
+
+    extreme("amax.out", ">")
+    extreme("amin.out", "<")
+
+    def arg_extreme(name: str, cmp: str) -> None:
+        @ks.out_kernel(name, dtypes=dtypes - {torch.bool})
+        def kernel(self, dim=None, keepdim=False, *, out):
+            x = self if dim is not None else self.reshape(-1)
+            if dim is None and keepdim:
+                raise Decline("argmax over all dims with keepdim")
+            ct = _ctype(self.dtype)
+            better = (f"!isnan(b) && (isnan(v) || v {cmp} b)" if isfloat(self.dtype)
+                      else f"v {cmp} b")
+            reduce(x, dim if dim is not None else 0, keepdim, [out],
+                   f"{ct} b = IN0(0); long at = 0; for (long j = 1; j < m; j++) "
+                   f"{{ {ct} v = IN0(j); if ({better}) {{ b = v; at = j; }} }}\n  "
+                   + _store(torch.int64, "p0 + o0", "q0", "at"))
+            return out
+
+    arg_extreme("argmax.out", ">")
+    arg_extreme("argmin.out", "<")
+
+    # ---- softmax ----
+    def softmax_like(name: str, log: bool) -> None:
+        @ks.out_kernel(name, dtypes=floats)
+        def kernel(self, dim, half_to_float, *, out):
+            if half_to_float or self.dim() == 0:
+                raise Decline("softmax with half_to_float or of a 0-dim tensor")
+            half = self.dtype == torch.float16
+            ct, at = _ctype(self.dtype), "float" if half else acc_type(self.dtype)
+            d = dim % self.dim()
+            kept = [k for k in range(self.dim()) if k != d]
+            # float16 over the last dim: the CPU's kernel rounds the sum and its log to
+            # float16 in between
+            last = half and d == self.dim() - 1
+            logs = "round_half(log(round_half(s)))" if last else "log(s)"
+            value = f"v - mx - {logs}" if log else "exp(v - mx) / s"
+            body = (f"{ct} mx = -INFINITY; for (long j = 0; j < m; j++) {{ {ct} v = IN0(j); "
+                    f"if (isnan(v) || v > mx) mx = v; if (isnan(mx)) break; }}\n  "
+                    f"{at} s = 0; for (long j = 0; j < m; j++) s += exp(IN0(j) - mx);\n  "
+                    f"for (long j = 0; j < m; j++) {{ {ct} v = IN0(j); "
+                    + _store(out.dtype, "p0 + o0", "q0 + j * w", f"({ct})({value})")
+                    + " }")
+            L.rows([out], [[out.stride(k) for k in kept]], [self], kept, [d], body,
+                   [("long w", np.int64(out.stride(d)))])
+            return out
+
+    softmax_like("_softmax.out", False)
+    softmax_like("_log_softmax.out", True)
+
+    def softmax_backward(name: str, log: bool) -> None:
+        @ks.out_kernel(name, dtypes=floats)
+        def kernel(grad_output, output, dim, input_dtype, *, out=None,
+                   grad_input=None):  # the two overloads name their output differently
+            out = grad_input if out is None else out
+            if output.dtype != grad_output.dtype or output.dim() == 0:
+                raise Decline("softmax backward of mixed dtypes or a 0-dim tensor")
+            ct, at = _ctype(output.dtype), acc_type(output.dtype)
+            d = dim % output.dim()
+            kept = [k for k in range(output.dim()) if k != d]
+            total = "IN0(j)" if log else "IN0(j) * IN1(j)"
+            value = "IN0(j) - exp(IN1(j)) * s" if log else "IN1(j) * (IN0(j) - s)"
+            body = (f"{at} acc = 0; for (long j = 0; j < m; j++) acc += {total};\n  "
+                    f"{ct} s = ({ct})acc;\n  for (long j = 0; j < m; j++) {{ "
+                    + _store(out.dtype, "p0 + o0", "q0 + j * w", value) + " }")
+            L.rows([out], [[out.stride(k) for k in kept]], [grad_output, output], kept, [d],
+                   body, [("long w", np.int64(out.stride(d)))])
+            return out
+
+    softmax_backward("_softmax_backward_data.out", False)
+    softmax_backward("_log_softmax_backward_data.out", True)
+
+    # ---- matrix products ----
+    @ks.out_kernel("mm.out", dtypes=dtypes)
+    def mm(self, mat2, *, out):
+        return L.gemm(out, self, mat2)
+
+    @ks.out_kernel("bmm.out", dtypes=dtypes)
+    def bmm(self, mat2, *, out):
+        return L.gemm(out, self, mat2)
+
+    @ks.out_kernel("addmm.out", dtypes=dtypes)
+    def addmm(self, mat1, mat2, *, beta=1, alpha=1, out):
+        return L.gemm(out, mat1, mat2, self, alpha, beta)
+
+    @ks.out_kernel("baddbmm.out", dtypes=dtypes)
+    def baddbmm(self, batch1, batch2, *, beta=1, alpha=1, out):
+        return L.gemm(out, batch1, batch2, self, alpha, beta)
+
+    return ks

@@ -1,0 +1,273 @@
+"""The OpenCL runtime: torchport's :class:`~torchport.runtime.Runtime` over pyopencl.
+
+A device with memory the host cannot read: each device has one OpenCL context, its
+streams are in-order command queues, events are markers in them (queues profile, so
+``elapsed_time`` is the device's own clock), and memory is OpenCL buffers behind integer
+addresses. torchport needs addresses (a storage offset is an address plus bytes), and
+OpenCL gives opaque buffer handles: :meth:`OpenCLRuntime.malloc` hands out addresses from
+a per-device range and a segment table maps any address inside a block back to
+``(buffer, byte offset)`` (:meth:`OpenCLRuntime.locate`), which is what a kernel gets as
+arguments -- no sub-buffers, whose offsets OpenCL restricts to the device's alignment.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import threading
+from typing import Any
+
+import numpy as np
+import pyopencl as cl
+
+from torchport import settings
+from torchport.runtime import DeviceProperties, Runtime
+
+_ALIGN = 256
+_SPAN = 1 << 44  # address range of one device
+
+
+class Queue:
+    """A stream: an in-order command queue, and the first error of work launched on it."""
+
+    __slots__ = ("error", "queue")
+
+    def __init__(self, queue: cl.CommandQueue) -> None:
+        self.queue = queue
+        self.error: BaseException | None = None
+
+
+class Marker:
+    """An event: the marker last recorded on a queue (``None`` until recorded)."""
+
+    __slots__ = ("enable_timing", "index", "marker")
+
+    def __init__(self, index: int, enable_timing: bool) -> None:
+        self.index, self.enable_timing = index, enable_timing
+        self.marker: cl.Event | None = None
+
+
+def select_devices() -> list[cl.Device]:
+    """The OpenCL devices ``TORCHPORT_OPENCL_PLATFORM`` / ``TORCHPORT_OPENCL_DEVICES`` pick
+    (default: every device of the first platform that has one)."""
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error:  # the ICD loader found no platform at all
+        platforms = []
+    want = settings.get("TORCHPORT_OPENCL_PLATFORM")
+    if want is not None:
+        chosen = [p for i, p in enumerate(platforms)
+                  if want.strip() == str(i) or want.lower() in p.name.lower()][:1]
+    else:
+        chosen = [p for p in platforms if _devices_of(p)][:1]
+    devices = _devices_of(chosen[0]) if chosen else []
+    picked = settings.get("TORCHPORT_OPENCL_DEVICES")
+    if picked is not None:
+        devices = [devices[int(i)] for i in picked if i.isdigit() and int(i) < len(devices)]
+    return devices
+
+
+def _devices_of(platform: cl.Platform) -> list[cl.Device]:
+    try:
+        return platform.get_devices()
+    except cl.Error:  # CL_DEVICE_NOT_FOUND
+        return []
+
+
+class OpenCLRuntime(Runtime):
+    """Every selected OpenCL device as a torchport device (asynchronous, device-only memory)."""
+
+    host_addressable = False
+    asynchronous = True
+
+    def __init__(self, devices: list[cl.Device] | None = None) -> None:
+        self.devices = select_devices() if devices is None else devices
+        self.contexts = [cl.Context([d]) for d in self.devices]
+        self.default = [self._new_queue(i) for i in range(len(self.devices))]
+        self.created: list[list[Queue]] = [[] for _ in self.devices]  # streams
+        self.blocks: list[dict[int, cl.Buffer]] = [{} for _ in self.devices]
+        self.bases: list[list[int]] = [[] for _ in self.devices]
+        self.sizes: list[dict[int, int]] = [{} for _ in self.devices]
+        self.next = [(i + 1) * _SPAN for i in range(len(self.devices))]
+        self.used = [0 for _ in self.devices]
+        self.lock = threading.RLock()  # autograd's threads allocate and launch too
+        self.fp64 = [_has(d, "cl_khr_fp64") for d in self.devices]
+        self.fp16 = [_has(d, "cl_khr_fp16") for d in self.devices]
+
+    def _new_queue(self, index: int) -> Queue:
+        props = cl.command_queue_properties.PROFILING_ENABLE
+        return Queue(cl.CommandQueue(self.contexts[index], self.devices[index], properties=props))
+
+    # ---- devices ----
+    def device_count(self) -> int:
+        return len(self.devices)
+
+    def get_device_properties(self, index: int) -> DeviceProperties:
+        d = self.devices[index]
+        return DeviceProperties(name=d.name.strip(), total_memory=d.global_mem_size,
+                                multi_processor_count=d.max_compute_units,
+                                extra={"platform": d.platform.name, "opencl": d.version})
+
+    # ---- memory ----
+    def malloc(self, index: int, nbytes: int) -> int | None:
+        d = self.devices[index]
+        if nbytes > d.max_mem_alloc_size or self.used[index] + nbytes > d.global_mem_size:
+            return None
+        try:
+            buf = cl.Buffer(self.contexts[index], cl.mem_flags.READ_WRITE, nbytes)
+        except cl.MemoryError:
+            return None
+        with self.lock:
+            ptr = self.next[index]
+            self.next[index] += -(-nbytes // _ALIGN) * _ALIGN
+            self.blocks[index][ptr] = buf
+            self.sizes[index][ptr] = nbytes
+            bisect.insort(self.bases[index], ptr)
+            self.used[index] += nbytes
+        return ptr
+
+    def free(self, index: int, ptr: int) -> None:
+        with self.lock:
+            buf = self.blocks[index].pop(ptr)
+            self.bases[index].remove(ptr)
+            self.used[index] -= self.sizes[index].pop(ptr)
+        buf.release()
+
+    def mem_get_info(self, index: int) -> tuple[int, int]:
+        total = self.devices[index].global_mem_size
+        return total - self.used[index], total
+
+    def locate(self, index: int, ptr: int, nbytes: int = 1) -> tuple[cl.Buffer, int]:
+        """The buffer holding device address ``ptr`` and the byte offset in it; raises for
+        an address no live block covers (``nbytes`` from it)."""
+        bases = self.bases[index]
+        with self.lock:
+            i = bisect.bisect_right(bases, ptr) - 1
+            base = bases[i] if i >= 0 else None
+            if base is None or ptr - base + nbytes > self.sizes[index][base]:
+                raise RuntimeError(f"ocl: illegal address {ptr:#x} (+{nbytes} bytes) on device "
+                                   f"{index}: no live block holds it")
+            return self.blocks[index][base], ptr - base
+
+    def queue(self, index: int, stream: Queue | None) -> cl.CommandQueue:
+        return (self.default[index] if stream is None else stream).queue
+
+    # ---- copies ----
+    def copy_h2d(self, index: int, dst: int, src_host: int, nbytes: int,
+                 stream: Queue | None = None) -> None:
+        buf, off = self.locate(index, dst, nbytes)
+        cl.enqueue_copy(self.queue(index, stream), buf, _host(src_host, nbytes),
+                        dst_offset=off, is_blocking=stream is None)
+
+    def copy_d2h(self, index: int, dst_host: int, src: int, nbytes: int,
+                 stream: Queue | None = None) -> None:
+        buf, off = self.locate(index, src, nbytes)
+        cl.enqueue_copy(self.queue(index, stream), _host(dst_host, nbytes), buf,
+                        src_offset=off, is_blocking=stream is None)
+
+    def copy_d2d(self, dst_index: int, dst: int, src_index: int, src: int, nbytes: int,
+                 stream: Queue | None = None) -> None:
+        dbuf, doff = self.locate(dst_index, dst, nbytes)
+        sbuf, soff = self.locate(src_index, src, nbytes)
+        q = self.queue(dst_index, stream)
+        if dst_index == src_index:
+            cl.enqueue_copy(q, dbuf, sbuf, byte_count=nbytes, src_offset=soff, dst_offset=doff)
+            if stream is None:
+                q.finish()
+            return
+        # two contexts: through the host (the source's queued work first)
+        staging = np.empty(nbytes, np.uint8)
+        cl.enqueue_copy(self.default[src_index].queue, staging, sbuf, src_offset=soff)
+        cl.enqueue_copy(q, dbuf, staging, dst_offset=doff, is_blocking=True)
+
+    def memset(self, index: int, ptr: int, value: int, nbytes: int,
+               stream: Queue | None = None) -> None:
+        buf, off = self.locate(index, ptr, nbytes)
+        q = self.queue(index, stream)
+        cl.enqueue_fill_buffer(q, buf, np.uint8(value), off, nbytes)
+        if stream is None:
+            q.finish()
+
+    # ---- streams ----
+    def launch(self, index: int, stream: Queue | None, fn: Any, name: str = "") -> None:
+        """Host-side work in queue order (a Python kernel): the queue drains, then ``fn``
+        runs; its error is reported at the stream's next synchronisation."""
+        q = self.default[index] if stream is None else stream
+        q.queue.finish()
+        try:
+            fn()
+        except Exception as e:  # reported at the next synchronising call
+            e.add_note(f"in {name or 'work'} launched on ocl:{index}")
+            q.error = q.error or e
+
+    def synchronize(self, index: int) -> None:
+        for q in [self.default[index], *self.created[index]]:
+            self.synchronize_stream(index, q)
+
+    def create_stream(self, index: int, priority: int = 0) -> Queue:
+        q = self._new_queue(index)
+        with self.lock:
+            self.created[index].append(q)
+        return q
+
+    def destroy_stream(self, index: int, stream: Queue) -> None:
+        self.synchronize_stream(index, stream)
+        with self.lock:
+            self.created[index].remove(stream)
+
+    def synchronize_stream(self, index: int, stream: Queue | None) -> None:
+        q = self.default[index] if stream is None else stream
+        q.queue.finish()
+        error, q.error = q.error, None
+        if error is not None:
+            raise RuntimeError(f"ocl: work queued on device {index} failed: {error}") from error
+
+    def query_stream(self, index: int, stream: Queue | None) -> bool:
+        q = self.queue(index, stream)
+        marker = cl.enqueue_marker(q)
+        q.flush()
+        return marker.command_execution_status == cl.command_execution_status.COMPLETE
+
+    # ---- events ----
+    def create_event(self, index: int, enable_timing: bool = False,
+                     blocking: bool = False) -> Marker:
+        return Marker(index, enable_timing)
+
+    def record_event(self, index: int, event: Marker, stream: Queue | None) -> None:
+        q = self.queue(index, stream)
+        event.index, event.marker = index, cl.enqueue_marker(q)
+        q.flush()
+
+    def stream_wait_event(self, index: int, stream: Queue | None, event: Marker) -> None:
+        if event.marker is None:
+            return
+        if event.index == index:  # one context: the queue waits, not the host
+            cl.enqueue_barrier(self.queue(index, stream), wait_for=[event.marker])
+        else:
+            event.marker.wait()
+
+    def synchronize_event(self, index: int, event: Marker) -> None:
+        if event.marker is not None:
+            event.marker.wait()
+
+    def query_event(self, index: int, event: Marker) -> bool:
+        return event.marker is None or \
+            event.marker.command_execution_status == cl.command_execution_status.COMPLETE
+
+    def event_elapsed_time(self, index: int, start: Marker, end: Marker) -> float:
+        if not (start.enable_timing and end.enable_timing):
+            raise RuntimeError("Both events must be created with enable_timing=True to "
+                               "measure elapsed time")
+        if start.marker is None or end.marker is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time")
+        end.marker.wait()
+        return (end.marker.profile.end - start.marker.profile.end) / 1e6
+
+
+def _has(device: cl.Device, extension: str) -> bool:
+    return extension in device.extensions.split()
+
+
+def _host(address: int, nbytes: int) -> np.ndarray:
+    """Host memory at ``address`` as the numpy buffer pyopencl copies to or from."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))

@@ -1,0 +1,56 @@
+"""The OpenCL tests' worker process (tests/opencl_worker.py) and how a test runs code in it."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worker_env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    for k in ("TORCHPORT_SIM_STRICT", "TORCHPORT_SIM_ASYNC", "TORCHPORT_AUTOLOAD"):
+        env.pop(k, None)
+    return env
+
+
+class Worker:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "opencl_worker.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=worker_env(), cwd=ROOT)
+        self._answer()  # {"ready": true}
+
+    def run(self, code: str) -> None:
+        """Run ``code`` in the worker; its exception fails the test with its traceback."""
+        self.proc.stdin.write(json.dumps({"code": textwrap.dedent(code)}) + "\n")
+        self.proc.stdin.flush()
+        answer = self._answer()
+        if not answer["ok"]:
+            pytest.fail(answer["error"], pytrace=False)
+
+    def _answer(self) -> dict:
+        while True:  # skip what else the worker prints
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the OpenCL worker ended (exit {self.proc.wait()})")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def ocl():
+    pytest.importorskip("pyopencl", reason="the opencl extra is not installed")
+    w = Worker()
+    yield w
+    w.close()

@@ -1,0 +1,269 @@
+"""The OpenCL backend (``import torchport.opencl``, device ``ocl``) on the machine's OpenCL
+driver (PoCL from the ``opencl`` extra on a CPU-only machine): memory the host cannot read,
+kernels queued on in-order queues, each kernel against CPU PyTorch (bit for bit where the
+math is the same), same-device copies that stay on the device, and an MLP trained with
+AdamW as on the CPU. The code runs in a worker process (tests/opencl_worker.py)."""
+
+import pytest
+
+from tests.opencl_support import ocl  # noqa: F401  (the worker fixture)
+
+pytestmark = pytest.mark.opencl
+
+# Runs in the worker before the tests: helpers shared by them.
+HELPERS = """
+import torch
+from torchport.backends.opencl.runtime import OpenCLRuntime, select_devices
+
+def same(dev, cpu):
+    got = dev.cpu()
+    assert got.dtype == cpu.dtype and got.shape == cpu.shape, (got.dtype, cpu.dtype, got.shape, cpu.shape)
+    assert torch.equal(got, cpu) or (got.isnan() == cpu.isnan()).all() and torch.equal(
+        got.nan_to_num(), cpu.nan_to_num()), (got, cpu)
+
+def close(dev, cpu, rtol=1.3e-6, atol=1e-5):
+    got = dev.cpu()
+    assert got.dtype == cpu.dtype and got.shape == cpu.shape, (got.dtype, cpu.dtype)
+    torch.testing.assert_close(got, cpu, rtol=rtol, atol=atol, equal_nan=True)
+
+def native_only(fn):
+    import json
+    with torchport.ops.record() as rec:
+        fn()
+    ops = json.loads(rec.to_json())["ops"]
+    assert ops and not [n for n, row in ops.items() if "fallback" in json.dumps(row)], ops
+
+class Calls:
+    '''Counts the runtime's copies while in the with block.'''
+    def __init__(self):
+        self.rt = ocl.runtime
+    def __enter__(self):
+        self.counts, self.saved = {}, {}
+        for name in ("copy_h2d", "copy_d2h", "copy_d2d"):
+            orig = getattr(self.rt, name)
+            self.saved[name] = orig
+            def counted(*a, _n=name, _o=orig, **k):
+                self.counts[_n] = self.counts.get(_n, 0) + 1
+                return _o(*a, **k)
+            setattr(self.rt, name, counted)
+        return self
+    def __exit__(self, *exc):
+        for name in self.saved:
+            delattr(self.rt, name)
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _helpers(ocl):  # noqa: F811
+    ocl.run(HELPERS)
+
+
+def test_device_memory_is_device_only_and_round_trips_every_dtype(ocl):  # noqa: F811
+    ocl.run("""
+    assert torch.ocl.is_available() and torch.ocl.device_count() == ocl.runtime.device_count() >= 1
+    rt = ocl.runtime
+    assert not rt.host_addressable and rt.asynchronous
+    assert torch.ocl.get_device_properties(0).total_memory == rt.devices[0].global_mem_size
+    for dt in (torch.float32, torch.float16, torch.int64, torch.int32, torch.bool, torch.uint8):
+        x = (torch.randn(5, 7) * 10).to(dt)
+        d = x.to("ocl")
+        same(d, x)
+        same(d.t(), x.t())                       # a strided view read back
+        same(d[1:, ::2].contiguous(), x[1:, ::2].contiguous())  # the device's strided copy
+    assert torch.empty(0, 3, device="ocl").cpu().shape == (0, 3)
+    v = d[2:]                                   # an interior address: the same buffer
+    buf, off = rt.locate(torchport.device_index(v), torchport.device_address(v))
+    base_buf, base_off = rt.locate(torchport.device_index(d), torchport.device_address(d))
+    assert buf == base_buf and off == base_off + 2 * 7 * d.element_size()
+    """)
+
+
+def test_elementwise_broadcasting_type_promotion_and_scalars(ocl):  # noqa: F811
+    ocl.run("""
+    a = torch.randn(4, 1, 3)
+    b = torch.randint(-5, 5, (2, 3), dtype=torch.int64)
+    m = torch.rand(4, 2, 3) > 0.5
+    da, db, dm = a.to("ocl"), b.to("ocl"), m.to("ocl")
+    same(da + db, a + b)                  # float32 + int64 -> float32, broadcast
+    same(db * 3, b * 3)                   # int64 * Python int
+    same(db / 2, b / 2)                   # int64 true division -> float32
+    same(da - db * 2.5, a - b * 2.5)
+    same(torch.add(da, db, alpha=2), torch.add(a, b, alpha=2))
+    same(dm * db, m * b)                  # bool * int64
+    same(da > db, a > b)
+    same(db.eq(2), b.eq(2))
+    same(torch.where(dm, da, db.double()), torch.where(m, a, b.double()))
+    same(torch.maximum(da, torch.full_like(da, float("nan")).to("ocl")[:, :, :1]),
+         torch.maximum(a, torch.full_like(a, float("nan"))[:, :, :1]))
+    same(da * torch.tensor(2.0), a * torch.tensor(2.0))       # a 0-dim CPU tensor operand
+    x = torch.randn(6, 5)
+    dx = x.to("ocl")
+    same(dx.t()[1:] * dx.t()[:-1], x.t()[1:] * x.t()[:-1])    # transposed and offset views
+    h = x.half()
+    same(h.to("ocl") * 3 + h.to("ocl"), h * 3 + h)            # float16 through opmath float
+    y = dx.clone(); y.mul_(2).add_(1)
+    same(y, x * 2 + 1)                                        # in-place, derived from out=
+    out = torch.empty(6, 5, dtype=torch.float64, device="ocl")
+    torch.mul(dx, 10, out=out)                                # computed in float32, stored wider
+    same(out, torch.mul(x, 10, out=torch.empty(6, 5, dtype=torch.float64)))
+    same(dx.neg().abs(), x.neg().abs())
+    same(torch.relu(dx), torch.relu(x))
+    close(dx.exp(), x.exp()); close(dx.abs().sqrt(), x.abs().sqrt()); close(dx.tanh(), x.tanh())
+    close(dx.sigmoid(), x.sigmoid()); close(dx.abs().log(), x.abs().log())
+    close(dx.abs().pow(1.7), x.abs().pow(1.7))
+    same(dx.pow(2), x.pow(2))
+    native_only(lambda: (da + db, dm * db, da > db, torch.where(dm, da, da), dx.exp()))
+    """)
+
+
+def test_reductions_over_dims(ocl):  # noqa: F811
+    ocl.run("""
+    x = torch.randn(3, 4, 5)
+    x[1, 2, 3] = float("nan")
+    dx = x.to("ocl")
+    for dims, keep in (((1,), False), ((0, 2), True), ((), False), ((-1,), True)):
+        close(dx.nan_to_num().sum(dims, keepdim=keep), x.nan_to_num().sum(dims, keepdim=keep))
+        close(dx.nan_to_num().mean(dims, keepdim=keep), x.nan_to_num().mean(dims, keepdim=keep))
+        same(dx.amax(dims, keepdim=keep), x.amax(dims, keepdim=keep))   # NaN propagates
+        same(dx.amin(dims, keepdim=keep), x.amin(dims, keepdim=keep))
+    same(dx.argmax(2), x.argmax(2)); same(dx.argmin(1, keepdim=True), x.argmin(1, keepdim=True))
+    same(dx.argmax(), x.argmax())
+    t = torch.tensor([[1, 3, 3, 0], [2, 2, 1, 2]])
+    same(t.to("ocl").argmax(1), t.argmax(1))                 # ties: the first index
+    i = torch.randint(-100, 100, (7, 9))
+    same(i.to("ocl").sum(0), i.sum(0)); same(i.to("ocl").t().sum(1), i.t().sum(1))
+    same((i > 0).to("ocl").sum(), (i > 0).sum())             # bool -> int64
+    same(torch.empty(0, 4).to("ocl").sum(0), torch.empty(0, 4).sum(0))
+    native_only(lambda: (dx.sum(1), dx.amax(0), dx.argmax(2), dx.mean((0, 2))))
+    """)
+
+
+def test_gemm_and_softmax_with_their_backward(ocl):  # noqa: F811
+    ocl.run("""
+    a, b, c = torch.randn(37, 19), torch.randn(23, 19), torch.randn(23)
+    da, db, dc = a.to("ocl"), b.to("ocl"), c.to("ocl")
+    close(da @ db.t(), a @ b.t())
+    close(torch.addmm(dc, da, db.t(), beta=0.5, alpha=2), torch.addmm(c, a, b.t(), beta=0.5, alpha=2))
+    p, q = torch.randn(3, 5, 17), torch.randn(3, 4, 17)
+    close(torch.bmm(p.to("ocl"), q.to("ocl").transpose(1, 2)), torch.bmm(p, q.transpose(1, 2)))
+    i, j = torch.randint(-9, 9, (5, 6)), torch.randint(-9, 9, (6, 4))
+    same(i.to("ocl") @ j.to("ocl"), i @ j)                   # int64: exact
+    x = torch.randn(6, 9, requires_grad=True)
+    dx = x.detach().to("ocl").requires_grad_()
+    for f in (torch.softmax, torch.log_softmax):
+        for dim in (1, 0):
+            g = torch.randn(6, 9)
+            y, dy = f(x, dim), f(dx, dim)
+            close(dy, y.detach())
+            gx, = torch.autograd.grad(y, x, g)
+            gdx, = torch.autograd.grad(dy, dx, g.to("ocl"))
+            close(gdx, gx)
+    h = (torch.randn(40, 7) * 9).half()
+    same(torch.log_softmax(h.to("ocl"), 1), torch.log_softmax(h, 1))  # the CPU's roundings
+    same(torch.log_softmax(h.to("ocl"), 0), torch.log_softmax(h, 0))
+    native_only(lambda: (torch.log_softmax(dx.detach(), 1), da @ db.t(), torch.addmm(dc, da, db.t())))
+    """)
+
+
+def test_same_device_copies_stay_on_the_device(ocl):  # noqa: F811
+    ocl.run("""
+    x, y = torch.randn(8, 6), torch.randn(8, 2)
+    a, b, dy = x.to("ocl"), torch.empty(8, 6, device="ocl"), y.to("ocl")
+    with Calls() as calls:
+        b.copy_(a)                              # same dtype, dense: one runtime copy
+    assert calls.counts == {"copy_d2d": 1}, calls.counts
+    with Calls() as calls:
+        h = a.to(torch.float16)                 # dtype conversion: the device's copy kernel
+        a[:, :2] = dy                           # a strided destination
+        c = a.t().contiguous()
+    assert calls.counts == {}, calls.counts
+    same(b, x); same(h, x.half())
+    x[:, :2] = y
+    same(a, x); same(c, x.t().contiguous())
+    """)
+
+
+def test_mlp_trains_with_adamw_and_sgd_as_on_the_cpu(ocl):  # noqa: F811
+    ocl.run("""
+    def train(device, opt_cls, steps=4):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 5)).to(device)
+        opt = opt_cls(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(64, 20, generator=gen).to(device)
+        y = torch.randint(0, 5, (64,), generator=gen).to(device)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, [p.detach().cpu() for p in model.parameters()]
+
+    for opt_cls in (torch.optim.AdamW, lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9)):
+        cpu_losses, cpu_params = train("cpu", opt_cls)
+        ocl_losses, ocl_params = train("ocl", opt_cls)
+        torch.testing.assert_close(ocl_losses, cpu_losses, rtol=1e-5, atol=1e-6)
+        for p, q in zip(ocl_params, cpu_params):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    """)
+
+
+def test_an_op_without_a_kernel_falls_back_to_the_cpu(ocl):  # noqa: F811
+    ocl.run("""
+    x = torch.randn(5, 7)
+    dx = x.to("ocl")
+    with torchport.ops.record() as rec:
+        got = torch.cumsum(dx, 1)
+    same(got, torch.cumsum(x, 1))
+    assert "fallback" in rec.table() and "cumsum" in rec.table()
+    assert "cumsum.out" not in torchport.ops.native_overloads()
+    """)
+
+
+def test_streams_events_and_out_of_memory(ocl):  # noqa: F811
+    ocl.run("""
+    x = torch.randn(256, 256)
+    dx = x.to("ocl")
+    s = torch.ocl.Stream()
+    start, end = torch.ocl.Event(enable_timing=True), torch.ocl.Event(enable_timing=True)
+    s.wait_stream(torch.ocl.current_stream())
+    with torch.ocl.stream(s):
+        start.record()
+        y = dx @ dx
+        z = y.sum(1)
+        end.record()
+        close(z, (x @ x).sum(1), rtol=1e-4, atol=1e-3)   # a blocking read on the side stream
+    end.synchronize()
+    assert end.query() and start.elapsed_time(end) >= 0
+    torch.ocl.current_stream().wait_stream(s)
+    close(y, x @ x, rtol=1e-4, atol=1e-3)
+    torch.ocl.synchronize()
+    total = torch.ocl.get_device_properties(0).total_memory
+    try:
+        torch.empty(total // 4 * 2, dtype=torch.float32, device="ocl")
+    except torch.OutOfMemoryError as e:
+        assert "ocl" in str(e)
+    else:
+        raise AssertionError("no OutOfMemoryError")
+    """)
+
+
+def test_no_device_is_a_clear_error(ocl):  # noqa: F811
+    ocl.run("""
+    import os
+    from torchport.backends.opencl import OpenCLUnavailable, make_backend
+    os.environ["TORCHPORT_OPENCL_PLATFORM"] = "no such platform"
+    try:
+        assert select_devices() == []
+    finally:
+        del os.environ["TORCHPORT_OPENCL_PLATFORM"]
+    try:
+        make_backend(OpenCLRuntime(devices=[]))
+    except OpenCLUnavailable as e:
+        assert isinstance(e, ImportError) and "pocl-binary-distribution" in str(e)
+    else:
+        raise AssertionError("no error")
+    """)

@@ -1,0 +1,32 @@
+"""The conformance runner on the OpenCL backend (``--backend opencl``), as a vendor runs it
+on theirs: native kernels and the CPU fallback both pass against the CPU, and the report says
+which path each overload took."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.opencl_support import ROOT, worker_env
+
+pytestmark = pytest.mark.opencl
+
+
+def test_conformance_subset_passes_with_native_and_fallback_paths(tmp_path):
+    pytest.importorskip("pyopencl", reason="the opencl extra is not installed")
+    cmd = [sys.executable, "-m", "torchport.conformance", "--backend", "opencl", "--ops",
+           "add|mm|sum|cumsum", "--dtypes", "float32,int64", "--max-samples", "2",
+           "--jobs", "1", "--out", str(tmp_path), "--quiet"]
+    run = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((tmp_path / "conformance.json").read_text())
+    assert report["meta"]["device"] == "ocl" and report["meta"]["backend"] == "opencl"
+    statuses = {r["id"]: r["status"] for r in report["results"]}
+    assert set(statuses.values()) == {"pass"}, statuses
+    assert {"add", "mm", "sum", "cumsum"} <= set(statuses), statuses
+    paths = report["totals"]["overload_paths"]
+    for overload in ("add.Tensor", "mm", "sum.dim_IntList"):
+        assert paths[overload] == "native", (overload, paths)
+    assert {v for k, v in paths.items() if k.startswith("cumsum")} == {"fallback"}, paths
