@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -251,7 +252,7 @@ def new_device_tensor(device: torch.device, alloc, nbytes: int, dtype: torch.dty
     from its deleter; else :func:`wrap_block` over a block of the Python allocator
     (``header`` as :func:`wrap_block` takes it)."""
     new = getattr(alloc, "new_tensor", None)
-    if new is not None:
+    if new is not None and not sys.is_finalizing():  # (PyTorch cannot adopt its result then)
         return new(nbytes, dtype, size, stride, stream)
     block = alloc.malloc(nbytes, stream) if nbytes else None
     return wrap_block(device, alloc, block, nbytes, dtype, size, stride, header)

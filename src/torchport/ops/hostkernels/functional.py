@@ -8,6 +8,7 @@ tensors, and runs the CPU ``out=`` kernel straight into them.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,7 @@ def functional_kernel(backend: DeviceBackend, into: IntoDevice, general: Call,
     allocators = backend.allocators
     # the C++ allocator's one-call tensors (tensors.new_device_tensor), per device
     new_tensors = [getattr(a, "new_tensor", None) for a in allocators]
+    finalizing = sys.is_finalizing  # (PyTorch cannot adopt a C++-made tensor then)
     devices = backend.devices
     watch = tensors.watch
     wrap_block = tensors.wrap_block
@@ -107,7 +109,7 @@ def functional_kernel(backend: DeviceBackend, into: IntoDevice, general: Call,
         nbytes, dtype, size, stride, shape_t, stride_t, headers = specs[0]
         # outputs.new_output, inlined (tests/test_ops_hotpath.py proves them equal)
         new = new_tensors[index]
-        if new is not None:  # the C++ allocator: one call
+        if new is not None and not finalizing():  # the C++ allocator: one call
             r = new(nbytes, dtype, size, stride, None if hook is None else hook(index))
             ptr = r.data_ptr()
         else:
