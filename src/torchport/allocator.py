@@ -878,6 +878,14 @@ class NativeAllocator:
 
             self.new_tensor = new_tensor
 
+    def release(self, ptr: int) -> None:
+        """The block at ``ptr``, held by a storage made in Python (:func:`tensors.watch`),
+        leaves that storage (a resize gave it a new block): freed now, not when it dies."""
+        ref = self.owners.pop(ptr, None)
+        if ref is not None and ref.ptr == ptr:
+            ref.ptr = None
+            self.free(ptr)
+
     def _error(self) -> BaseException:
         msg = self.cpp.torchport_caching_error().decode("utf-8", "replace")
         if self.cpp.torchport_caching_error_kind() == _OOM_KIND:
@@ -1111,6 +1119,7 @@ _SEG_MALLOC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_uint64,
 _SEG_FREE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64)
 _ON_DEVICE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
 _OOM = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_uint64)
+_RELEASE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_uint64)
 _INTERPRETER = ("PyGILState_Check", "PyEval_SaveThread", "PyEval_RestoreThread",
                 "PyGILState_Ensure", "PyGILState_Release", "PyErr_Fetch", "PyErr_Restore")
 _KEEP: list[Any] = []  # the callbacks C++ holds, for the life of the process
@@ -1192,6 +1201,12 @@ def _native_allocators(cpp: Any, runtime: Runtime, visible: list[int],
                            "callbacks; remove its cache directory to rebuild it")
     for a in allocs:
         a._configure()
+    if hasattr(cpp, "torchport_caching_set_release"):
+        release = _RELEASE(_callback(cpp, lambda device, ptr: allocs[device].release(ptr)))
+        _KEEP.append(release)
+        cpp.torchport_caching_set_release.argtypes = [_RELEASE]
+        cpp.torchport_caching_set_release.restype = None
+        cpp.torchport_caching_set_release(release)
     # from the exit on, a storage that dies keeps its block: no Python call in a
     # finalizing interpreter
     atexit.register(cpp.torchport_caching_detach)

@@ -8,6 +8,8 @@ into one small library, with PyTorch's C++ view kernels:
 
 * the view ops (``ops/native_views.cpp``, switched by :mod:`torchport.ops.native_views`):
   PyTorch's own C++ view kernels, registered for the device;
+* ``empty`` and ``empty_strided`` (``native_factories.cpp``, switched by
+  :mod:`torchport.ops.native_factories`): new tensors from the C++ caching allocator;
 * the device guard (``native_guard.cpp``): the per-thread current device and current
   stream of each device, read without Python; streams, events and synchronization through
   the stream layer (:mod:`torchport.streams`);
@@ -19,7 +21,7 @@ into one small library, with PyTorch's C++ view kernels:
 * the caching allocator and the device allocator (``native_allocator.cpp``,
   :mod:`torchport.allocator`, :mod:`torchport.accelerator_memory`): the device's memory
   pools, whose storages return their blocks from their deleters, ``torch.accelerator``'s
-  memory API and storages PyTorch's C++ makes;
+  memory API, storages PyTorch's C++ makes, and their ``resize_`` (through the hooks);
 * the profiler stubs (``native_profiler.cpp``, :mod:`torchport.profiling`) and backend
   metadata in checkpoints (``native_metadata.cpp``).
 

@@ -38,6 +38,7 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -1218,6 +1219,75 @@ extern "C" int torchport_caching_record_use(int device, uint64_t ptr, int stream
   return found;
 }
 
+// ---- for the other parts of the library ------------------------------------------------
+// A device tensor over a new block (native_factories.cpp, torchport_caching_new_tensor) and
+// a device storage resized in place (native_hooks.cpp's resizePrivateUse1Bytes).
+
+// Python's side of a resize: the block at `ptr` of `device` that a storage made in Python
+// held (a weak reference frees it, torchport/tensors.py watch) leaves that storage now.
+using ReleaseBlock = int (*)(int device, uint64_t ptr);
+std::atomic<ReleaseBlock> release_block_cb{nullptr};
+
+namespace torchport {
+
+bool caching_serves() { return caching_on.load(); }
+
+int64_t caching_current_stream(c10::DeviceIndex device) { return current_stream_id(device); }
+
+at::Tensor caching_new_tensor(int device, uint64_t nbytes, c10::ScalarType scalar,
+                              c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                              int64_t stream) {
+  c10::DataPtr data = cached_data_ptr(device, nbytes, stream);
+  auto storage = c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), static_cast<int64_t>(nbytes), std::move(data),
+      allocator(), /*resizable=*/true);
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(std::move(storage)), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+      c10::scalarTypeToTypeMeta(scalar));
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides);
+  return t;
+}
+
+// UntypedStorage.resize_ of a device storage: a new block of `newsize` bytes on the current
+// stream of the storage's device, the bytes both sizes hold copied by the runtime (the
+// device allocator's copy_data), the old block returned -- every tensor on the storage sees
+// the new memory, and resize_(0) frees the old one (FSDP2 frees unsharded parameters so).
+void resize_device_storage(const c10::Storage& storage, size_t newsize) {
+  auto n = static_cast<int64_t>(newsize);  // Python's negative sizes arrive as huge ones
+  TORCH_CHECK(n >= 0, "resize_: size must be non-negative, got ", n);
+  TORCH_CHECK(caching_on.load() && live.load() && callbacks.copy != nullptr,
+              "torchport: resizing a device storage needs torchport's C++ allocator, which "
+              "does not serve this process; call resize_ before the interpreter exits");
+  size_t old = storage.nbytes();
+  if (newsize == old) return;
+  int device = storage.device().has_index() ? storage.device().index() : current_device();
+  CachingAllocator& a = caching_of(device);
+  if (a.asynchronous)  // queued kernels may still read or write the old block
+    python("synchronize", [&] { return cc.synchronize(device); });
+  c10::DataPtr fresh = cached_data_ptr(device, newsize, current_stream_id(
+                                                            static_cast<c10::DeviceIndex>(device)));
+  size_t kept = std::min(old, newsize);
+  const void* from = storage.data_ptr().get();
+  if (kept && from != nullptr)
+    python("copy_data", [&] {
+      return callbacks.copy(reinterpret_cast<uint64_t>(fresh.get()),
+                            reinterpret_cast<uint64_t>(from), kept);
+    });
+  c10::DataPtr gone = storage.set_data_ptr(std::move(fresh));
+  storage.set_nbytes(newsize);
+  // a block of ours returns as `gone` dies; one a Python-made storage held, through Python
+  ReleaseBlock release = release_block_cb.load();
+  if (gone.get() != nullptr && gone.get_deleter() != &free_cached && release != nullptr) {
+    auto ptr = reinterpret_cast<uint64_t>(gone.get());
+    python("release", [&] { return release(device, ptr); });
+  }
+}
+
+}  // namespace torchport
+
+// Python's function for the blocks of Python-made storages a resize replaces (nullptr: none).
+extern "C" void torchport_caching_set_release(ReleaseBlock fn) { release_block_cb.store(fn); }
+
 #if __has_include(<Python.h>)
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/Dtype.h>
@@ -1252,16 +1322,8 @@ extern "C" PyObject* torchport_caching_new_tensor(int device, uint64_t nbytes, P
   }
   c10::ScalarType scalar = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
   at::Tensor t;
-  int ok = caching_guarded([&] {
-    c10::DataPtr data = cached_data_ptr(device, nbytes, stream);
-    auto storage = c10::make_intrusive<c10::StorageImpl>(
-        c10::StorageImpl::use_byte_size_t(), static_cast<int64_t>(nbytes), std::move(data),
-        allocator(), /*resizable=*/true);
-    t = at::detail::make_tensor<c10::TensorImpl>(
-        c10::Storage(std::move(storage)), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-        c10::scalarTypeToTypeMeta(scalar));
-    t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides);
-  });
+  int ok = caching_guarded(
+      [&] { t = torchport::caching_new_tensor(device, nbytes, scalar, sizes, strides, stream); });
   if (!ok) Py_RETURN_NONE;
   return THPVariable_Wrap(std::move(t));
 }

@@ -14,7 +14,7 @@
 // are host memcpys, so page-locking would only tie up RAM; a vendor's C++ layer would lock
 // (register) the block with its driver here.
 // The device's generators (torch.Generator(device="sim:1"), the default ones) come from
-// native_generator.cpp.
+// native_generator.cpp; UntypedStorage.resize_ of a device storage from native_allocator.cpp.
 // Built with native_views.cpp and native_guard.cpp by torchport/native.py; enabled by
 // torchport_hooks_enable().
 #include <atomic>
@@ -34,6 +34,8 @@ at::Generator new_generator(c10::DeviceIndex index);
 c10::DeviceIndex guard_device_count();  // native_guard.cpp
 c10::DeviceIndex guard_current_device();
 void guard_set_device(c10::DeviceIndex index);
+void resize_device_storage(const c10::Storage& storage, size_t newsize);  // native_allocator.cpp
+bool caching_serves();
 }  // namespace torchport
 
 namespace {
@@ -147,6 +149,11 @@ struct Hooks final : public at::PrivateUse1HooksInterface {
   at::Generator getNewGenerator(c10::DeviceIndex index) const override {
     return torchport::new_generator(index);
   }
+  // UntypedStorage.resize_ of a device storage (PyTorch asks the hooks): in place, through
+  // the C++ caching allocator.
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
+    torchport::resize_device_storage(storage, newsize);
+  }
 };
 
 Hooks* hooks() {
@@ -163,6 +170,14 @@ extern "C" int torchport_hooks_enable(int count) {
   if (at::isPrivateUse1HooksRegistered()) return &at::detail::getPrivateUse1Hooks() == hooks();
   at::RegisterPrivateUse1HooksInterface(hooks());
   return 1;
+}
+
+// Will these hooks serve UntypedStorage.resize_ of device storages: they are (or, being
+// first, will be) PrivateUse1's, and the C++ caching allocator serves: 1, else 0.
+extern "C" int torchport_hooks_resize_ready() {
+  bool ours = !at::isPrivateUse1HooksRegistered() ||
+              &at::detail::getPrivateUse1Hooks() == hooks();
+  return ours && torchport::caching_serves();
 }
 
 // Bytes of pinned host memory alive now.

@@ -1,8 +1,11 @@
 """Device storages resized in place (``UntypedStorage.resize_``).
 
 FSDP2 frees and re-allocates each unsharded parameter's memory through its
-storage; PyTorch sends a PrivateUse1 storage's resize to a C++ hook a Python
-backend cannot fill, so torchport provides the method for device storages.
+storage; PyTorch sends a PrivateUse1 storage's resize to a C++ hook
+(``PrivateUse1HooksInterface::resizePrivateUse1Bytes``). With torchport's C++
+library its hooks fill it (``native_hooks.cpp``, over the C++ caching allocator);
+without it a Python backend cannot, so torchport replaces the method for device
+storages.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import tensors
+from torchport import native, tensors
+from torchport.allocator import NativeAllocator
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -67,6 +71,18 @@ def resize_storage(backend: DeviceBackend, storage: torch.UntypedStorage, n: int
     tensors.swap_storage_blocks(storage, fresh)
 
 
+def resize_in_cpp(backend: DeviceBackend) -> bool:
+    """Will PyTorch's own ``UntypedStorage.resize_`` serve device storages: the C++
+    allocator owns them, and the C++ hooks (about to be registered, before PyTorch's
+    Python-backend set-up) resize them."""
+    cpp = native.loaded()
+    if cpp is None or not hasattr(cpp, "torchport_hooks_resize_ready") \
+            or not all(isinstance(a, NativeAllocator) for a in backend.allocators):
+        return False
+    return bool(cpp.torchport_hooks_resize_ready())
+
+
 def on_register(backend: DeviceBackend, module: Any) -> None:
     """The feature's install as ``backend`` registers (:mod:`torchport.features`)."""
-    install_storage_resize(backend)
+    if not resize_in_cpp(backend):
+        install_storage_resize(backend)

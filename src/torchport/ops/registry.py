@@ -29,7 +29,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport.ops import core, derive, fallback, hostexec, hostkernels, native_views, paths
+from torchport.ops import (
+    core,
+    derive,
+    fallback,
+    hostexec,
+    hostkernels,
+    native_factories,
+    native_views,
+    paths,
+)
 from torchport.ops.declarations import Decline, KernelDecl, KernelSet
 from torchport.ops.plan import plan_for
 
@@ -121,10 +130,15 @@ def install(backend: DeviceBackend) -> None:
     """Register core kernels, the backend's kernel sets and the fallback."""
     lib = backend.library()
     taken: set[str] = set()
+    factories: dict[str, Callable[..., Any]] = {}  # registered by native_factories, or C++
     for name, fn in core.core_kernels(backend, _OVERRIDES).items():
         op = resolve_overloads(name)[0]
         # Never forced: the fallback itself allocates and copies with them.
-        lib.impl(name, _wrap(backend, op, name, fn, fallback.Route(name)), "PrivateUse1")
+        kernel = _wrap(backend, op, name, fn, fallback.Route(name))
+        if name in native_factories.OPS:
+            factories[name] = kernel
+        else:
+            lib.impl(name, kernel, "PrivateUse1")
         taken.add(name)
         _CORE.add(name)
     for ks in backend.kernel_sets:
@@ -134,6 +148,7 @@ def install(backend: DeviceBackend) -> None:
     fb = backend.library("_")
     fb.fallback(fallback.make_fallback(backend), "PrivateUse1", with_keyset=True)
     native_views.install(backend)
+    native_factories.install(backend, factories)
 
 
 def overload_name(op: torch._ops.OpOverload) -> str:
