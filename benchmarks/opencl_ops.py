@@ -34,26 +34,46 @@ def timed(fn: Callable[[], object], sync: Callable[[], None], number: int) -> fl
     return best * 1e6
 
 
-def ops(n: int) -> dict[str, tuple[str | None, Callable[[torch.Tensor, torch.Tensor], object]]]:
+Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
+
+
+def ops(n: int) -> dict[str, tuple[str | None, Op]]:
     """Name -> (the overload to force to the CPU, or None: a core kernel, never forced; the
-    call)."""
+    call on ``a``, ``b`` (n x n) and ``i`` (n indices below n))."""
     return {
-        f"add [{n}x{n}]": ("add.Tensor", lambda a, b: a + b),
-        f"mul scalar [{n}x{n}]": ("mul.Tensor", lambda a, b: a * 2.0),
-        f"exp [{n}x{n}]": ("exp", lambda a, b: a.exp()),
-        f"sum dim 1 [{n}x{n}]": ("sum.dim_IntList", lambda a, b: a.sum(1)),
-        f"mm [{n}x{n}]": ("mm", lambda a, b: a @ b),
-        f"softmax [{n}x{n}]": ("_softmax", lambda a, b: torch.softmax(a, 1)),
-        f"copy_ transposed [{n}x{n}]": (None, lambda a, b: b.copy_(a.t())),
+        f"add [{n}x{n}]": ("add.Tensor", lambda a, b, i: a + b),
+        f"mul scalar [{n}x{n}]": ("mul.Tensor", lambda a, b, i: a * 2.0),
+        f"exp [{n}x{n}]": ("exp", lambda a, b, i: a.exp()),
+        f"sum dim 1 [{n}x{n}]": ("sum.dim_IntList", lambda a, b, i: a.sum(1)),
+        f"mm [{n}x{n}]": ("mm", lambda a, b, i: a @ b),
+        f"softmax [{n}x{n}]": ("_softmax", lambda a, b, i: torch.softmax(a, 1)),
+        f"copy_ transposed [{n}x{n}]": (None, lambda a, b, i: b.copy_(a.t())),
+        f"mm float16 [{n}x{n}]": ("mm", lambda a, b, i: a.half() @ b.half()),
+        f"layer_norm [{n}x{n}]": ("native_layer_norm",
+                                  lambda a, b, i: torch.nn.functional.layer_norm(a, (n,))),
+        f"index_select rows [{n} of {n}x{n}]": ("index_select",
+                                                 lambda a, b, i: a.index_select(0, i)),
+        f"var dim 1 [{n}x{n}]": ("var.correction", lambda a, b, i: a.var(1)),
+        f"dropout p=0.1 [{n}x{n}]": ("native_dropout",
+                                     lambda a, b, i: torch.nn.functional.dropout(a, 0.1)),
     }
 
 
-def step_time(device: str, number: int) -> float:
+def step_time(device: str, number: int, block: bool = False) -> float:
+    """Milliseconds per AdamW step of the MLP, or (``block``) of a transformer-ish block:
+    embedding, layer norm, linear, softmax over the vocabulary."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
-                                torch.nn.Linear(512, 10)).to(device)
+    if block:
+        model = torch.nn.Sequential(torch.nn.Embedding(1000, 128), torch.nn.LayerNorm(128),
+                                    torch.nn.Linear(128, 256), torch.nn.ReLU(),
+                                    torch.nn.Linear(256, 1000)).to(device)
+        x = torch.randint(0, 1000, (256,)).to(device)
+        y = torch.randint(0, 1000, (256,)).to(device)
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                    torch.nn.Linear(512, 10)).to(device)
+        x, y = torch.randn(128, 256).to(device), torch.randint(0, 10, (128,)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = torch.randn(128, 256).to(device), torch.randint(0, 10, (128,)).to(device)
 
     def step() -> None:
         opt.zero_grad()
@@ -72,23 +92,27 @@ def main() -> None:
     torchport.ops.set_fallback_warn(False)
     n = args.size
     a, b = torch.randn(n, n), torch.randn(n, n)
-    da, db = a.to("ocl"), b.to("ocl")
+    i = torch.randint(0, n, (n,))
+    da, db, di = a.to("ocl"), b.to("ocl"), i.to("ocl")
     print(f"device: {torch.ocl.get_device_name(0)}; torch threads: {torch.get_num_threads()}")
     print("| op | ocl native us | ocl CPU fallback us | CPU us |\n|---|---:|---:|---:|")
     for name, (overload, fn) in ops(n).items():
-        native = timed(lambda fn=fn: fn(da, db), torch.ocl.synchronize, args.number)
+        native = timed(lambda fn=fn: fn(da, db, di), torch.ocl.synchronize, args.number)
         fallback = "-"
         if overload is not None:
             old = set_force_fallback([overload])
             try:
-                fallback = f"{timed(lambda fn=fn: fn(da, db), torch.ocl.synchronize, args.number):.0f}"
+                fallback = f"{timed(lambda fn=fn: fn(da, db, di), torch.ocl.synchronize, args.number):.0f}"
             finally:
                 set_force_fallback(old)
-        cpu = timed(lambda fn=fn: fn(a, b), lambda: None, args.number)
+        cpu = timed(lambda fn=fn: fn(a, b, i), lambda: None, args.number)
         print(f"| {name} | {native:.0f} | {fallback} | {cpu:.0f} |")
     ocl_ms, cpu_ms = step_time("ocl", 10), step_time("cpu", 10)
     print(f"\nMLP 256-512-10, batch 128, AdamW step: ocl {ocl_ms:.2f} ms, CPU {cpu_ms:.2f} ms, "
           f"ratio {ocl_ms / cpu_ms:.2f}")
+    ocl_ms, cpu_ms = step_time("ocl", 10, True), step_time("cpu", 10, True)
+    print(f"embedding 1000x128 -> layer norm -> 128-256-1000, 256 tokens, AdamW step: ocl "
+          f"{ocl_ms:.2f} ms, CPU {cpu_ms:.2f} ms, ratio {ocl_ms / cpu_ms:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The OpenCL backend (``import torchport.opencl``, device ``ocl``) on the machine's OpenCL
 driver (PoCL from the ``opencl`` extra on a CPU-only machine): memory the host cannot read,
 kernels queued on in-order queues, each kernel against CPU PyTorch (bit for bit where the
-math is the same), same-device copies that stay on the device, and an MLP trained with
-AdamW as on the CPU. The code runs in a worker process (tests/opencl_worker.py)."""
+math is the same), same-device copies that stay on the device, an MLP and a transformer-ish
+block trained with AdamW as on the CPU, dropout from the device generator. The code runs in
+a worker process (tests/opencl_worker.py)."""
 
 import pytest
 
@@ -266,4 +267,172 @@ def test_no_device_is_a_clear_error(ocl):  # noqa: F811
         assert isinstance(e, ImportError) and "pocl-binary-distribution" in str(e)
     else:
         raise AssertionError("no error")
+    """)
+
+
+def test_indexing_kernels_against_the_cpu(ocl):  # noqa: F811
+    ocl.run("""
+    x = torch.randn(6, 5)
+    dx = x.to("ocl")
+    i = torch.tensor([4, 0, 2, 2, 5])
+    di = i.to("ocl")
+    for dim in (0, 1):
+        same(dx.index_select(dim, di[:5 - dim]), x.index_select(dim, i[:5 - dim]))
+    same(dx.t()[1:].index_select(1, di), x.t()[1:].index_select(1, i))   # a strided view
+    h = x.half()
+    same(h.to("ocl").index_select(0, di), h.index_select(0, i))
+    g = torch.randint(0, 6, (3, 5))
+    same(dx.gather(0, g.to("ocl")), x.gather(0, g))
+    g1 = torch.randint(0, 5, (6, 2))
+    same(dx.gather(1, g1.to("ocl")), x.gather(1, g1))
+    src = torch.randn(3, 5)
+    same(dx.scatter_add(0, g.to("ocl"), src.to("ocl")), x.scatter_add(0, g, src))  # in order
+    t = torch.zeros(4, 7, dtype=torch.int64)
+    ti, ts = torch.randint(0, 7, (4, 9)), torch.randint(-9, 9, (4, 9))
+    same(t.to("ocl").scatter_add_(1, ti.to("ocl"), ts.to("ocl")), t.scatter_add(1, ti, ts))
+    same(dx.index_select(0, di[:0]), x.index_select(0, i[:0]))           # 0-size
+    native_only(lambda: (dx.index_select(0, di), dx.gather(0, g.to("ocl")),
+                         dx.scatter_add(0, g.to("ocl"), src.to("ocl"))))
+    """)
+
+
+def test_embedding_layer_norm_variance_and_half_gemm(ocl):  # noqa: F811
+    ocl.run("""
+    emb = torch.nn.Embedding(10, 4, padding_idx=1)
+    demb = torch.nn.Embedding(10, 4, padding_idx=1).to("ocl")
+    demb.load_state_dict(emb.state_dict())
+    ix = torch.tensor([[1, 2, 3], [3, 3, 9]])
+    o, do = emb(ix), demb(ix.to("ocl"))
+    same(do, o.detach())
+    (o * o).sum().backward(); (do * do).sum().backward()
+    same(demb.weight.grad, emb.weight.grad)       # rows summed in order: bit for bit
+    x = torch.randn(3, 4, 7) * 3 + 1
+    ln = torch.nn.LayerNorm(7)
+    with torch.no_grad():
+        ln.weight.normal_(); ln.bias.normal_()
+    dln = torch.nn.LayerNorm(7).to("ocl")
+    dln.load_state_dict(ln.state_dict())
+    xr, xd = x.clone().requires_grad_(), x.to("ocl").requires_grad_()
+    g = torch.randn(3, 4, 7)
+    y, yd = ln(xr), dln(xd)
+    close(yd, y.detach())
+    y.backward(g); yd.backward(g.to("ocl"))
+    close(xd.grad, xr.grad, rtol=1e-5); close(dln.weight.grad, ln.weight.grad, rtol=1e-5)
+    close(dln.bias.grad, ln.bias.grad)
+    out, mean, rstd = torch.native_layer_norm(xd.detach(), [4, 7], None, None, 1e-5)
+    ref = torch.native_layer_norm(x, [4, 7], None, None, 1e-5)
+    close(out, ref[0]); close(mean, ref[1]); close(rstd, ref[2])
+    for dims, corr, keep in ((1, 1, False), ((0, 2), 0, True), (None, 2.5, False)):
+        close(xd.detach().var(dims, correction=corr, keepdim=keep),
+              x.var(dims, correction=corr, keepdim=keep))
+        v, m = torch.var_mean(xd.detach(), dims, correction=corr, keepdim=keep)
+        rv, rm = torch.var_mean(x, dims, correction=corr, keepdim=keep)
+        close(v, rv); close(m, rm)
+    same(torch.ones(1).to("ocl").var(), torch.ones(1).var())      # m - correction = 0: NaN
+    a, b = torch.randn(9, 33).half(), torch.randn(33, 5).half()
+    close(a.to("ocl") @ b.to("ocl"), a @ b, rtol=1e-3, atol=1e-2)
+    p, q = torch.randn(2, 9, 33).half(), torch.randn(2, 33, 5).half()
+    close(torch.bmm(p.to("ocl"), q.to("ocl")), torch.bmm(p, q), rtol=1e-3, atol=1e-2)
+    native_only(lambda: (demb(ix.to("ocl")), dln(xd), xd.var(1), a.to("ocl") @ b.to("ocl")))
+    """)
+
+
+def test_dropout_mask_is_reproducible_from_the_device_generator(ocl):  # noqa: F811
+    ocl.run("""
+    x = torch.randn(64, 50)
+    x[0, 0] = float("inf")
+    dx = x.to("ocl")
+    torch.ocl.manual_seed(7)
+    out, mask = torch.native_dropout(dx, 0.3, True)
+    state = torch.ocl.get_rng_state()
+    out2, mask2 = torch.native_dropout(dx, 0.3, True)
+    assert not torch.equal(mask.cpu(), mask2.cpu())           # the generator moved on
+    torch.ocl.manual_seed(7)
+    again, amask = torch.native_dropout(dx, 0.3, True)
+    same(amask, mask.cpu()); same(again, out.cpu())
+    torch.ocl.set_rng_state(state)
+    same(torch.native_dropout(dx, 0.3, True)[1], mask2.cpu())
+    assert mask.dtype == torch.bool and abs(mask.cpu().float().mean().item() - 0.7) < 0.03
+    same(out, x.mul(mask.cpu()).mul_(1 / 0.7))                # the CPU's scaling, exactly
+    h = x.half()
+    ho, hm = torch.native_dropout(h.to("ocl"), 0.5, True)
+    same(ho, h.mul(hm.cpu()).mul_(2.0))
+    g = torch.randn(64, 50)
+    same(torch.ops.aten.native_dropout_backward(g.to("ocl"), mask, 1 / 0.7),
+         torch.ops.aten.native_dropout_backward(g, mask.cpu(), 1 / 0.7))
+    same(torch.native_dropout(dx, 0.3, False)[0], x)           # eval: the identity
+    native_only(lambda: torch.nn.functional.dropout(dx, 0.2))
+    """)
+
+
+def test_a_transformer_block_trains_as_on_the_cpu(ocl):  # noqa: F811
+    ocl.run("""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 32)
+            self.norm = torch.nn.LayerNorm(32)
+            # no bias: a key bias shifts each softmax row by a constant, so its gradient is
+            # rounding noise, which AdamW scales up to a full step
+            self.qkv = torch.nn.Linear(32, 96, bias=False)
+            self.out = torch.nn.Linear(32, 32)
+            self.head = torch.nn.Linear(32, 50)
+
+        def forward(self, tokens):
+            h = self.norm(self.emb(tokens))
+            q, k, v = self.qkv(h).chunk(3, -1)
+            att = torch.softmax(q @ k.transpose(1, 2) / 32 ** 0.5, -1)
+            h = h + self.out(att @ v)
+            return self.head(h)
+
+    def train(device, steps=3):
+        torch.manual_seed(0)
+        model = Block().to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, 50, (4, 10), generator=gen).to(device)
+        target = torch.randint(0, 50, (4, 10), generator=gen).to(device)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), target.flatten())
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, [p.detach().cpu() for p in model.parameters()]
+
+    cpu_losses, cpu_params = train("cpu")
+    import json
+    with torchport.ops.record() as rec:
+        ocl_losses, ocl_params = train("ocl")
+    torch.testing.assert_close(ocl_losses, cpu_losses, rtol=1e-5, atol=1e-5)
+    for p, q in zip(ocl_params, cpu_params):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    ops = json.loads(rec.to_json())["ops"]
+    for name in ("native_layer_norm", "native_layer_norm_backward", "embedding_dense_backward",
+                 "index_select", "bmm", "_softmax"):
+        assert name in ops and "fallback" not in json.dumps(ops[name]), (name, ops.get(name))
+    """)
+
+
+def test_fallback_warnings_one_per_user_line_pointing_at_it(ocl):  # noqa: F811
+    ocl.run("""
+    import warnings
+    from torchport.ops import fallback
+    x = torch.randn(3, 4).to("ocl")
+    old = torchport.ops.set_fallback_warn(True)
+    fallback._WARNED.clear(); fallback._WARNED_SITES.clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            text = repr(x)                       # formatting runs several ops ocl lacks
+            y = torch.cumsum(x, 0)               # another line: its own warning
+            y = torch.cumsum(x, 1)               # an op warned about already: quiet
+    finally:
+        torchport.ops.set_fallback_warn(old)
+    got = [w for w in caught if issubclass(w.category, torchport.ops.FallbackWarning)]
+    assert "tensor(" in text and len(got) == 2, [str(w.message) for w in got]
+    assert {w.filename for w in got} == {"<opencl test>"}, [w.filename for w in got]
+    assert got[1].lineno == got[0].lineno + 1 and "cumsum" in str(got[1].message)
+    assert len(fallback._WARNED) > 2             # formatting's other ops count as warned
     """)

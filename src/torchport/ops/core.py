@@ -74,6 +74,7 @@ def copy_between(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor,
                 i = dst.device.index
                 p = backend.phys(i)
                 if dst.data_ptr() != src.data_ptr():  # else the same elements: nothing to do
+                    _after_current_stream(backend, i)
                     rt.copy_d2d(p, dst.data_ptr(), p, src.data_ptr(),
                                 dst.numel() * dst.element_size(),
                                 backend.current_stream_handle(i) if rt.asynchronous else None)
@@ -98,6 +99,8 @@ def copy_between(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor,
             if stream is None:  # the runtime copies now: after both devices' queued work
                 backend.host_sync(si)
                 backend.host_sync(di)
+                _after_current_stream(backend, si)
+                _after_current_stream(backend, di)
                 rt.copy_d2d(backend.phys(di), dst.data_ptr(), backend.phys(si), src.data_ptr(), n)
                 return dst
             if rt.asynchronous:  # CUDA's two-way barrier between the two current streams
@@ -108,17 +111,33 @@ def copy_between(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor,
                 _stream_waits(backend, si, backend.current_stream_handle(si), di, stream)
             return dst
         if src.device.type == name:
+            _after_current_stream(backend, src.device.index)
             src = _host_values(backend, src)
         elif src.device.type != "cpu":
             raise RuntimeError(f"copy_ from {src.device} to {dst.device} is not supported; "
                                f"go through the CPU: .cpu().to({str(dst.device)!r})")
+        if not non_blocking:
+            _after_current_stream(backend, dst.device.index)
         backend.write_tensor(dst, _as_stored_in(dst, src), non_blocking)
         return dst
     if dst.device.type != "cpu":
         raise RuntimeError(f"copy_ from {src.device} to {dst.device} is not supported; "
                            f"go through the CPU")
+    _after_current_stream(backend, src.device.index)
     dst.copy_(_host_values(backend, src))
     return dst
+
+
+def _after_current_stream(backend: DeviceBackend, index: int) -> None:
+    """Order a blocking copy after the work on device ``index``'s current stream, as CUDA
+    does, on a runtime declared synchronous: its kernels may still put their work on the
+    stream's own queue (a vendor library that enqueues), where a copy on the default queue
+    would not see it. (Asynchronous runtimes: ``host_sync`` already waits for the stream.)"""
+    rt = backend.runtime
+    if not rt.asynchronous:
+        stream = backend.current_stream_handle(index)
+        if stream is not None:
+            rt.synchronize_stream(backend.phys(index), stream)
 
 
 def _stream_waits(backend: DeviceBackend, index: int, stream: Any, other: int, other_stream: Any) -> None:

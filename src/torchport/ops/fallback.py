@@ -15,8 +15,9 @@ settable at run time):
   DIPU's ``DIPU_FORCE_FALLBACK_OPS_LIST``). :func:`set_force_fallback`.
 * ``TORCHPORT_FALLBACK=0`` -- no CPU fallback: an op without a kernel raises
   :class:`NotImplementedError` naming it and its dtypes. :func:`set_fallback_enabled`.
-* ``TORCHPORT_FALLBACK_WARN=0`` -- silence the one :class:`FallbackWarning` per op
-  that first falls back. :func:`set_fallback_warn`.
+* ``TORCHPORT_FALLBACK_WARN=0`` -- silence the :class:`FallbackWarning`: one per op
+  that first falls back, and at most one per line of user code (``print(t)`` runs
+  several). :func:`set_fallback_warn`.
 
 Porting tools (autocompare, op dumps) see every device op call through
 :mod:`torchport.ops.hooks`: while one is registered the slow paths below call
@@ -66,6 +67,7 @@ _FORCED_CACHE: dict[str, bool] = {}
 _ENABLED: bool = settings.get("TORCHPORT_FALLBACK")
 _WARN: bool = settings.get("TORCHPORT_FALLBACK_WARN")
 _WARNED: set[str] = set()
+_WARNED_SITES: set[tuple[str, int]] = set()  # user lines a fallback warning named
 _HAS_CPU_KERNEL: dict[str, bool] = {}  # qualified op name -> the CPU can run it
 _INTERNAL_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep
                        for m in (torch, sys.modules["torchport"]))
@@ -227,11 +229,7 @@ def run_cpu(backend: DeviceBackend, op: Any, name: str, args: tuple, kwargs: dic
                 f"{name} ({_dtype_text(args, kwargs)}) has no {backend.name} kernel and the CPU "
                 f"fallback is off (TORCHPORT_FALLBACK=0); add a kernel or enable the fallback")
         if _WARN and name not in _WARNED:
-            _WARNED.add(name)
-            warnings.warn(
-                f"{name} ({_dtype_text(args, kwargs)}) has no {backend.name} kernel; running it "
-                f"on the CPU (TORCHPORT_FALLBACK_WARN=0 silences this)", FallbackWarning,
-                stacklevel=_user_stacklevel())
+            _warn_once(backend, name, args, kwargs)
     if not stats.ENABLED:
         return hostexec.run_on_host(backend, op, args, kwargs)
     t0 = time.perf_counter()
@@ -241,13 +239,32 @@ def run_cpu(backend: DeviceBackend, op: Any, name: str, args: tuple, kwargs: dic
         stats.add(name, "fallback", args, kwargs, time.perf_counter() - t0)
 
 
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` naming the first frame outside torch and torchport: the user's
-    line that led to the op, as a warning about their code should."""
-    frame, level = sys._getframe(2), 2  # run_cpu's caller
+def _warn_once(backend: DeviceBackend, name: str, args: tuple, kwargs: dict) -> None:
+    """One :class:`FallbackWarning` per op, and at most one per user line: one line of user
+    code (``print(t)``) can run a dozen ops the device lacks, and a dozen warnings there say
+    no more than the first; the others are marked warned too, so they stay quiet later."""
+    _WARNED.add(name)
+    level, site = _user_frame()
+    if site is not None and site in _WARNED_SITES:
+        return
+    if site is not None:
+        _WARNED_SITES.add(site)
+    warnings.warn(
+        f"{name} ({_dtype_text(args, kwargs)}) has no {backend.name} kernel; running it on "
+        f"the CPU (other ops of this line that fall back are not warned about: "
+        f"torchport.ops.record() lists each op's path; TORCHPORT_FALLBACK_WARN=0 silences "
+        f"this)", FallbackWarning, stacklevel=level)
+
+
+def _user_frame() -> tuple[int, tuple[str, int] | None]:
+    """The ``stacklevel`` naming the first frame outside torch and torchport -- the user's
+    line that led to the op, as a warning about their code should -- and that line."""
+    frame, level = sys._getframe(3), 3  # run_cpu's caller, as seen from warnings.warn
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
         frame, level = frame.f_back, level + 1
-    return level if frame is not None else 2
+    if frame is None:
+        return 2, None
+    return level, (frame.f_code.co_filename, frame.f_lineno)
 
 
 def _choose_path(backend: DeviceBackend, op: Any, name: str, args: tuple,

@@ -45,6 +45,20 @@ _ROUND_HALF = """inline float round_half(float v) {
 }
 """
 
+# Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"): the first
+# output word at counter (i, 0, 0, 0), as a uniform float in [0, 1) from its top 24 bits
+_PHILOX = """inline float philox_uniform(ulong i, uint k0, uint k1) {
+  uint c0 = (uint)i, c1 = (uint)(i >> 32), c2 = 0, c3 = 0;
+  for (int r = 0; r < 10; r++) {
+    ulong p0 = (ulong)0xD2511F53u * c0, p1 = (ulong)0xCD9E8D57u * c2;
+    uint n0 = (uint)(p1 >> 32) ^ c1 ^ k0, n2 = (uint)(p0 >> 32) ^ c3 ^ k1;
+    c1 = (uint)p1; c3 = (uint)p0; c0 = n0; c2 = n2;
+    k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+  }
+  return (float)(c0 >> 8) * 0x1.0p-24f;
+}
+"""
+
 
 class Programs:
     """Built programs per (device, source): compiled on first use, then reused."""
@@ -62,6 +76,8 @@ class Programs:
                 head += "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"
             if "round_half(" in source:
                 head += _ROUND_HALF
+            if "philox_uniform(" in source:
+                head += _PHILOX
             program = cl.Program(self.runtime.contexts[index], head + source).build(_OPTIONS)
             k = self.kernels[(index, source)] = program.all_kernels()[0]
         return k
@@ -175,10 +191,14 @@ class Launcher:
     # ---- elementwise ----
     def elementwise(self, out: torch.Tensor, inputs: Sequence[Any], expr: str,
                     compute: torch.dtype | Sequence[torch.dtype],
-                    scalars: Sequence[tuple[torch.dtype, Any]] = ()) -> torch.Tensor:
+                    scalars: Sequence[tuple[torch.dtype, Any]] = (),
+                    at: Sequence[str | None] = (), pre: str = "") -> torch.Tensor:
         """``out[i] = expr`` over ``out``'s elements: ``a0``, ``a1``, ... are the inputs
         (broadcast to ``out``) converted to the computation type (``compute``: one, or one
-        per input), ``s0``, ``s1``, ... the ``scalars``."""
+        per input), ``s0``, ``s1``, ... the ``scalars``. ``at[j]``: a C expression for the
+        element index input ``j`` is read at instead of its own position ``q{k}`` (indexed
+        reads: earlier ``a``'s are in scope); ``pre``: C statements before the store (``i``
+        is the row-major output element)."""
         if out.numel() == 0:
             return out
         ops = [_operand(v) for v in inputs]
@@ -202,8 +222,10 @@ class Launcher:
         k = 1
         for j, (o, ct) in enumerate(zip(ops, computes, strict=True)):
             if o.tensor is not None:
+                where = at[j] if j < len(at) and at[j] is not None else f"q{k}"
+                where = where.replace("QSELF", f"q{k}")
                 body.append(f"{_ctype(ct)} a{j} = ({_ctype(ct)})"
-                            f"{_load(o.dtype, f'{names[k]} + o{k}', f'q{k}')};")
+                            f"{_load(o.dtype, f'{names[k]} + o{k}', where)};")
                 k += 1
             else:
                 params.append(f"{_ctype(ct)} a{j}")
@@ -211,6 +233,8 @@ class Launcher:
         for j, (dt, v) in enumerate(scalars):
             params.append(f"{_ctype(dt)} s{j}")
             args.append(_scalar(dt, v))
+        if pre:
+            body.append(pre)
         body.append(_store(out.dtype, "p0 + o0", "q0", expr))
         source = (f"__kernel void elementwise({', '.join(params)}) {{\n  "
                   + "\n  ".join(body) + "\n}\n")
@@ -269,6 +293,17 @@ class Launcher:
             + "\n  ".join(code) + "\n}\n"
         self.programs.run(index, queue, source, [n], args)
 
+    # ---- hand-written kernels over contiguous or explicitly strided tensors ----
+    def raw(self, where: torch.Tensor, source: str, size: Sequence[int],
+            args: Sequence[Any]) -> None:
+        """Enqueue ``source``'s kernel on ``where``'s current stream; a tensor in ``args``
+        becomes two arguments, its buffer and byte offset (``__global char* p, ulong o``)."""
+        index, queue = self._where(where)
+        flat: list[Any] = []
+        for a in args:
+            flat += self._buffer(index, a) if isinstance(a, torch.Tensor) else [a]
+        self.programs.run(index, queue, source, size, flat)
+
     # ---- GEMM ----
     def gemm(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              bias: torch.Tensor | None = None, alpha: Any = 1, beta: Any = 1) -> torch.Tensor:
@@ -277,7 +312,7 @@ class Launcher:
         if out.numel() == 0:
             return out
         dt = out.dtype
-        if dt not in (torch.float32, torch.float64, torch.int64) \
+        if dt not in (torch.float32, torch.float64, torch.int64, torch.float16) \
                 or any(t.dtype != dt for t in (a, b) + ((bias,) if bias is not None else ())):
             raise Decline(f"ocl gemm does not handle {dt}")
         if out.dim() == 2:
@@ -288,7 +323,7 @@ class Launcher:
         index, queue = self._where(out)
         batch, m, n = out.shape
         k = a.shape[-1]
-        ct = _CL[dt]
+        ct = "float" if dt == torch.float16 else _CL[dt]  # float16 accumulates in float
         tile = 16
         params = ["long B", "long M", "long N", "long K", f"{ct} alpha", f"{ct} beta"]
         args: list[Any] = [np.int64(batch), np.int64(m), np.int64(n), np.int64(k),
@@ -296,12 +331,13 @@ class Launcher:
         for name, t in (("c", out), ("a", a), ("b", b)) + ((("e", bias),) if bias is not None else ()):
             params += [f"__global char* {name}p", f"ulong {name}o"] + [f"long {name}s{d}" for d in range(3)]
             args += self._buffer(index, t) + [np.int64(s) for s in t.stride()]
-        a_at = f"((__global const {ct}*)(ap + ao))[z * as0 + (row) * as1 + (col) * as2]"
-        b_at = f"((__global const {ct}*)(bp + bo))[z * bs0 + (row) * bs1 + (col) * bs2]"
-        store = "c_at = alpha * acc;"
+        a_at = f"({ct}){_load(dt, 'ap + ao', 'z * as0 + (row) * as1 + (col) * as2')}"
+        b_at = f"({ct}){_load(dt, 'bp + bo', 'z * bs0 + (row) * bs1 + (col) * bs2')}"
+        value = "alpha * acc"
         if bias is not None:
-            e_at = f"((__global const {ct}*)(ep + eo))[z * es0 + gm * es1 + gn * es2]"
-            store = f"c_at = (beta == 0 ? 0 : beta * {e_at}) + alpha * acc;"
+            e_at = f"({ct}){_load(dt, 'ep + eo', 'z * es0 + gm * es1 + gn * es2')}"
+            value = f"(beta == 0 ? 0 : beta * {e_at}) + alpha * acc"
+        store = _store(dt, "cp + co", "z * cs0 + gm * cs1 + gn * cs2", value)
         source = f"""
 __kernel void gemm({', '.join(params)}) {{
   __local {ct} As[{tile}][{tile}];
@@ -320,7 +356,6 @@ __kernel void gemm({', '.join(params)}) {{
     barrier(CLK_LOCAL_MEM_FENCE);
   }}
   if (gm < M && gn < N) {{
-    #define c_at ((__global {ct}*)(cp + co))[z * cs0 + gm * cs1 + gn * cs2]
     {store}
   }}
 }}
@@ -435,7 +470,7 @@ def make_kernels(runtime: OpenCLRuntime) -> KernelSet:
     def relu_expr(t: torch.Tensor) -> str:
         return "isnan(a0) ? a0 : (a0 > 0 ? a0 : 0)" if isfloat(t.dtype) else "a0 > 0 ? a0 : 0"
 
-    @ks.kernel("relu", dtypes=dtypes - {torch.bool})
+    @ks.kernel("relu.default", dtypes=dtypes - {torch.bool})
     def relu(self):
         out = torch.empty_like(self)
         return L.elementwise(out, [self], relu_expr(self), self.dtype)
@@ -615,5 +650,251 @@ def make_kernels(runtime: OpenCLRuntime) -> KernelSet:
     @ks.out_kernel("baddbmm.out", dtypes=dtypes)
     def baddbmm(self, batch1, batch2, *, beta=1, alpha=1, out):
         return L.gemm(out, batch1, batch2, self, alpha, beta)
+
+    # ---- indexing ----
+    def check_index(index: torch.Tensor, op: str) -> None:
+        if index.dtype not in (torch.int64, torch.int32) or index.device.type == "cpu":
+            raise Decline(f"{op} with a {index.dtype} or CPU index")
+
+    @ks.out_kernel("index_select.out", dtypes=dtypes)
+    def index_select(self, dim, index, *, out):
+        """``out[.., i, ..] = self[.., index[i], ..]``: ``self`` read through a view with
+        stride 0 along ``dim``, plus the index times the dimension's stride."""
+        check_index(index, "index_select")
+        if out.numel() == 0:
+            return out
+        d = dim % max(self.dim(), 1)
+        if self.dim() == 0:
+            return L.elementwise(out, [self], "a0", self.dtype)
+        strides = list(self.stride())
+        strides[d] = 0
+        view = self.as_strided(out.shape, strides)
+        idx = index.reshape(-1)
+        idx_view = idx.as_strided(out.shape, [idx.stride(0) if k == d else 0
+                                              for k in range(out.dim())])
+        size = self.shape[d]
+        return L.elementwise(out, [idx_view, view], "a1", [torch.int64, self.dtype],
+                             [(torch.int64, size), (torch.int64, self.stride(d))],
+                             at=[None, "QSELF + ((a0 >= 0 && a0 < s0) ? a0 * s1 : 0)"])
+
+    @ks.out_kernel("gather.out", dtypes=dtypes)
+    def gather(self, dim, index, *, sparse_grad=False, out):
+        check_index(index, "gather")
+        if out.numel() == 0:
+            return out
+        if self.dim() == 0 or index.dim() != self.dim():
+            raise Decline("gather of a 0-dim tensor")
+        d = dim % self.dim()
+        strides = list(self.stride())
+        strides[d] = 0
+        view = self.as_strided(index.shape, strides)
+        return L.elementwise(out, [index, view], "a1", [torch.int64, self.dtype],
+                             [(torch.int64, self.shape[d]), (torch.int64, self.stride(d))],
+                             at=[None, "QSELF + ((a0 >= 0 && a0 < s0) ? a0 * s1 : 0)"])
+
+    def accumulate_rows(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
+                        d: int, skip: int | None = None) -> None:
+        """``out[.., index[.., j, ..], ..] += src[.., j, ..]`` along ``d``: one work-item
+        per position over the other dims adds in order of ``j``, as the CPU does (so the
+        sums round alike); indices out of range (or ``skip``) add nothing."""
+        src_v = src.as_strided(index.shape, src.stride())
+        kept = [k for k in range(index.dim()) if k != d]
+        at = _ctype(out.dtype)
+        guard = "t >= 0 && t < ext" + (" && t != skip" if skip is not None else "")
+        body = (f"for (long j = 0; j < m; j++) {{ long t = IN0(j); if ({guard}) {{ "
+                f"{at} v = ({at}){_load(out.dtype, 'p0 + o0', 'q0 + t * w')} + ({at})IN1(j); "
+                + _store(out.dtype, "p0 + o0", "q0 + t * w", "v") + " } }")
+        extra = [("long w", np.int64(out.stride(d))), ("long ext", np.int64(out.shape[d]))]
+        if skip is not None:
+            extra.append(("long skip", np.int64(skip)))
+        L.rows([out], [[out.stride(k) for k in kept]], [index, src_v], kept, [d], body, extra)
+
+    @ks.out_kernel("scatter_add.out", dtypes=dtypes - {torch.bool})
+    def scatter_add(self, dim, index, src, *, out):
+        check_index(index, "scatter_add")
+        if self.dim() == 0 or index.dim() != self.dim() or src.dtype != out.dtype:
+            raise Decline("scatter_add of a 0-dim tensor or mixed dtypes")
+        if out.data_ptr() != self.data_ptr() or out.stride() != self.stride():
+            out.copy_(self)
+        if index.numel():
+            accumulate_rows(out, index, src, dim % self.dim())
+        return out
+
+    @ks.out_kernel("embedding_dense_backward.out", dtypes=floats + [torch.int64, torch.int32])
+    def embedding_dense_backward(grad_output, indices, num_weights, padding_idx,
+                                 scale_grad_by_freq, *, out):
+        check_index(indices, "embedding_dense_backward")
+        if scale_grad_by_freq:
+            raise Decline("embedding backward with scale_grad_by_freq")
+        L.elementwise(out, [], "0", out.dtype)
+        n = indices.numel()
+        if n == 0 or out.numel() == 0:
+            return out
+        width = out.shape[1]
+        grad = grad_output.reshape(n, width)
+        idx = indices.reshape(n, 1).expand(n, width)
+        accumulate_rows(out, idx, grad, 0, padding_idx)
+        return out
+
+    @ks.out_kernel("native_dropout_backward.out", dtypes=floats + [torch.bool])
+    def native_dropout_backward(grad_output, mask, scale, *, out):
+        return L.elementwise(out, [grad_output, mask], "(a0 * (a1 ? 1 : 0)) * s0",
+                             [grad_output.dtype, torch.bool], [(grad_output.dtype, scale)])
+
+    # ---- normalisation and variance ----
+    @ks.out_kernel("var.correction_out", dtypes=floats)
+    def var_out(self, dim=None, *, correction=None, keepdim=False, out):
+        variance(self, dim, correction, keepdim, [out], with_mean=False)
+        return out
+
+    @ks.out_kernel("var_mean.correction_out", dtypes=floats)
+    def var_mean_out(self, dim=None, *, correction=None, keepdim=False, out0, out1):
+        variance(self, dim, correction, keepdim, [out0, out1], with_mean=True)
+        return out0, out1
+
+    def variance(x: torch.Tensor, dim: Any, correction: Any, keepdim: bool,
+                 outs: Sequence[torch.Tensor], with_mean: bool) -> None:
+        """Two passes in the accumulation type: the mean, then the squared deviations
+        over ``max(0, m - correction)`` (0 gives inf or NaN, as the CPU)."""
+        at = acc_type(x.dtype)
+        corr = 1 if correction is None else correction
+        body = (f"{at} mu = 0; for (long j = 0; j < m; j++) mu += ({at})IN0(j); mu /= ({at})m;\n  "
+                f"{at} ss = 0; for (long j = 0; j < m; j++) {{ {at} e = ({at})IN0(j) - mu; "
+                f"ss += e * e; }}\n  {at} den = ({at})m - ({at})corr; if (den < 0) den = 0;\n  "
+                + _store(outs[0].dtype, "p0 + o0", "q0", "ss / den")
+                + ("\n  " + _store(outs[1].dtype, "p1 + o1", "q1", "mu") if with_mean else ""))
+        red = dims_of(x, dim)
+        kept = [d for d in range(x.dim()) if d not in red]
+        out_kept = [[o.stride(d) for d in kept] if keepdim and o.dim() == x.dim()
+                    else (list(o.stride())[: len(kept)] if o.dim() else []) for o in outs]
+        L.rows(outs, out_kept, [x], kept, red, body,
+               [(f"{at} corr", (np.float64 if at == "double" else np.float32)(corr))])
+
+    norm_dtypes = [d for d in (torch.float32, torch.float64) if d in dtypes]
+
+    @ks.out_kernel("native_layer_norm.out", dtypes=norm_dtypes)
+    def layer_norm(input, normalized_shape, weight, bias, eps, *, out0, out1, out2):
+        """Per row the mean and the variance (two passes, in the accumulation type), then
+        ``(x * rstd - rstd * mean) * w + b`` as the CPU's kernel computes it."""
+        n = math.prod(normalized_shape)
+        rows = input.numel() // n if n else 0
+        if not (out0.is_contiguous() and out1.is_contiguous() and out2.is_contiguous()):
+            raise Decline("layer norm into non-contiguous outputs")
+        if rows == 0:
+            return out0, out1, out2
+        x = input.contiguous()
+        ct, at = _CL[x.dtype], acc_type(x.dtype)
+        w_at = "((__global const T*)(wp + wo))[j]" if weight is not None else "(T)1"
+        b_at = "((__global const T*)(bp + bo))[j]" if bias is not None else "(T)0"
+        source = f"""#define T {ct}
+__kernel void layer_norm(long M, long N, {at} eps, __global char* yp, ulong yo,
+    __global char* mp, ulong mo, __global char* rp, ulong ro, __global char* xp, ulong xo,
+    __global char* wp, ulong wo, __global char* bp, ulong bo) {{
+  long i = get_global_id(0); if (i >= M) return;
+  __global const T* x = (__global const T*)(xp + xo) + i * N;
+  __global T* y = (__global T*)(yp + yo) + i * N;
+  {at} mu = 0; for (long j = 0; j < N; j++) mu += x[j]; mu /= ({at})N;
+  {at} ss = 0; for (long j = 0; j < N; j++) {{ {at} e = x[j] - mu; ss += e * e; }}
+  {at} var = ss / ({at})N;
+  T mean = (T)mu, rstd = (T)(1 / sqrt(var + eps));
+  ((__global T*)(mp + mo))[i] = mean; ((__global T*)(rp + ro))[i] = rstd;
+  T scale = rstd, shift = -rstd * mean;
+  for (long j = 0; j < N; j++) y[j] = (x[j] * scale + shift) * {w_at} + {b_at};
+}}
+"""
+        anyt = x
+        w = weight.contiguous() if weight is not None else anyt
+        b = bias.contiguous() if bias is not None else anyt
+        eps_v = np.float64(eps) if at == "double" else np.float32(eps)
+        L.raw(x, source, [rows], [np.int64(rows), np.int64(n), eps_v, out0, out1, out2, x, w, b])
+        return out0, out1, out2
+
+    @ks.kernel("native_layer_norm_backward.default", dtypes=norm_dtypes)
+    def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias,
+                            output_mask):
+        """The CPU's formulas: per row ``dx = rstd * dy * w + b * x + c`` with
+        ``b = (db * mean - ds) * rstd^3 / N``, ``c = -b * mean - db * rstd / N``
+        (``ds = sum(dy * w * x)``, ``db = sum(dy * w)``); per column the sums over rows
+        of ``dy * (x - mean) * rstd`` and of ``dy``."""
+        n = math.prod(normalized_shape)
+        m = input.numel() // n if n else 0
+        x, dy = input.contiguous(), grad_out.contiguous()
+        mu, rs = mean.contiguous(), rstd.contiguous()
+        ct, at = _CL[x.dtype], acc_type(x.dtype)
+        dx = torch.empty_like(x) if output_mask[0] else None
+        dw = torch.empty_like(weight) if output_mask[1] and weight is not None else None
+        db = torch.empty_like(bias) if output_mask[2] and bias is not None else None
+        w = weight.contiguous() if weight is not None else x
+        if dx is not None and m and n:
+            w_at = "w[j]" if weight is not None else "(T)1"
+            source = f"""#define T {ct}
+__kernel void layer_norm_dx(long M, long N, __global char* dxp, ulong dxo,
+    __global char* gp, ulong go, __global char* xp, ulong xo, __global char* mp, ulong mo,
+    __global char* rp, ulong ro, __global char* wp, ulong wo) {{
+  long i = get_global_id(0); if (i >= M) return;
+  __global const T* x = (__global const T*)(xp + xo) + i * N;
+  __global const T* g = (__global const T*)(gp + go) + i * N;
+  __global const T* w = (__global const T*)(wp + wo);
+  __global T* d = (__global T*)(dxp + dxo) + i * N;
+  {at} ds = 0, db = 0;
+  for (long j = 0; j < N; j++) {{ {at} gw = ({at})g[j] * {w_at}; ds += gw * x[j]; db += gw; }}
+  {at} mean = ((__global const T*)(mp + mo))[i], a = ((__global const T*)(rp + ro))[i];
+  {at} s = 1 / ({at})N;
+  {at} b = (db * mean - ds) * a * a * a * s;
+  {at} c = -b * mean - db * a * s;
+  for (long j = 0; j < N; j++) d[j] = (T)(a * g[j] * {w_at} + b * x[j] + c);
+}}
+"""
+            L.raw(x, source, [m], [np.int64(m), np.int64(n), dx, dy, x, mu, rs, w])
+        for t, with_x in ((dw, True), (db, False)):
+            if t is None:
+                continue
+            if m == 0:
+                L.elementwise(t, [], "0", t.dtype)
+                continue
+            term = "g[k] * (x[k] - (T)mean[r]) * (T)rstd[r]" if with_x else "g[k]"
+            source = f"""#define T {ct}
+__kernel void layer_norm_dw(long M, long N, __global char* op, ulong oo,
+    __global char* gp, ulong go, __global char* xp, ulong xo, __global char* mp, ulong mo,
+    __global char* rp, ulong ro) {{
+  long j = get_global_id(0); if (j >= N) return;
+  __global const T* g = (__global const T*)(gp + go);
+  __global const T* x = (__global const T*)(xp + xo);
+  __global const T* mean = (__global const T*)(mp + mo);
+  __global const T* rstd = (__global const T*)(rp + ro);
+  {at} acc = 0;
+  for (long r = 0; r < M; r++) {{ long k = r * N + j; acc += {term}; }}
+  ((__global T*)(op + oo))[j] = (T)acc;
+}}
+"""
+            L.raw(x, source, [n], [np.int64(m), np.int64(n), t, dy, x, mu, rs])
+        return dx, dw, db
+
+    # ---- dropout: a counter-based generator (Philox4x32-10) on the device ----
+    @ks.out_kernel("native_dropout.out", dtypes=floats + [torch.bool])
+    def native_dropout(input, p, train, *, out0, out1):
+        """Element ``i`` is kept when the first word of Philox4x32-10 at counter ``(i, 0)``
+        under a 64-bit key, as a 24-bit uniform in [0, 1), is below ``1 - p``; the key is
+        drawn from the device's generator (``torch.ocl.manual_seed``, ``get_rng_state``
+        reproduce it). ``out = (x * keep) * (1 / (1 - p))`` as the CPU computes it."""
+        if out0.numel() == 0:
+            return out0, out1
+        if train is False or p == 0:
+            L.elementwise(out0, [input], "a0", input.dtype if input.dtype != torch.float16
+                          else torch.float32)
+            L.elementwise(out1, [], "1", torch.bool)
+            return out0, out1
+        p1m = 1.0 - p
+        scale = 0.0 if p1m == 0 else 1.0 / p1m
+        backend = torchport.current_backend()
+        gen = backend.generators[torchport.device_index(input)]
+        key = int(torch.empty((), dtype=torch.int64).random_(generator=gen))
+        L.elementwise(out1, [], "k", torch.bool,
+                      [(torch.float32, p1m), (torch.int64, key & 0xFFFFFFFF),
+                       (torch.int64, key >> 32)],
+                      pre="uchar k = philox_uniform(i, (uint)s1, (uint)s2) < s0;")
+        return L.elementwise(out0, [input, out1], "(a0 * (a1 ? 1 : 0)) * s0",
+                             [input.dtype, torch.bool], [(input.dtype, scale)]), out1
+
 
     return ks
