@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test conformance examples stress bench lint clean
+.PHONY: demo test test-opencl conformance examples stress bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,7 +23,8 @@ demo: $(STAMP)
 # real-scripts subset (`scripts`); beside it, the modules marked `modes` (core tests, the op
 # layer's, the conformance subsets, the device layer's) with device-only memory
 # (TORCHPORT_SIM_STRICT=1), where every byte must go through the runtime, plus those marked
-# `strict` (the real-scripts subset runs there only) and `opencl` (the OpenCL backend on PoCL,
+# `strict` (the real-scripts subset runs there only) and `opencl` but not `opencl_full` (the
+# OpenCL backend on PoCL, its subset; `make test-opencl` runs all of it;
 # in a worker process of its own), and with asynchronous streams
 # (TORCHPORT_SIM_ASYNC=1), plus those marked `asynchronous` (streams, migrated examples).
 # The runs go side by side (the mode runs with one intra-op thread each; their logs are
@@ -33,7 +34,7 @@ demo: $(STAMP)
 MODE_PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 test: $(STAMP)
 	logs=$$(mktemp -d); rc=0; \
-	TORCHPORT_SIM_STRICT=1 $(MODE_PYTEST) -m "modes or strict or opencl" tests \
+	TORCHPORT_SIM_STRICT=1 $(MODE_PYTEST) -m "modes or strict or (opencl and not opencl_full)" tests \
 		> $$logs/strict 2>&1 & strict=$$!; \
 	( TORCHPORT_SIM_ASYNC=1 $(MODE_PYTEST) -m "modes or asynchronous" tests \
 		> $$logs/async 2>&1; arc=$$?; \
@@ -43,6 +44,12 @@ test: $(STAMP)
 	echo "== porting tools (default mode)"; cat $$logs/tools; \
 	echo "== TORCHPORT_SIM_STRICT=1"; cat $$logs/strict; \
 	echo "== TORCHPORT_SIM_ASYNC=1"; cat $$logs/async; rm -rf $$logs; exit $$rc
+
+# The OpenCL backend's whole suite on PoCL (make test runs its representative subset: device
+# memory, copies, a model training, fallback, streams, errors; this adds the kernel sweeps,
+# the transformer block and the conformance subset: a few minutes on 2 cores).
+test-opencl: $(STAMP)
+	$(BIN)/python -m pytest -q -m opencl tests
 
 # Every OpInfo of PyTorch's op_db, sim vs CPU (python -m torchport.conformance, which a vendor
 # runs with --backend against its own), in both sim memory modes, default

@@ -53,7 +53,8 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 300, **env: str) -> dict[st
                     **env)
     out = subprocess.run(cmd, cwd=str(cwd), env=env, capture_output=True, text=True,
                          timeout=timeout)
-    assert out.returncode == 0, (cmd, out.stdout[-2000:], out.stderr[-4000:])
+    assert out.returncode == 0, \
+        f"{cmd} exited {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-6000:]}"
     assert "torchport.transfer" not in out.stderr
     return example_values(out.stdout)
 

@@ -79,6 +79,7 @@ def test_device_memory_is_device_only_and_round_trips_every_dtype(ocl):  # noqa:
     """)
 
 
+@pytest.mark.opencl_full
 def test_elementwise_broadcasting_type_promotion_and_scalars(ocl):  # noqa: F811
     ocl.run("""
     a = torch.randn(4, 1, 3)
@@ -117,6 +118,7 @@ def test_elementwise_broadcasting_type_promotion_and_scalars(ocl):  # noqa: F811
     """)
 
 
+@pytest.mark.opencl_full
 def test_reductions_over_dims(ocl):  # noqa: F811
     ocl.run("""
     x = torch.randn(3, 4, 5)
@@ -139,6 +141,7 @@ def test_reductions_over_dims(ocl):  # noqa: F811
     """)
 
 
+@pytest.mark.opencl_full
 def test_gemm_and_softmax_with_their_backward(ocl):  # noqa: F811
     ocl.run("""
     a, b, c = torch.randn(37, 19), torch.randn(23, 19), torch.randn(23)
@@ -270,6 +273,7 @@ def test_no_device_is_a_clear_error(ocl):  # noqa: F811
     """)
 
 
+@pytest.mark.opencl_full
 def test_indexing_kernels_against_the_cpu(ocl):  # noqa: F811
     ocl.run("""
     x = torch.randn(6, 5)
@@ -296,6 +300,7 @@ def test_indexing_kernels_against_the_cpu(ocl):  # noqa: F811
     """)
 
 
+@pytest.mark.opencl_full
 def test_embedding_layer_norm_variance_and_half_gemm(ocl):  # noqa: F811
     ocl.run("""
     emb = torch.nn.Embedding(10, 4, padding_idx=1)
@@ -337,6 +342,7 @@ def test_embedding_layer_norm_variance_and_half_gemm(ocl):  # noqa: F811
     """)
 
 
+@pytest.mark.opencl_full
 def test_dropout_mask_is_reproducible_from_the_device_generator(ocl):  # noqa: F811
     ocl.run("""
     x = torch.randn(64, 50)
@@ -365,6 +371,7 @@ def test_dropout_mask_is_reproducible_from_the_device_generator(ocl):  # noqa: F
     """)
 
 
+@pytest.mark.opencl_full
 def test_a_transformer_block_trains_as_on_the_cpu(ocl):  # noqa: F811
     ocl.run("""
     class Block(torch.nn.Module):

@@ -10,7 +10,7 @@ import pytest
 
 from tests.opencl_support import ROOT, worker_env
 
-pytestmark = pytest.mark.opencl
+pytestmark = [pytest.mark.opencl, pytest.mark.opencl_full]
 
 
 def test_conformance_subset_passes_with_native_and_fallback_paths(tmp_path):
