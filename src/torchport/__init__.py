@@ -14,8 +14,9 @@ not registration and the op layer.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from torchport.lazy import exports
 
 if TYPE_CHECKING:
     from torchport.backend import Backend, BackendError, active_backend
@@ -44,15 +45,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import the module defining public ``name`` on first use, and keep the value."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = exports(__name__, _LAZY, __all__)

@@ -6,8 +6,9 @@ of the layer (``torchport.ops.plan``) does not load the others.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from torchport.lazy import exports
 
 if TYPE_CHECKING:
     from torchport.ops.fallback import (
@@ -39,15 +40,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import the module defining public ``name`` on first use, and keep the value."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = exports(__name__, _LAZY, __all__)
