@@ -9,13 +9,12 @@ once if it already is.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
 import types
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from torchport import lazy
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -93,37 +92,13 @@ def _register(backend: DeviceBackend, di: types.ModuleType) -> None:
     di.register_interface_for_device(backend.name, make_interface(backend, di))
 
 
-class _RegisterOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``torch._dynamo.device_interface`` with the other finders, runs it, then
-    registers the device; leaves ``sys.meta_path`` as it was."""
-
-    def __init__(self, backend: DeviceBackend) -> None:
-        self.backend = backend
-        self.loader: Any = None
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != _MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        self.loader = spec.loader
-        spec.loader = self
-        return spec
-
-    def create_module(self, spec: Any) -> Any:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        module.__spec__.loader = self.loader
-        self.loader.exec_module(module)
-        _register(self.backend, module)
+def _skip_torchport(trace_rules: types.ModuleType) -> None:
+    """Dynamo must not trace torchport's own frames: its kernels are the device's code,
+    called by the dispatcher (as CUDA's C++ kernels are), also while a compiled
+    function runs eagerly after a graph break."""
+    trace_rules.add("torchport")
 
 
 def install(backend: DeviceBackend) -> None:
-    di = sys.modules.get(_MODULE)
-    if di is not None:
-        _register(backend, di)
-    else:
-        sys.meta_path.insert(0, _RegisterOnImport(backend))
+    lazy.when_imported(_MODULE, lambda di: _register(backend, di))
+    lazy.when_imported("torch._dynamo.trace_rules", _skip_torchport)

@@ -30,6 +30,7 @@ FEATURE_MODULES: list[str] = [
     "torchport.parallel_comm",
     "torchport.integrations.huggingface",
     "torchport.debug.env",
+    "torchport.graph.inductor",
 ]
 
 

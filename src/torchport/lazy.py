@@ -1,10 +1,15 @@
-"""Public names of a package resolved on first use (PEP 562), shared by the package
-``__init__``s: importing one module of a package then loads only what it needs."""
+"""Work deferred until it is needed: a package's public names resolved on first use
+(PEP 562), shared by the package ``__init__``s, so that importing one module of a
+package loads only what it needs; and registrations with a costly PyTorch module
+(``torch._dynamo``, ``torch._inductor``) made when that module is first imported."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -25,3 +30,41 @@ def exports(package: str, table: dict[str, str], public: list[str]
         return sorted(set(vars(sys.modules[package])) | set(public))
 
     return __getattr__, __dir__
+
+
+class _RunAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``module`` with the other finders, runs it, then calls ``fn(module)``;
+    removes itself from ``sys.meta_path`` first, leaving it as it was."""
+
+    def __init__(self, module: str, fn: Callable[[types.ModuleType], None]) -> None:
+        self.module, self.fn = module, fn
+        self.loader: Any = None
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.module:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        self.loader = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        self.fn(module)
+
+
+def when_imported(module: str, fn: Callable[[types.ModuleType], None]) -> None:
+    """Call ``fn(module)`` once ``module`` (a submodule name) has been imported: now if
+    it already is, else right after its first import finishes."""
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        fn(loaded)
+    else:
+        sys.meta_path.insert(0, _RunAfterImport(module, fn))

@@ -15,6 +15,7 @@ from torchport.backends.sim.attention import make_attention_kernels
 from torchport.backends.sim.kernels import make_kernels
 from torchport.backends.sim.runtime import SimRuntime, parse_size
 from torchport.backends.sim.syncbn_kernels import make_syncbn_kernels
+from torchport.graph.inductor import enable_inductor
 from torchport.kernel_api import device_address, device_index
 
 __all__ = ["SimRuntime", "make_backend", "parse_size"]
@@ -35,5 +36,8 @@ def make_backend(runtime: SimRuntime | None = None) -> Backend:
         typed, off = rt.typed_memory(device_index(t), ptr - offset * t.element_size(), t.dtype)
         return typed.as_strided(t.shape, t.stride(), off + offset)
 
-    return Backend("sim", rt, [make_kernels(device_view), make_syncbn_kernels(),
-                               make_attention_kernels()])
+    backend = Backend("sim", rt, [make_kernels(device_view), make_syncbn_kernels(),
+                                  make_attention_kernels()])
+    # torch.compile: inductor's C++ kernels run on the chip's views, as its host ops do
+    enable_inductor(backend, codegen="host", views=device_view)
+    return backend

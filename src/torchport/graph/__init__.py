@@ -1,0 +1,1 @@
+"""Graph mode: ``torch.compile`` and exported programs on the device."""

@@ -1,0 +1,351 @@
+"""``torch.compile``'s default compiler (inductor) on a device whose kernels can run as
+host code: inductor's C++/OpenMP codegen over device memory.
+
+A device whose memory the host can address (the sim; unified-memory chips) can run the
+C++ kernels inductor writes for the CPU, given pointers into its memory. This module
+registers that with inductor for the device (``register_backend_for_device``: a
+``CppScheduling`` and a wrapper of its own) and makes the generated program a
+well-behaved device program:
+
+* every buffer is allocated on its own device index by torchport's allocator
+  (the stock wrapper writes ``empty_strided(..., device="sim")`` without an index);
+* every C++ kernel is launched on the current stream with ``Runtime.launch`` and given
+  the chip's views of its tensors (:class:`KernelLauncher`), so an asynchronous runtime
+  runs it in stream order after the ops queued before it, and a runtime whose
+  addresses the host cannot dereference still gives the kernel memory it can read;
+  where neither is needed (a synchronous runtime with host addresses) the kernels are
+  called directly, as on the CPU;
+* the compile cache key names the launch mode and torchport's codegen
+  (:class:`CacheKey`, a post-grad pass inductor puts in its key).
+
+Inductor makes many decisions by ``device.type == "cpu"``; :mod:`torchport.graph.cpu_checks`
+handles the ones that decide correctness for a C++-compiled device and documents the
+rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchport import lazy
+
+if TYPE_CHECKING:
+    from torchport.contracts import DeviceBackend
+
+Tensor = torch.Tensor
+#: device name -> its registered backend, when that asked for compilation
+_COMPILABLE: dict[str, Any] = {}
+#: device name -> its launcher (what generated programs call at run time), made on first use
+_LAUNCHERS: dict[str, KernelLauncher] = {}
+#: backend -> the views its compiled kernels get (declared by enable_inductor)
+_DECLARED: weakref.WeakKeyDictionary[Any, Callable[[Tensor], Tensor]] = \
+    weakref.WeakKeyDictionary()
+CODEGEN_VERSION = "1"
+
+
+class KernelLauncher:
+    """What a compiled program of one device calls: allocation and kernel launches.
+
+    ``views``: the backend's view function (a device tensor -> a CPU tensor over the
+    same memory, as its host-op kernels use); ``direct``: kernels may be called with the
+    device tensors themselves (synchronous runtime, device addresses are host
+    addresses)."""
+
+    def __init__(self, backend: DeviceBackend, views: Callable[[Tensor], Tensor]) -> None:
+        from torchport.ops import hostviews
+
+        self.backend = backend
+        self.name = backend.name
+        rt = backend.runtime
+        self.asynchronous = bool(rt.asynchronous)
+        self.direct = bool(rt.host_addressable) and not self.asynchronous \
+            and _host_addresses_are_device_addresses(backend)
+        self._views = hostviews.for_to_cpu(views, backend.devices)
+        self._empty = torch.empty_strided
+
+    @property
+    def mode(self) -> str:
+        """How kernels are launched: ``direct``, ``views`` or ``queued``."""
+        return "direct" if self.direct else "queued" if self.asynchronous else "views"
+
+    def empty_strided(self, size: tuple, stride: tuple, dtype: torch.dtype, index: int) -> Tensor:
+        """A buffer of the program on device ``index`` (torchport's allocator, current stream)."""
+        return self._empty(size, stride, dtype=dtype, device=torch.device(self.name, index))
+
+    def launch(self, index: int, name: str, kernel: Callable[..., Any], *args: Any) -> None:
+        """Run ``kernel`` on the chip's views of ``args`` in order on the current stream of
+        device ``index``."""
+        entries, add = self._views.entries, self._views.add
+        mapped = []
+        for a in args:
+            if isinstance(a, Tensor):
+                if a.device.type == "cpu":  # a CPU scalar the graph reads (an optimizer's step)
+                    # read when the kernel runs: a queued kernel gets the value of now
+                    mapped.append(a.clone() if self.asynchronous else a)
+                    continue
+                key = (a.data_ptr(), a.dtype, a.shape, a.stride())
+                e = entries.get(key)
+                if e is None:
+                    e = add(a, key, False)
+                    if e is None:
+                        raise RuntimeError(
+                            f"{self.name}: compiled kernel {name} got a tensor on {a.device}; "
+                            f"the graph was compiled for {self.name}:{index}")
+                a = e[0]
+            mapped.append(a)
+        b = self.backend
+        b.runtime.launch(b.visible[index], b.current_stream_handle(index),
+                         lambda: kernel(*mapped), name)
+
+
+def _host_addresses_are_device_addresses(backend: DeviceBackend) -> bool:
+    """True when the runtime's host address of a block is the block's device address
+    (the C++ kernels then read ``data_ptr()`` directly)."""
+    rt = backend.runtime
+    ptr = rt.malloc(backend.visible[0], 64) if backend.visible else None
+    if ptr is None:
+        return False
+    try:
+        return rt.host_address(ptr) == ptr
+    finally:
+        rt.free(backend.visible[0], ptr)
+
+
+def launcher(name: str) -> KernelLauncher:
+    """The launcher of device ``name`` (generated programs look it up at import)."""
+    made = _LAUNCHERS.get(name)
+    if made is not None:
+        return made
+    backend = _COMPILABLE.get(name)
+    if backend is not None:
+        made = _LAUNCHERS[name] = KernelLauncher(backend, _DECLARED[backend])
+        return made
+    raise RuntimeError(f"torch.compile: no compiled-program support is enabled for device "
+                       f"{name!r}; register its backend first (import torchport.{name})")
+
+
+def enable_inductor(backend: DeviceBackend, codegen: str = "host",
+                    views: Callable[[Tensor], Tensor] | None = None) -> None:
+    """Let ``torch.compile`` (inductor) compile graphs whose tensors are on ``backend``'s
+    device; call it before or after ``backend.register()``.
+
+    ``codegen="host"``: inductor's C++ kernels run on the device's memory through
+    ``views`` (a device tensor -> a CPU tensor over the same memory: the function the
+    backend's host-op kernels use; ``backend.host_view`` by default, which needs a
+    host-addressable runtime). Inductor takes the device when it sets its backends up
+    (it asks ``torch.<device>`` for the classes), or at once if it already has."""
+    if codegen != "host":
+        raise ValueError(f"enable_inductor: unknown codegen {codegen!r}; 'host' runs inductor's "
+                         f"C++ kernels on device memory (a vendor's own Scheduling and wrapper: "
+                         f"torch._inductor.codegen.common.register_backend_for_device)")
+    if views is None:
+        if not backend.runtime.host_addressable:
+            raise ValueError(f"enable_inductor({backend.name!r}): the runtime's memory is not "
+                             f"host-addressable; pass views= (how kernels see device memory)")
+        views = backend.host_view
+    _DECLARED[backend] = views
+    module = getattr(backend, "device_module", None)
+    if module is not None:  # registered already
+        on_register(backend, module)
+
+
+def on_register(backend: DeviceBackend, module: Any) -> None:
+    """Make the device compilable if its backend asked for it (:func:`enable_inductor`)."""
+    if backend not in _DECLARED:
+        return
+    name = backend.name
+    _COMPILABLE[name] = backend
+    _LAUNCHERS.pop(name, None)
+    _REGISTERED.pop(name, None)
+    if _INDUCTOR_CPP in sys.modules:  # inductor is loaded: register now
+        _register(name)
+        return
+    # inductor asks torch.<device> for these names as it sets its backends up
+    module.__getattr__ = _device_module_getattr(name)
+    # the compile caches are looked up before that: the key must be there from the start
+    lazy.when_imported(_INDUCTOR_COMMON, lambda common: common.custom_backend_passes.setdefault(
+        name, cache_key(name)))
+
+
+def _device_module_getattr(name: str) -> Callable[[str], Any]:
+    """``torch.<device>``'s ``__getattr__`` answering inductor's questions for a
+    PrivateUse1 device (``torch.utils.backend_registration._get_custom_mod_func``):
+    the scheduling and wrapper classes, registered with the rest on first use."""
+    def __getattr__(attr: str) -> Any:
+        if attr not in _INDUCTOR_NAMES:
+            raise AttributeError(f"module 'torch.{name}' has no attribute {attr!r}")
+        return _register(name)[attr]
+    return __getattr__
+
+
+_INDUCTOR_CPP = "torch._inductor.codegen.cpp"
+_INDUCTOR_COMMON = "torch._inductor.codegen.common"
+_INDUCTOR_NAMES = ("Scheduling", "PythonWrapperCodegen", "CppWrapperCodegen", "WrapperFxCodegen")
+_REGISTERED: dict[str, dict[str, Any]] = {}
+
+
+def _register(name: str) -> dict[str, Any]:
+    """Register the device's scheduling, wrapper, op overrides and cache key with
+    inductor (once); the classes by the names inductor asks for."""
+    done = _REGISTERED.get(name)
+    if done is not None:
+        return done
+    from torch._inductor.codegen import common
+    from torch._inductor.codegen.cpp import CppScheduling
+
+    from torchport.graph import cpu_checks
+
+    wrapper = _wrapper_class(name)
+    unsupported = _unsupported_wrapper(name)
+    common.register_backend_for_device(
+        name, CppScheduling, wrapper, unsupported, unsupported,
+        device_custom_pass=cache_key(name))
+    common.register_device_op_overrides(name, _op_overrides(name, common))
+    cpu_checks.install(name)
+    done = _REGISTERED[name] = dict(zip(_INDUCTOR_NAMES, (CppScheduling, wrapper, unsupported,
+                                                          unsupported), strict=True))
+    return done
+
+
+def _unsupported_wrapper(name: str) -> type:
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+
+    class UnsupportedWrapper(PythonWrapperCodegen):
+        @classmethod
+        def create(cls, *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError(
+                f"torch.compile on {name}: inductor's C++ and FX wrappers are not supported for "
+                f"this device; leave torch._inductor.config.cpp_wrapper and fx_wrapper off")
+
+    return UnsupportedWrapper
+
+
+class _CacheKeyBase:
+    """Inductor's cache key of graphs on the device: the launch mode and this codegen."""
+
+    def __init__(self, name: str, mode: str) -> None:
+        self.name, self.mode = name, mode
+
+    def __call__(self, gm: torch.fx.GraphModule) -> None:
+        return None
+
+    def uuid(self) -> str:
+        h = hashlib.sha256(f"torchport-{CODEGEN_VERSION}:{self.name}:{self.mode}".encode())
+        here = os.path.dirname(os.path.abspath(__file__))
+        for src in ("inductor.py", "cpu_checks.py"):  # the code this key covers
+            with open(os.path.join(here, src), "rb") as f:
+                h.update(f.read())
+        return h.hexdigest()
+
+
+_CACHE_KEYS: dict[str, Any] = {}
+
+
+def cache_key(name: str) -> Any:
+    """Device ``name``'s part of inductor's cache key (one object per device and launcher)."""
+    mode = launcher(name).mode
+    key = _CACHE_KEYS.get(name)
+    if key is None or key.mode != mode:
+        from torch._inductor.custom_graph_pass import CustomGraphModulePass
+
+        cls = type("TorchportCacheKey", (_CacheKeyBase, CustomGraphModulePass), {})
+        key = _CACHE_KEYS[name] = cls(name, mode)
+    return key
+
+
+def _op_overrides(name: str, common: Any) -> Any:
+    class DeviceOps(common.DeviceOpOverrides):
+        def import_get_raw_stream_as(self, alias: str) -> str:
+            return f"def {alias}(index):\n    return torch.{name}.current_stream(index).stream_id\n"
+
+        def set_device(self, device_idx: int) -> str:
+            return f"torch.{name}.set_device({device_idx})"
+
+        def synchronize(self) -> str:
+            return f"torch.{name}.synchronize()"
+
+        def device_guard(self, device_idx: int) -> str:
+            return f"torch.{name}.device({device_idx})"
+
+        def cpp_kernel_type(self) -> str:
+            return "void*"
+
+    return DeviceOps()
+
+
+def _wrapper_class(name: str) -> type:
+    from torch._inductor.codegen.wrapper import (
+        PythonWrapperCodegen,
+        SubgraphPythonWrapperCodegen,
+    )
+    from torch._inductor.virtualized import V
+
+    class HostCodegen:
+        """The stock Python wrapper, with the device's buffers allocated on their own
+        index and its C++ kernels launched through the device's launcher."""
+
+        def write_header(self) -> None:
+            super().write_header()
+            self.header.splice(
+                f"""
+                from torchport.graph.inductor import launcher as _tp_launcher
+                _tp_{name} = _tp_launcher({name!r})
+                empty_strided_{name} = _tp_{name}.empty_strided
+                launch_{name} = _tp_{name}.launch
+                """, strip=True)
+
+        def make_allocation(self, buf: str, device: torch.device, dtype: torch.dtype,
+                            shape: Any, stride: Any, allocation_shape: Any = None,
+                            is_pinned: bool = False) -> str:
+            if device.type != name:
+                return super().make_allocation(buf, device, dtype, shape, stride,
+                                               allocation_shape, is_pinned)
+            if allocation_shape is None:
+                allocation_shape = shape
+            size = self.codegen_python_shape_tuple(shape)
+            alloc = self.codegen_python_shape_tuple(allocation_shape)
+            strides = self.codegen_python_shape_tuple(stride)
+            out = f"{buf} = empty_strided_{name}({alloc}, {strides}, {dtype}, {device.index or 0})"
+            if size != alloc:
+                out += f".as_strided({size}, {strides})"
+            return out
+
+        def _generate_kernel_call_helper(self, kernel_name: str, call_args: Any, *,
+                                         device: Any = None, triton: bool = True,
+                                         **kwargs: Any) -> Any:
+            device = device or V.graph.get_current_device_or_throw()
+            if triton or device.type != name:
+                return super()._generate_kernel_call_helper(
+                    kernel_name, call_args, device=device, triton=triton, **kwargs)
+            if launcher(name).direct:
+                self.writeline(self.wrap_kernel_call(kernel_name, call_args))
+            else:
+                args = ", ".join([str(device.index or 0), repr(kernel_name), kernel_name,
+                                  *call_args])
+                self.writeline(f"launch_{name}({args}){self.ending}")
+            return None
+
+    class HostWrapperCodegen(HostCodegen, PythonWrapperCodegen):  # type: ignore[misc]
+        @staticmethod
+        def create(is_subgraph: bool, subgraph_name: str | None, parent_wrapper: Any,
+                   partition_signatures: Any = None) -> Any:
+            if is_subgraph:
+                return HostSubgraphCodegen(subgraph_name, parent_wrapper, partition_signatures)
+            return HostWrapperCodegen()
+
+    class HostSubgraphCodegen(HostCodegen, SubgraphPythonWrapperCodegen):  # type: ignore[misc]
+        pass
+
+    return HostWrapperCodegen
+
+
+def compilable() -> list[str]:
+    """The devices ``torch.compile`` can compile for (registered, inductor enabled)."""
+    return sorted(_COMPILABLE)
