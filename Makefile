@@ -28,7 +28,8 @@ demo: $(STAMP)
 # in a worker process of its own), and with asynchronous streams
 # (TORCHPORT_SIM_ASYNC=1), plus those marked `asynchronous` (streams, migrated examples).
 # The runs go side by side (the mode runs with one intra-op thread each; their logs are
-# printed when all ended). The porting tools' tests (`tools`: mostly subprocesses; default
+# printed when all ended). The porting tools' tests (`tools`: mostly subprocesses) and torch.compile's
+# (`graph`: compiling takes seconds), both in default
 # mode) run after the async stage, in its process slot, so that both cores stay busy while
 # the default suite runs.
 MODE_PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
@@ -38,10 +39,10 @@ test: $(STAMP)
 		> $$logs/strict 2>&1 & strict=$$!; \
 	( TORCHPORT_SIM_ASYNC=1 $(MODE_PYTEST) -m "modes or asynchronous" tests \
 		> $$logs/async 2>&1; arc=$$?; \
-	  $(MODE_PYTEST) -m tools tests > $$logs/tools 2>&1 || arc=1; exit $$arc ) & async=$$!; \
-	$(BIN)/python -m pytest -q --durations=15 -m "not tools and not scripts and not opencl" tests || rc=1; \
+	  $(MODE_PYTEST) -m "tools or graph" tests > $$logs/tools 2>&1 || arc=1; exit $$arc ) & async=$$!; \
+	$(BIN)/python -m pytest -q --durations=15 -m "not tools and not graph and not scripts and not opencl" tests || rc=1; \
 	wait $$strict || rc=1; wait $$async || rc=1; \
-	echo "== porting tools (default mode)"; cat $$logs/tools; \
+	echo "== porting tools and torch.compile (default mode)"; cat $$logs/tools; \
 	echo "== TORCHPORT_SIM_STRICT=1"; cat $$logs/strict; \
 	echo "== TORCHPORT_SIM_ASYNC=1"; cat $$logs/async; rm -rf $$logs; exit $$rc
 

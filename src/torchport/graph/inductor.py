@@ -69,6 +69,8 @@ class KernelLauncher:
             and _host_addresses_are_device_addresses(backend)
         self._views = hostviews.for_to_cpu(views, backend.devices)
         self._empty = torch.empty_strided
+        if self.direct:
+            self.launch = _call  # type: ignore[method-assign]
 
     @property
     def mode(self) -> str:
@@ -103,6 +105,10 @@ class KernelLauncher:
         b = self.backend
         b.runtime.launch(b.visible[index], b.current_stream_handle(index),
                          lambda: kernel(*mapped), name)
+
+
+def _call(index: int, name: str, kernel: Callable[..., Any], *args: Any) -> None:
+    kernel(*args)
 
 
 def _host_addresses_are_device_addresses(backend: DeviceBackend) -> bool:
@@ -324,12 +330,9 @@ def _wrapper_class(name: str) -> type:
             if triton or device.type != name:
                 return super()._generate_kernel_call_helper(
                     kernel_name, call_args, device=device, triton=triton, **kwargs)
-            if launcher(name).direct:
-                self.writeline(self.wrap_kernel_call(kernel_name, call_args))
-            else:
-                args = ", ".join([str(device.index or 0), repr(kernel_name), kernel_name,
-                                  *call_args])
-                self.writeline(f"launch_{name}({args}){self.ending}")
+            # the same code in every launch mode: the launcher decides when the program runs
+            args = ", ".join([str(device.index or 0), repr(kernel_name), kernel_name, *call_args])
+            self.writeline(f"launch_{name}({args}){self.ending}")
             return None
 
     class HostWrapperCodegen(HostCodegen, PythonWrapperCodegen):  # type: ignore[misc]
