@@ -2,7 +2,8 @@
 tests/test_opencl_*.py (the test process itself has the sim: one backend per process).
 
 Reads JSON lines ``{"code": ...}`` on stdin, runs each in one namespace (``torch``,
-``torchport``, ``ocl`` = torchport.opencl), answers ``{"ok": bool, "error": traceback}``.
+``torchport``, ``ocl`` = torchport.opencl), answers ``{"ok": bool, "error": traceback,
+"result": what the code assigned to ``result``}``.
 """
 
 import json
@@ -23,8 +24,9 @@ for line in sys.stdin:
     code = json.loads(line)["code"]
     try:
         torch.manual_seed(0)
+        namespace.pop("result", None)
         exec(compile(code, "<opencl test>", "exec"), namespace)
-        answer = {"ok": True}
+        answer = {"ok": True, "result": namespace.get("result")}
     except BaseException:  # reported to the test
         answer = {"ok": False, "error": traceback.format_exc()}
     print(json.dumps(answer), flush=True)

@@ -7,7 +7,7 @@ a worker process (tests/opencl_worker.py)."""
 
 import pytest
 
-from tests.opencl_support import ocl  # noqa: F401  (the worker fixture)
+from tests.opencl_support import ocl, ocl2  # noqa: F401  (the worker fixtures)
 
 pytestmark = pytest.mark.opencl
 
@@ -442,4 +442,267 @@ def test_fallback_warnings_one_per_user_line_pointing_at_it(ocl):  # noqa: F811
     assert {w.filename for w in got} == {"<opencl test>"}, [w.filename for w in got]
     assert got[1].lineno == got[0].lineno + 1 and "cumsum" in str(got[1].message)
     assert len(fallback._WARNED) > 2             # formatting's other ops count as warned
+    """)
+
+
+# ---- device-side index errors ----
+INDEX_CASES = """
+F = torch.nn.functional
+
+def index_cases(bad):
+    '''(op the error names, dimension, its size, the call, whether the CPU checks) for one
+    bad index value ``bad(size)``; each call takes (x, src, grad) on one device.'''
+    def t(*rows):
+        return torch.tensor(rows)
+    return [
+        ("index_select", 0, 5, lambda x, s, g, dev: x.index_select(0, t(0, bad(5), 2).to(dev)), True),
+        ("index_select", 1, 3, lambda x, s, g, dev: x.index_select(1, t(bad(3), 0).to(dev)), True),
+        ("gather", 0, 5, lambda x, s, g, dev: x.gather(0, t([0, 1, 2], [bad(5), 0, 1]).to(dev)), True),
+        ("gather", 1, 3, lambda x, s, g, dev: x.gather(1, t(*[[0, bad(3)]] * 5).to(dev)), True),
+        ("scatter_add", 0, 5, lambda x, s, g, dev: x.scatter_add(
+            0, t([0, 1, 2], [bad(5), 0, 1]).to(dev), s), True),
+        ("scatter_add", 0, 5, lambda x, s, g, dev: x.clone().scatter_add_(
+            0, t([bad(5), 1, 2]).to(dev), s[:1]), True),
+        ("index_select", 0, 5, lambda x, s, g, dev: F.embedding(t([1, bad(5)], [0, 2]).to(dev), x), True),
+        # the CPU's embedding backward does not check (it writes out of bounds)
+        ("embedding_dense_backward", 0, 5, lambda x, s, g, dev: torch.ops.aten.embedding_dense_backward(
+            g, t(1, bad(5)).to(dev), 5, -1, False), False),
+    ]
+
+def raises_later(call, op, dim, size, bad, sync=lambda r: r.cpu()):
+    '''``call()`` raises nothing (the kernel is queued); ``sync`` of its result raises the
+    device's error, naming the device, op, index and range.'''
+    r = call()
+    try:
+        sync(r)
+    except RuntimeError as e:
+        msg = str(e)
+        assert msg.startswith(f"ocl:0: {op}: index {bad} is out of bounds for dimension {dim} "
+                              f"with size {size} (valid: 0 to {size - 1})"), msg
+        assert "TORCHPORT_LAUNCH_BLOCKING=1" in msg
+        return e
+    raise AssertionError(f"{op}: no error for index {bad}")
+"""
+
+
+def test_a_bad_index_raises_at_the_next_synchronisation(ocl):  # noqa: F811
+    """As CUDA's device-side assert: not at the op, at the next synchronising call, with
+    what was wrong; nothing read or written out of bounds, the device usable after."""
+    ocl.run(INDEX_CASES)
+    ocl.run("""
+    from torchport.backends.opencl.runtime import DeviceIndexError
+    x = torch.randn(5, 3)
+    dx = x.to("ocl")
+    i = torch.tensor([4, 9, 0]).to("ocl")
+    e = raises_later(lambda: dx.index_select(0, i), "index_select", 0, 5, 9)
+    assert isinstance(e, DeviceIndexError) and isinstance(e, torch.AcceleratorError)
+    assert isinstance(e, IndexError)          # as the CPU's index_select raises
+    same(dx.index_select(0, i.clamp(max=4)), x.index_select(0, i.cpu().clamp(max=4)))
+    same(dx, x); same(i, torch.tensor([4, 9, 0]))
+    g = torch.tensor([[0, -1, 2]]).to("ocl")
+    e = raises_later(lambda: dx.gather(0, g), "gather", 0, 5, -1,
+                     sync=lambda r: torch.ocl.synchronize())
+    assert not isinstance(e, IndexError)      # the CPU's gather raises RuntimeError
+    try:
+        x.gather(0, g.cpu())
+    except RuntimeError as cpu:
+        assert str(cpu) in str(e), (str(cpu), str(e))
+    same(dx.gather(0, g.abs()), x.gather(0, g.cpu().abs()))
+    """)
+
+
+@pytest.mark.opencl_full
+def test_every_index_kernel_reports_bad_indices_as_the_cpu_refuses_them(ocl):  # noqa: F811
+    ocl.run(INDEX_CASES)
+    ocl.run("""
+    x, s, g = torch.randn(5, 3), torch.randn(2, 3), torch.randn(2, 3)
+    dx, ds, dg = x.to("ocl"), s.to("ocl"), g.to("ocl")
+    for bad in (lambda n: n, lambda n: -1, lambda n: n + 4, lambda n: -n - 1):
+        for op, dim, size, call, cpu_checks in index_cases(bad):
+            if cpu_checks:
+                try:
+                    call(x, s, g, "cpu")
+                except (IndexError, RuntimeError) as cpu:
+                    cpu_error = cpu
+                else:
+                    raise AssertionError(f"the CPU's {op} took index {bad(size)}")
+            e = raises_later(lambda: call(dx, ds, dg, "ocl"), op, dim, size, bad(size))
+            if cpu_checks:  # what catches the CPU's error catches it
+                assert isinstance(e, type(cpu_error)), (op, e, cpu_error)
+            same(dx, x); same(ds, s); same(dg, g)                # inputs unchanged
+    # after the errors, valid calls give the CPU's results
+    for op, dim, size, call, _ in index_cases(lambda n: n - 1):
+        close(call(dx, ds, dg, "ocl"), call(x, s, g, "cpu"))
+    # other synchronising calls: .item(), printing, an event, a stream
+    i = torch.tensor([7]).to("ocl")
+    raises_later(lambda: dx.index_select(0, i), "index_select", 0, 5, 7, sync=lambda r: r.sum().item())
+    raises_later(lambda: dx.index_select(0, i), "index_select", 0, 5, 7, sync=repr)
+    def on_event(r):
+        ev = torch.ocl.Event(); ev.record(); ev.synchronize()
+    raises_later(lambda: dx.index_select(0, i), "index_select", 0, 5, 7, sync=on_event)
+    s1 = torch.ocl.Stream()
+    def on_stream(r):
+        s1.synchronize()
+    with torch.ocl.stream(s1):
+        raises_later(lambda: dx.index_select(0, i), "index_select", 0, 5, 7, sync=on_stream)
+    # several bad ops before one synchronisation: the first is reported, then all is clear
+    bad_rows = torch.tensor([[0, 0, 6]]).to("ocl")    # a copy to the device synchronises too
+    dx.index_select(0, i); dx.gather(0, bad_rows)
+    raises_later(lambda: None, "index_select", 0, 5, 7, sync=lambda r: torch.ocl.synchronize())
+    torch.ocl.synchronize()
+    same(dx.index_select(0, i - 3), x.index_select(0, torch.tensor([4])))
+    # TORCHPORT_LAUNCH_BLOCKING=1: the op itself raises, as CUDA_LAUNCH_BLOCKING=1
+    import os
+    os.environ["TORCHPORT_LAUNCH_BLOCKING"] = "1"
+    try:
+        raises_later(lambda: None, "index_select", 0, 5, 7, sync=lambda r: dx.index_select(0, i))
+    finally:
+        del os.environ["TORCHPORT_LAUNCH_BLOCKING"]
+    same(dx.index_select(0, i - 7), x.index_select(0, torch.tensor([0])))
+    """)
+
+
+def test_overlapping_outputs_raise_as_on_the_cpu(ocl):  # noqa: F811
+    """The CPU's memory-overlap errors for out=/in-place calls of the device's kernels (an
+    out= kernel's derived overloads, a plain in-place kernel, the copies), the same type
+    and message; full overlap (in place on itself) still computes."""
+    ocl.run("""
+    cases = {
+        "add, out a shifted input": lambda a, m, i: torch.add(a[1:], a[:-1], out=a[1:]),
+        "add_ of its transpose": lambda a, m, i: m.add_(m.t()),
+        "mul_ into an expanded self": lambda a, m, i: a[:1].expand(3).mul_(2),
+        "mul, out expanded": lambda a, m, i: torch.mul(a[:3], 2, out=a[:1].expand(3)),
+        "relu_ (a plain kernel) expanded": lambda a, m, i: torch.relu_(a[:1].expand(3)),
+        "copy_ into an expanded view": lambda a, m, i: a[:1].expand(3).copy_(a[2:5]),
+        "copy_ from the host into an expanded view": lambda a, m, i: a[:1].expand(3).copy_(
+            torch.ones(3)),
+        "copy_ shifted": lambda a, m, i: a[1:].copy_(a[:-1]),
+        "index_select, out its input": lambda a, m, i: torch.index_select(a, 0, i, out=a[:3]),
+        "where, out a shifted input": lambda a, m, i: torch.where(a[:5] > 0, a[:5], a[1:], out=a[1:]),
+        "addcmul_ shifted": lambda a, m, i: a[1:].addcmul_(a[:-1], a[:-1]),
+        "neg, out shifted": lambda a, m, i: torch.neg(a[:-1], out=a[1:]),
+    }
+    fine = {
+        "add_ of itself": lambda a, m, i: a.add_(a),
+        "exp, out its input": lambda a, m, i: torch.exp(a, out=a),
+        "relu_": lambda a, m, i: torch.relu_(m),
+        "fill_ expanded": lambda a, m, i: a[:1].expand(3).fill_(2),
+        "copy_ to a wider dtype, shifted": lambda a, m, i: a[1:].copy_(a[:-1].double()),
+        "gather, out beside its input": lambda a, m, i: torch.gather(m[:, :2], 0, i[None, :2].expand(2, 2), out=m[:2, 2:]),
+    }
+    def outcome(dev, f):
+        torch.manual_seed(0)
+        a, m, i = torch.randn(6).to(dev), torch.randn(4, 4).to(dev), torch.tensor([0, 2, 1]).to(dev)
+        try:
+            f(a, m, i)
+        except Exception as e:
+            return type(e), str(e), a.cpu(), m.cpu()
+        return None, None, a.cpu(), m.cpu()
+    for name, f in {**cases, **fine}.items():
+        want, got = outcome("cpu", f), outcome("ocl", f)
+        assert (want[0] is None) == (name in fine), (name, want)
+        assert got[:2] == want[:2], (name, got[:2], want[:2])
+        assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3]), name
+    """)
+
+
+# ---- two devices ----
+@pytest.fixture(scope="module")
+def two(ocl2):  # noqa: F811
+    ocl2.run(HELPERS)
+    return ocl2
+
+
+@pytest.mark.opencl_full
+def test_two_devices_copy_between_them_strided_and_both_ways(two):
+    two.run("""
+    rt = ocl.runtime
+    assert rt.device_count() == 2 and rt.contexts[0] is not rt.contexts[1]
+    x = torch.randn(6, 5)
+    a = x.to("ocl:0")
+    b = a.to("ocl:1")
+    assert b.device == torch.device("ocl:1") and torchport.device_index(b) == 0  # reversed
+    rt.locate(0, torchport.device_address(b))              # the runtime's device 0's memory
+    same(b, x); same(b.to("ocl:0"), x); same(a.to("ocl:1", non_blocking=True), x)
+    same(a.t().to("ocl:1"), x.t())                         # a strided source
+    same(a[1:, ::2].to("ocl:1"), x[1:, ::2])
+    same(a.to("ocl:1", torch.float64), x.double())          # and a dtype conversion
+    same(a.t().to("ocl:1", torch.float16), x.t().half())
+    for src, dst, want in ((a.t(), torch.empty(5, 6, device="ocl:1"), x.t()),
+                           (a.t(), torch.empty(6, 5, device="ocl:1").t(), x.t()),
+                           (a[:, :2], torch.zeros(6, 4, device="ocl:1")[:, 1:3], x[:, :2]),
+                           (b[::2], torch.empty(3, 5, device="ocl:0"), x[::2])):
+        dst.copy_(src)
+        same(dst, want)
+    c = torch.zeros(6, 10, device="ocl:1")
+    c[:, ::2] = a                                        # a strided destination
+    want = torch.zeros(6, 10); want[:, ::2] = x
+    same(c, want)
+    same(b.t().contiguous().to("ocl:0"), x.t().contiguous())
+    try:
+        a + b
+    except RuntimeError as e:
+        assert "ocl:0 and ocl:1" in str(e)
+    else:
+        raise AssertionError("no error for operands on two devices")
+    """)
+
+
+@pytest.mark.opencl_full
+def test_kernels_on_the_second_device_run_there_and_a_model_moves(two):
+    two.run("""
+    rt = ocl.runtime
+    queues = []
+    orig = rt.queue
+    def queue(index, stream):
+        queues.append(index)
+        return orig(index, stream)
+    x = torch.randn(8, 5)
+    b = x.to("ocl:1")
+    rt.queue = queue
+    try:
+        y = torch.relu(b * 2 + 1) @ b.t()
+    finally:
+        del rt.queue
+    assert y.device == torch.device("ocl:1") and queues and set(queues) == {0}, queues
+    close(y, torch.relu(x * 2 + 1) @ x.t())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    ref = model(x)
+    model.to("ocl:0")
+    y0 = model(x.to("ocl:0"))
+    model.to("ocl:1")
+    assert {p.device for p in model.parameters()} == {torch.device("ocl:1")}
+    y1 = model(b)
+    assert y1.device == torch.device("ocl:1")
+    same(y1, y0.cpu()); close(y1, ref.detach())
+    y1.sum().backward()
+    assert model[0].weight.grad.device == torch.device("ocl:1")
+    with torch.ocl.device(1):                            # the current device, its streams
+        s = torch.ocl.Stream()
+        with torch.ocl.stream(s):
+            z = torch.ones(4, device="ocl") * 3
+        s.synchronize()
+    assert z.device == torch.device("ocl:1")
+    same(z, torch.full((4,), 3.0))
+    # each device's own generator, by torch.ocl's numbering
+    with torch.ocl.device(0):
+        torch.ocl.manual_seed(6)
+    with torch.ocl.device(1):
+        torch.ocl.manual_seed(5)
+    mask = torch.native_dropout(b, 0.5, True)[1].cpu()
+    torch.native_dropout(a := x.to("ocl:0"), 0.5, True)   # moves device 0's generator on
+    with torch.ocl.device(1):
+        torch.ocl.manual_seed(5)
+    same(torch.native_dropout(b, 0.5, True)[1], mask)
+    i = torch.tensor([0, 8]).to("ocl:1")                 # device 1's own error word
+    b.index_select(0, i)
+    try:
+        torch.ocl.synchronize(1)
+    except RuntimeError as e:
+        assert str(e).startswith("ocl:1: index_select: index 8 is out of bounds"), str(e)
+    else:
+        raise AssertionError("no error on ocl:1")
+    torch.ocl.synchronize(0); torch.ocl.synchronize(1)
+    same(b.index_select(0, i.clamp(max=7)), x.index_select(0, torch.tensor([0, 7])))
     """)

@@ -194,3 +194,17 @@ def test_plain_layouts_skip_the_cpu_check(hypot_calls):
     a.hypot_(a)  # full overlap: asks the CPU once per layout
     a.hypot_(a)
     assert list(derive._OVERLAP.values()) == [None]
+
+
+def test_overlap_of_an_index_op_is_found_whatever_the_made_up_indices():
+    """The CPU's overlap check runs before it reads an index; the run without aliasing
+    then fails on the made-up index values (bytes of ones: out of range) with another
+    error. The overlap error is still the CPU's verdict."""
+    a, i = torch.randn(6), torch.tensor([0, 2, 1])
+    with pytest.raises(RuntimeError) as cpu_error:
+        torch.index_select(a, 0, i, out=a[:3])
+    err = derive._cpu_overlap_error(A.index_select.out, (a, 0, i), {"out": a[:3]})
+    assert err == (type(cpu_error.value), str(cpu_error.value))
+    # an out= of its own memory: both runs fail on the indices alike, no overlap error
+    assert derive._cpu_overlap_error(A.index_select.out, (a, 0, i),
+                                     {"out": torch.empty(3)}) is None

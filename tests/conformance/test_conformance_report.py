@@ -2,6 +2,9 @@
 
 import json
 import re
+import types
+
+import torch
 
 from torchport.conformance import opinfo as run
 
@@ -90,3 +93,56 @@ def test_report_of_another_backend_names_it(tmp_path):
     # the text describes the backend under test: it never says sim for it
     assert not re.search(r"\bsim\b", md), [ln for ln in md.splitlines()
                                             if re.search(r"\bsim\b", ln)]
+
+
+class _Dropout:
+    """Stands for the ``nn.functional.dropout`` OpInfo, calling ``fn``."""
+
+    name, variant_test_name = "nn.functional.dropout", ""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, x, *args, **kwargs):
+        torch.manual_seed(42)  # as the OpInfo's wrapper_set_seed
+        return self.fn(x, *args, **kwargs)
+
+
+def _sample(**kwargs):
+    return types.SimpleNamespace(input=torch.randn(6, 7), args=(), kwargs=kwargs)
+
+
+def test_dropout_is_checked_by_its_properties_and_can_fail(monkeypatch):
+    """Random dropout samples are not compared with the CPU's draws, nor passed on their
+    shape: a wrong scale, a wrong keep ratio, a mask that ignores the seed each fail."""
+    runner = run.Runner("sim")
+    real = torch.nn.functional.dropout
+    assert run.property_kind(_Dropout(real)) == "dropout"
+    sample = _sample(p=0.5, training=True)
+    assert runner.run_sample(_Dropout(real), sample) == ("pass", None)
+    assert runner.run_grad_sample(_Dropout(real), _sample(p=0.3)) == ("pass", None)
+    status, msg = runner.run_sample(_Dropout(lambda x, **k: real(x, **k) * 1.5), sample)
+    assert status == "fail" and "not 0 or x/(1-p)" in msg
+    status, msg = runner.run_grad_sample(
+        _Dropout(lambda x, **k: real(x.detach(), **k).requires_grad_() * 1 + x * 0), sample)
+    assert status == "fail" and "grad is not the mask" in msg
+
+    def keeps_p(x, p=0.5, training=True, inplace=False):  # keeps p, not 1 - p
+        return x * (torch.rand(x.shape) < p).to(x.device) / (1 - p)
+    monkeypatch.setattr(torch.nn.functional, "dropout", keeps_p)
+    status, msg = runner.run_sample(_Dropout(keeps_p), sample)
+    assert status == "fail" and "keep ratio" in msg and "p=0.2" in msg
+
+    unseeded = torch.Generator().manual_seed(5)
+
+    def ignores_seed(x, p=0.5, training=True, inplace=False):
+        keep = (torch.rand(x.shape, generator=unseeded) >= p).to(x.device)
+        return x * keep / (1 - p)
+    monkeypatch.setattr(torch.nn.functional, "dropout", ignores_seed)
+    status, msg = runner.run_sample(_Dropout(ignores_seed), sample)
+    assert status == "fail" and "manual_seed did not reproduce" in msg
+    # eval and p = 0 are deterministic: compared with the CPU as every op
+    monkeypatch.setattr(torch.nn.functional, "dropout", real)
+    assert runner._dropout(_Dropout(real), _sample(p=0.5, training=False), grad=False) is None
+    on_sim_only = _Dropout(lambda x, **k: real(x, **k) + (x.device.type == "sim"))
+    assert runner.run_sample(on_sim_only, _sample(p=0.0))[0] == "fail"

@@ -5,7 +5,8 @@ the CPU and on the backend's device (``--backend``, default ``sim``); results ar
 compared with ``torch.testing.assert_close`` (PyTorch's per-dtype tolerances),
 mutated inputs too, and gradients for OpInfos that support autograd (float32/float64). Ops whose CPU result changes
 with the seed (random ops) or is uninitialised memory (``empty*``) are
-compared by shape, dtype and device.
+compared by shape, dtype and device; random ops declared in ``PROPERTIES`` (dropout) by
+what their results must satisfy, as a device's generator is its own.
 The path each overload took (native kernel, decomposition, CPU fallback) comes
 from :mod:`torchport.ops.stats`. Failures with a known cause (``KNOWN``) are reported
 as "known" with their reason, counted apart from passes and failures.
@@ -88,6 +89,26 @@ KNOWN: list[tuple[str, str, str]] = [
      "torch/nn/modules/linear_cross_entropy_options.py: fp32 'accurate' accumulation on "
      "cpu, 'compact' on any other device), so half-precision results differ by an ULP or two"),
 ]
+
+
+# Random OpInfos checked by their properties where their results are random: a device draws
+# from its own generator (CUDA's Philox, not the CPU's mt19937), so equality with the CPU's
+# draws is no test, and shapes alone prove nothing. (regex over the OpInfo id, kind: a
+# ``Runner._<kind>`` method, what it checks.)
+PROPERTIES: list[tuple[str, str, str]] = [
+    (r"nn\.functional\.dropout", "dropout",
+     "in training with 0 < p < 1: each element 0 or x/(1-p), also native_dropout's output "
+     "from its mask; the keep ratio of 8192 elements within 6 standard deviations of 1-p "
+     "(at the sample's p and at 0.2); a seed reproduces the mask, the generator moves on "
+     "between calls, set_rng_state replays; the gradient is the output's mask over 1-p. "
+     "Eval, p=0 and p=1 are deterministic and compared with the CPU"),
+]
+
+
+def property_kind(op: Any) -> str | None:
+    """The ``PROPERTIES`` kind of an OpInfo, or ``None``."""
+    return next((k for pattern, k, _ in PROPERTIES if re.fullmatch(pattern, opinfo_id(op))),
+                None)
 
 
 # ---- loading op_db -----------------------------------------------------------
@@ -250,6 +271,11 @@ class Runner:
                    keep_cpu: frozenset[int] = frozenset()) -> tuple[str, str | None]:
         """(status, message) of one sample: pass / fail / skip."""
         torch = self.torch
+        kind = property_kind(op)
+        if kind is not None:
+            checked = getattr(self, "_" + kind)(op, sample, grad=False)
+            if checked is not None:
+                return checked
         bundle = (sample.input, tuple(sample.args), dict(sample.kwargs))
         torch.manual_seed(1234)
         cpu_in = self._clone_cpu(bundle)
@@ -280,6 +306,11 @@ class Runner:
                         keep_cpu: frozenset[int] = frozenset()) -> tuple[str, str | None]:
         """Gradients of a sample's differentiable outputs on the device vs the CPU."""
         torch = self.torch
+        kind = property_kind(op)
+        if kind is not None:
+            checked = getattr(self, "_" + kind)(op, sample, grad=True)
+            if checked is not None:
+                return checked
         bundle = (sample.input, tuple(sample.args), dict(sample.kwargs))
         cpu_in = self._clone_cpu(bundle, keep_grad=True)
         leaves = [x for x in self.pytree.tree_flatten(cpu_in)[0]
@@ -319,6 +350,79 @@ class Runner:
         except Exception as e:
             return "fail", "grad: " + _short(e)
         return "pass", None
+
+    # -- random ops checked by their properties (PROPERTIES)
+    def _dropout(self, op: Any, sample: Any, grad: bool) -> tuple[str, str | None] | None:
+        """``nn.functional.dropout`` (so ``native_dropout``) by its properties (see
+        ``PROPERTIES``); ``None`` for a deterministic sample (compared with the CPU)."""
+        torch = self.torch
+        args, kwargs = tuple(sample.args), dict(sample.kwargs)
+        p = kwargs.get("p", args[0] if args else 0.5)
+        training = kwargs.get("training", args[1] if len(args) > 1 else True)
+        x = sample.input.detach()
+        if not (training and 0 < p < 1 and x.numel()):
+            return None
+        scale = 1.0 / (1.0 - p)
+        try:
+            dx = x.to(self.device).requires_grad_(grad)
+            out = self._call(op, (dx, args, kwargs))  # the OpInfo's call (it seeds)
+            gx = None
+            if grad:
+                g = torch.randn(out.shape, dtype=out.dtype,
+                                generator=torch.Generator().manual_seed(7))
+                (gx,) = torch.autograd.grad(out, dx, g.to(self.device))
+        except Exception as e:
+            return "fail", f"{self.device} {'backward ' if grad else ''}raises {_short(e)}"
+        try:
+            if out.device.type != self.device or out.shape != x.shape or out.dtype != x.dtype:
+                raise AssertionError(f"result {tuple(out.shape)}/{out.dtype} on {out.device}")
+            got = out.detach().cpu()
+            kept = got != 0
+            if grad:  # where x is 0 the mask is unknown
+                nz = x != 0
+                torch.testing.assert_close(gx.cpu()[nz], g.mul(kept).mul_(scale)[nz],
+                                           msg=lambda m: f"grad is not the mask / (1-p): {m}")
+                return "pass", None
+            torch.testing.assert_close(got, x.mul(kept).mul_(scale),
+                                       msg=lambda m: f"elements not 0 or x/(1-p): {m}")
+            self._dropout_generator(x, p, scale)
+        except Exception as e:
+            return "fail", _short(e)
+        return "pass", None
+
+    def _dropout_generator(self, x: Any, p: float, scale: float) -> None:
+        """The device generator's side of dropout: keep ratios, seeding, state replay, and
+        ``native_dropout``'s mask and output."""
+        torch = self.torch
+        dropout = torch.nn.functional.dropout
+        big = torch.ones(8192, dtype=x.dtype, device=self.device)
+        for q in (p, 0.2):
+            torch.manual_seed(1234)
+            a, b = dropout(big, q).cpu(), dropout(big, q).cpu()
+            torch.manual_seed(1234)
+            again = dropout(big, q).cpu()
+            ratio = (a != 0).double().mean().item()
+            bound = 6 * math.sqrt(q * (1 - q) / big.numel())
+            if abs(ratio - (1 - q)) > bound:
+                raise AssertionError(f"keep ratio {ratio:.4f} at p={q}: expected "
+                                     f"{1 - q:.4f} +- {bound:.4f}")
+            if not torch.equal(a, again):
+                raise AssertionError(f"manual_seed did not reproduce the mask (p={q})")
+            if torch.equal(a, b):
+                raise AssertionError(f"two calls drew the same mask (p={q})")
+        mod = torch.get_device_module(self.device)
+        state = mod.get_rng_state()
+        dx = x.to(self.device)
+        out, mask = torch.native_dropout(dx, p, True)
+        mod.set_rng_state(state)
+        out2, mask2 = torch.native_dropout(dx, p, True)
+        if mask.dtype != torch.bool or mask.shape != x.shape:
+            raise AssertionError(f"native_dropout's mask is {mask.dtype} {tuple(mask.shape)}")
+        if not (torch.equal(mask.cpu(), mask2.cpu()) and torch.equal(out.cpu(), out2.cpu())):
+            raise AssertionError("set_rng_state did not replay native_dropout")
+        torch.testing.assert_close(out.cpu(), x.mul(mask.cpu()).mul_(scale),
+                                   msg=lambda m: f"native_dropout's output is not x * mask "
+                                                 f"/ (1-p): {m}")
 
     def _samples(self, op: Any, dtype: Any, requires_grad: bool
                  ) -> list[tuple[Any, frozenset[int]]]:
@@ -758,7 +862,9 @@ def write_reports(results: list[dict[str, Any]], out_dir: Path, meta: dict[str, 
              f"Each sample runs on the CPU and on `{device}`; outputs (and inputs the op mutated) "
              "are compared with `torch.testing.assert_close` (PyTorch's per-dtype "
              "tolerances); gradients for float32/float64 when the OpInfo supports autograd. "
-             "Random and `empty*` ops are compared by structure, shape, dtype and device. "
+             "Random and `empty*` ops are compared by structure, shape, dtype and device, "
+             "random samples of the ops in `PROPERTIES` (dropout) by their properties "
+             "(*Property checks*). "
              "**known** = a failure with a known cause (a limitation of the backend or a "
              "legitimate numerical difference; see *Known failures*): counted apart, never "
              "as a pass. A skip always gives its reason.", "",
@@ -837,6 +943,15 @@ def write_reports(results: list[dict[str, Any]], out_dir: Path, meta: dict[str, 
         for oid, label, err, k in knowns:
             lines.append(f"| {oid} | {label} | {k['kind']} | {_md(k['reason'])} "
                          f"| {_md(err)} |")
+    checked = [(pattern, kind, what) for pattern, kind, what in PROPERTIES
+               if any(re.fullmatch(pattern, r["id"]) for r in results)]
+    if checked:
+        lines += ["", "## Property checks", "",
+                  "Random samples of these OpInfos are checked by what their results must "
+                  "satisfy, not by equality with the CPU's draws (`PROPERTIES` in "
+                  "`torchport/conformance/opinfo.py`); a sample that breaks one fails.", "",
+                  "| OpInfos (regex) | checks |", "|---|---|"]
+        lines += [f"| `{pattern}` | {_md(what, None)} |" for pattern, _, what in checked]
     lines += ["", "## Per OpInfo", "",
               "Cells: status and passed/run samples. Paths: how many overloads took each "
               "path (most frequent path per overload).", "",

@@ -58,7 +58,14 @@ def copy_between(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor,
     """``dst.copy_(src)`` where either side is a device tensor (``overrides``: the vendor's
     kernels for :data:`OVERRIDABLE` overloads)."""
     name = backend.name
-    if src.device == dst.device:
+    same_device = src.device == dst.device
+    if same_device and src.data_ptr() == dst.data_ptr() and src.stride() == dst.stride() \
+            and src.shape == dst.shape and src.dtype == dst.dtype \
+            and src.is_conj() == dst.is_conj() and src.is_neg() == dst.is_neg():
+        return dst  # ATen's early exit: the same elements, nothing to copy
+    if not dst.is_contiguous() and torch._debug_has_internal_overlap(dst) == 1:
+        raise RuntimeError(_INTERNAL_OVERLAP)  # ATen's (TensorIterator's) check of the output
+    if same_device:
         _assert_no_partial_overlap(dst, src)
     if src.shape != dst.shape:
         src = src.expand(dst.shape)
@@ -152,6 +159,11 @@ def _stream_waits(backend: DeviceBackend, index: int, stream: Any, other: int, o
     rt.record_event(p, event, other_stream)
     rt.stream_wait_event(backend.phys(index), stream, event)
     rt.destroy_event(p, event)  # as CUDA allows once the wait is queued
+
+
+_INTERNAL_OVERLAP = ("unsupported operation: more than one element of the written-to tensor "
+                     "refers to a single memory location. Please clone() the tensor before "
+                     "performing the operation.")
 
 
 def _assert_no_partial_overlap(dst: torch.Tensor, src: torch.Tensor) -> None:

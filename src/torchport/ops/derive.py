@@ -218,9 +218,11 @@ def _cpu_overlap_error(op: OpOverload, args: tuple,
 
     The CPU overload runs twice on host tensors of the same shapes, strides and dtypes:
     sharing memory as the arguments do, and each on memory of its own. An error of the
-    first run only is the CPU's overlap check (any other error is the vendor kernel's
-    business, as it would be without aliasing). The tensors of the second run also hold
-    no element twice. No device memory is read."""
+    first run that the second does not raise is the CPU's overlap check (any other error
+    is the vendor kernel's business, as it would be without aliasing): the second may
+    fail on the made-up values (an index tensor of ones is out of range) where the first
+    stopped earlier, at the overlap check. The tensors of the second run also hold no
+    element twice. No device memory is read."""
     tensors: list[Tensor] = []
     _flat_tensors((args, kwargs), tensors)
     reps: list[Tensor] = []
@@ -273,8 +275,9 @@ def _cpu_overlap_error(op: OpOverload, args: tuple,
             try:
                 a, k = _mirror((args, kwargs), iter(own))
                 op(*a, **k)
-            except Exception:
-                pass  # fails without aliasing too: not an overlap check
+            except Exception as e2:
+                if (type(e2), str(e2)) != (type(e), str(e)):
+                    found = (type(e), str(e))  # else: fails without aliasing too
             else:
                 found = (type(e), str(e))
     if key is not None:
@@ -334,6 +337,27 @@ def inplace_kernel(backend: DeviceBackend, op: OpOverload, out_op: OpOverload,
                                f"broadcast shape {list(shape)}")
         fn(self, *args, **kwargs, **{name: self})
         return self
+    return kernel
+
+
+def checked_writes(op: OpOverload, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A vendor's plain kernel of an in-place (``relu_``) or ``out=`` overload, behind the
+    CPU's memory-overlap checks (:func:`check_overlap`), as the derived overloads are;
+    ``fn`` itself for overloads that write no tensor argument."""
+    names = out_names(op)
+    args = op._schema.arguments
+    inplace = not names and bool(args) and args[0].alias_info is not None \
+        and args[0].alias_info.is_write and str(args[0].type) == "Tensor"
+    if not (names or inplace):
+        return fn
+
+    def kernel(*a: Any, **k: Any) -> Any:
+        if inplace:
+            check_overlap(op, a, k, [a[0]], [*a[1:], *k.values()])
+        else:
+            check_overlap(op, a, k, [k[n] for n in names if n in k],
+                          [*a, *(v for n, v in k.items() if n not in names)])
+        return fn(*a, **k)
     return kernel
 
 

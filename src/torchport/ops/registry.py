@@ -214,7 +214,7 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
             if d.kind == "host":
                 fn = _host_kernel(backend, op, oname, d, route)
             else:
-                fn = d.fn if make is None else make(backend, op, d.fn)
+                fn = derive.checked_writes(op, d.fn) if make is None else make(backend, op, d.fn)
                 if d.dtypes is not None:
                     fn = _dtype_checked(op, fn, d.dtypes)
                 fn = _wrap(backend, op, oname, fn, route)

@@ -27,7 +27,8 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as PROMOTE
 from torch._prims_common import elementwise_dtypes
 
 import torchport
-from torchport.backends.opencl.runtime import OpenCLRuntime
+from torchport import settings
+from torchport.backends.opencl.runtime import REPORT_INDEX, OpenCLRuntime
 from torchport.ops import Decline, KernelSet
 
 _CL = {torch.float32: "float", torch.float64: "double", torch.float16: "half",
@@ -37,6 +38,8 @@ _NP = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int
        torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
        torch.uint8: np.uint8, torch.bool: np.uint8}
 FLOATS = (torch.float32, torch.float64, torch.float16)
+# index kernels whose CPU counterparts raise IndexError for a bad index (embedding's too)
+_LOOKUP_ERRORS = frozenset({"index_select", "embedding_dense_backward"})
 DTYPES = frozenset(_CL)
 _OPTIONS = ["-cl-fp32-correctly-rounded-divide-sqrt"]  # IEEE division and sqrt, as the CPU
 # a float rounded to float16 and back (vstore_half needs no cl_khr_fp16)
@@ -78,6 +81,8 @@ class Programs:
                 head += _ROUND_HALF
             if "philox_uniform(" in source:
                 head += _PHILOX
+            if "report_index(" in source:
+                head += REPORT_INDEX
             program = cl.Program(self.runtime.contexts[index], head + source).build(_OPTIONS)
             k = self.kernels[(index, source)] = program.all_kernels()[0]
         return k
@@ -188,17 +193,35 @@ class Launcher:
         buf, off = self.runtime.locate(index, torchport.device_address(t))
         return [buf, np.uint64(off)]
 
+    def index_error(self, t: torch.Tensor, op: str, dim: int) -> list[Any]:
+        """The arguments ``__global long* err, long eop, long edim`` of a kernel on ``t``'s
+        stream that checks its indices (``report_index``: the runtime's error word)."""
+        word, code = self.runtime.error_word(torchport.device_index(t),
+                                             torchport.current_stream(t), op,
+                                             lookup=op in _LOOKUP_ERRORS)
+        return [word, np.int64(code), np.int64(dim)]
+
+    def after_index_kernel(self, t: torch.Tensor) -> None:
+        """``TORCHPORT_LAUNCH_BLOCKING=1``: wait for the kernel just queued on ``t``'s stream,
+        so that a bad index raises at its op (as ``CUDA_LAUNCH_BLOCKING=1``)."""
+        if settings.get("TORCHPORT_LAUNCH_BLOCKING"):
+            self.runtime.synchronize_stream(torchport.device_index(t),
+                                            torchport.current_stream(t))
+
     # ---- elementwise ----
     def elementwise(self, out: torch.Tensor, inputs: Sequence[Any], expr: str,
                     compute: torch.dtype | Sequence[torch.dtype],
                     scalars: Sequence[tuple[torch.dtype, Any]] = (),
-                    at: Sequence[str | None] = (), pre: str = "") -> torch.Tensor:
+                    at: Sequence[str | None] = (), pre: str = "",
+                    index_check: tuple[int, int, str, int] | None = None) -> torch.Tensor:
         """``out[i] = expr`` over ``out``'s elements: ``a0``, ``a1``, ... are the inputs
         (broadcast to ``out``) converted to the computation type (``compute``: one, or one
         per input), ``s0``, ``s1``, ... the ``scalars``. ``at[j]``: a C expression for the
         element index input ``j`` is read at instead of its own position ``q{k}`` (indexed
         reads: earlier ``a``'s are in scope); ``pre``: C statements before the store (``i``
-        is the row-major output element)."""
+        is the row-major output element). ``index_check``: ``(j, extent, op, dim)``, input
+        ``j`` is an index into a dimension of ``extent`` elements; an element whose index is
+        out of range reads and writes nothing and reports it (the runtime's error word)."""
         if out.numel() == 0:
             return out
         ops = [_operand(v) for v in inputs]
@@ -226,6 +249,9 @@ class Launcher:
                 where = where.replace("QSELF", f"q{k}")
                 body.append(f"{_ctype(ct)} a{j} = ({_ctype(ct)})"
                             f"{_load(o.dtype, f'{names[k]} + o{k}', where)};")
+                if index_check is not None and index_check[0] == j:
+                    body.append(f"if (a{j} < 0 || a{j} >= ext) "
+                                f"{{ report_index(err, eop, edim, a{j}, ext); return; }}")
                 k += 1
             else:
                 params.append(f"{_ctype(ct)} a{j}")
@@ -233,12 +259,18 @@ class Launcher:
         for j, (dt, v) in enumerate(scalars):
             params.append(f"{_ctype(dt)} s{j}")
             args.append(_scalar(dt, v))
+        if index_check is not None:
+            params += ["long ext", "__global long* err", "long eop", "long edim"]
+            args += [np.int64(index_check[1])] + self.index_error(out, index_check[2],
+                                                                  index_check[3])
         if pre:
             body.append(pre)
         body.append(_store(out.dtype, "p0 + o0", "q0", expr))
         source = (f"__kernel void elementwise({', '.join(params)}) {{\n  "
                   + "\n  ".join(body) + "\n}\n")
         self.programs.run(index, queue, source, [out.numel()], args)
+        if index_check is not None:
+            self.after_index_kernel(out)
         return out
 
     # ---- row kernels: one work-item per output element, a loop over reduced dims ----
@@ -664,18 +696,18 @@ def make_kernels(runtime: OpenCLRuntime) -> KernelSet:
         if out.numel() == 0:
             return out
         d = dim % max(self.dim(), 1)
-        if self.dim() == 0:
-            return L.elementwise(out, [self], "a0", self.dtype)
-        strides = list(self.stride())
-        strides[d] = 0
-        view = self.as_strided(out.shape, strides)
+        if self.dim() == 0:  # one element: index 0 only
+            view, size, stride = self.expand(out.shape), 1, 0
+        else:
+            strides = list(self.stride())
+            strides[d] = 0
+            view, size, stride = self.as_strided(out.shape, strides), self.shape[d], self.stride(d)
         idx = index.reshape(-1)
         idx_view = idx.as_strided(out.shape, [idx.stride(0) if k == d else 0
                                               for k in range(out.dim())])
-        size = self.shape[d]
         return L.elementwise(out, [idx_view, view], "a1", [torch.int64, self.dtype],
-                             [(torch.int64, size), (torch.int64, self.stride(d))],
-                             at=[None, "QSELF + ((a0 >= 0 && a0 < s0) ? a0 * s1 : 0)"])
+                             [(torch.int64, stride)], at=[None, "QSELF + a0 * s0"],
+                             index_check=(0, size, "index_select", d))
 
     @ks.out_kernel("gather.out", dtypes=dtypes)
     def gather(self, dim, index, *, sparse_grad=False, out):
@@ -689,25 +721,30 @@ def make_kernels(runtime: OpenCLRuntime) -> KernelSet:
         strides[d] = 0
         view = self.as_strided(index.shape, strides)
         return L.elementwise(out, [index, view], "a1", [torch.int64, self.dtype],
-                             [(torch.int64, self.shape[d]), (torch.int64, self.stride(d))],
-                             at=[None, "QSELF + ((a0 >= 0 && a0 < s0) ? a0 * s1 : 0)"])
+                             [(torch.int64, self.stride(d))], at=[None, "QSELF + a0 * s0"],
+                             index_check=(0, self.shape[d], "gather", d))
 
     def accumulate_rows(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
-                        d: int, skip: int | None = None) -> None:
+                        d: int, op: str, skip: int | None = None) -> None:
         """``out[.., index[.., j, ..], ..] += src[.., j, ..]`` along ``d``: one work-item
         per position over the other dims adds in order of ``j``, as the CPU does (so the
-        sums round alike); indices out of range (or ``skip``) add nothing."""
+        sums round alike); ``skip`` adds nothing, an index out of range adds nothing and
+        is reported (the runtime's error word, as ``op``'s)."""
         src_v = src.as_strided(index.shape, src.stride())
         kept = [k for k in range(index.dim()) if k != d]
         at = _ctype(out.dtype)
-        guard = "t >= 0 && t < ext" + (" && t != skip" if skip is not None else "")
-        body = (f"for (long j = 0; j < m; j++) {{ long t = IN0(j); if ({guard}) {{ "
-                f"{at} v = ({at}){_load(out.dtype, 'p0 + o0', 'q0 + t * w')} + ({at})IN1(j); "
-                + _store(out.dtype, "p0 + o0", "q0 + t * w", "v") + " } }")
-        extra = [("long w", np.int64(out.stride(d))), ("long ext", np.int64(out.shape[d]))]
+        body = ("for (long j = 0; j < m; j++) { long t = IN0(j); if (t < 0 || t >= ext) { "
+                "report_index(err, eop, edim, t, ext); continue; } "
+                + ("if (t == skip) continue; " if skip is not None else "")
+                + f"{at} v = ({at}){_load(out.dtype, 'p0 + o0', 'q0 + t * w')} + ({at})IN1(j); "
+                + _store(out.dtype, "p0 + o0", "q0 + t * w", "v") + " }")
+        err = L.index_error(out, op, d)
+        extra = [("long w", np.int64(out.stride(d))), ("long ext", np.int64(out.shape[d])),
+                 ("__global long* err", err[0]), ("long eop", err[1]), ("long edim", err[2])]
         if skip is not None:
             extra.append(("long skip", np.int64(skip)))
         L.rows([out], [[out.stride(k) for k in kept]], [index, src_v], kept, [d], body, extra)
+        L.after_index_kernel(out)
 
     @ks.out_kernel("scatter_add.out", dtypes=dtypes - {torch.bool})
     def scatter_add(self, dim, index, src, *, out):
@@ -717,7 +754,7 @@ def make_kernels(runtime: OpenCLRuntime) -> KernelSet:
         if out.data_ptr() != self.data_ptr() or out.stride() != self.stride():
             out.copy_(self)
         if index.numel():
-            accumulate_rows(out, index, src, dim % self.dim())
+            accumulate_rows(out, index, src, dim % self.dim(), "scatter_add")
         return out
 
     @ks.out_kernel("embedding_dense_backward.out", dtypes=floats + [torch.int64, torch.int32])
@@ -733,7 +770,7 @@ def make_kernels(runtime: OpenCLRuntime) -> KernelSet:
         width = out.shape[1]
         grad = grad_output.reshape(n, width)
         idx = indices.reshape(n, 1).expand(n, width)
-        accumulate_rows(out, idx, grad, 0, padding_idx)
+        accumulate_rows(out, idx, grad, 0, "embedding_dense_backward", padding_idx)
         return out
 
     @ks.out_kernel("native_dropout_backward.out", dtypes=floats + [torch.bool])
@@ -887,7 +924,7 @@ __kernel void layer_norm_dw(long M, long N, __global char* op, ulong oo,
         p1m = 1.0 - p
         scale = 0.0 if p1m == 0 else 1.0 / p1m
         backend = torchport.current_backend()
-        gen = backend.generators[torchport.device_index(input)]
+        gen = backend.generators[input.device.index]  # per device as torch.ocl numbers them
         key = int(torch.empty((), dtype=torch.int64).random_(generator=gen))
         L.elementwise(out1, [], "k", torch.bool,
                       [(torch.float32, p1m), (torch.int64, key & 0xFFFFFFFF),

@@ -8,6 +8,15 @@ OpenCL gives opaque buffer handles: :meth:`OpenCLRuntime.malloc` hands out addre
 a per-device range and a segment table maps any address inside a block back to
 ``(buffer, byte offset)`` (:meth:`OpenCLRuntime.locate`), which is what a kernel gets as
 arguments -- no sub-buffers, whose offsets OpenCL restricts to the device's alignment.
+
+Device-side errors: a kernel that finds a bad index (``index_select``, ``gather``,
+``scatter_add``, embedding's backward) neither reads nor writes there; it records the first
+one in its device's error word (:meth:`OpenCLRuntime.error_word`: which op, which index,
+the valid range) and goes on, as CUDA's device-side assert stops a kernel without stopping
+the host. The host learns of it at the next synchronisation -- a stream, device or event
+synchronisation, a blocking copy to the host (``.cpu()``, ``.item()``, printing) -- which
+raises :class:`DeviceIndexError` (an ``IndexError`` too where the CPU raises one) and
+clears the word, so the device stays usable.
 """
 
 from __future__ import annotations
@@ -19,22 +28,45 @@ from typing import Any
 
 import numpy as np
 import pyopencl as cl
+import torch
 
 from torchport import settings
+from torchport.kernel_api import current_backend
 from torchport.runtime import DeviceProperties, Runtime
 
 _ALIGN = 256
 _SPAN = 1 << 44  # address range of one device
+# the error word: int flag (its first 4 bytes), then op code, bad index, extent, dimension
+_WORD = 5
+# OpenCL C of the kernels that check indices: the first bad index wins the flag
+REPORT_INDEX = """inline void report_index(__global long* err, long op, long dim, long bad, long ext) {
+  if (atomic_cmpxchg((volatile __global int*)err, 0, 1) == 0) {
+    err[1] = op; err[2] = bad; err[3] = ext; err[4] = dim;
+  }
+}
+"""
+
+
+class DeviceIndexError(torch.AcceleratorError):
+    """An index a kernel found out of range, reported at the next synchronisation (a
+    ``RuntimeError``, as CUDA's device-side assert)."""
+
+
+class DeviceIndexLookupError(DeviceIndexError, IndexError):
+    """:class:`DeviceIndexError` of an op whose CPU kernel raises ``IndexError``
+    (``index_select``, so ``embedding``), so that code catching the CPU's error catches it."""
 
 
 class Queue:
-    """A stream: an in-order command queue, and the first error of work launched on it."""
+    """A stream: an in-order command queue, the first error of work launched on it, and
+    whether a kernel queued there since its last synchronisation checks indices."""
 
-    __slots__ = ("error", "queue")
+    __slots__ = ("armed", "error", "queue")
 
     def __init__(self, queue: cl.CommandQueue) -> None:
         self.queue = queue
         self.error: BaseException | None = None
+        self.armed = False
 
 
 class Marker:
@@ -93,6 +125,10 @@ class OpenCLRuntime(Runtime):
         self.lock = threading.RLock()  # autograd's threads allocate and launch too
         self.fp64 = [_has(d, "cl_khr_fp64") for d in self.devices]
         self.fp16 = [_has(d, "cl_khr_fp16") for d in self.devices]
+        # the error words (created on first use) and a queue of their own to read them
+        self.words: list[cl.Buffer | None] = [None for _ in self.devices]
+        self.checkers: list[cl.CommandQueue | None] = [None for _ in self.devices]
+        self.error_ops: list[tuple[str, bool]] = []  # (op, the CPU raises IndexError)
 
     def _new_queue(self, index: int) -> Queue:
         props = cl.command_queue_properties.PROFILING_ENABLE
@@ -164,6 +200,8 @@ class OpenCLRuntime(Runtime):
         buf, off = self.locate(index, src, nbytes)
         cl.enqueue_copy(self.queue(index, stream), _host(dst_host, nbytes), buf,
                         src_offset=off, is_blocking=stream is None)
+        if stream is None:  # the host reads device results: report a bad index first
+            self.check_errors(index, ())
 
     def copy_d2d(self, dst_index: int, dst: int, src_index: int, src: int, nbytes: int,
                  stream: Queue | None = None) -> None:
@@ -221,6 +259,7 @@ class OpenCLRuntime(Runtime):
         error, q.error = q.error, None
         if error is not None:
             raise RuntimeError(f"ocl: work queued on device {index} failed: {error}") from error
+        self.check_errors(index, (q,))
 
     def query_stream(self, index: int, stream: Queue | None) -> bool:
         q = self.queue(index, stream)
@@ -249,6 +288,7 @@ class OpenCLRuntime(Runtime):
     def synchronize_event(self, index: int, event: Marker) -> None:
         if event.marker is not None:
             event.marker.wait()
+        self.check_errors(index, ())
 
     def query_event(self, index: int, event: Marker) -> bool:
         return event.marker is None or \
@@ -262,6 +302,59 @@ class OpenCLRuntime(Runtime):
             raise RuntimeError("Both events must be recorded before calculating elapsed time")
         end.marker.wait()
         return (end.marker.profile.end - start.marker.profile.end) / 1e6
+
+
+    # ---- device-side errors ----
+    def error_word(self, index: int, stream: Queue | None, op: str,
+                   lookup: bool = False) -> tuple[cl.Buffer, int]:
+        """The error word of device ``index`` and ``op``'s code, for a kernel about to be
+        queued on ``stream`` that checks its indices (:data:`REPORT_INDEX`); the stream's
+        next synchronisation reads the word. ``lookup``: the CPU raises ``IndexError`` for
+        ``op`` (:class:`DeviceIndexLookupError`)."""
+        with self.lock:
+            if self.words[index] is None:
+                self.checkers[index] = cl.CommandQueue(self.contexts[index], self.devices[index])
+                word = cl.Buffer(self.contexts[index], cl.mem_flags.READ_WRITE, _WORD * 8)
+                cl.enqueue_fill_buffer(self.checkers[index], word, np.uint8(0), 0, _WORD * 8)
+                self.checkers[index].finish()
+                self.words[index] = word
+            if (op, lookup) not in self.error_ops:
+                self.error_ops.append((op, lookup))
+            (self.default[index] if stream is None else stream).armed = True
+            return self.words[index], self.error_ops.index((op, lookup))
+
+    def check_errors(self, index: int, finished: tuple[Queue, ...]) -> None:
+        """Raise :class:`DeviceIndexError` for the first bad index a kernel of device ``index``
+        recorded, and clear it. Costs nothing until a kernel that checks indices was queued;
+        ``finished``: queues whose work has all run (none of theirs can report later)."""
+        queues = (self.default[index], *self.created[index])
+        if not any(q.armed for q in queues):
+            return
+        word = np.zeros(_WORD, np.int64)
+        with self.lock:
+            checker = self.checkers[index]
+            cl.enqueue_copy(checker, word, self.words[index], is_blocking=True)
+            for q in finished:
+                q.armed = False
+            if not word[0]:
+                return
+            cl.enqueue_fill_buffer(checker, self.words[index], np.uint8(0), 0, _WORD * 8)
+            checker.finish()
+        code, bad, ext, dim = (int(v) for v in word[1:])
+        op, lookup = self.error_ops[code]
+        valid = f"valid: 0 to {ext - 1}" if ext > 0 else "no valid index"
+        raise (DeviceIndexLookupError if lookup else DeviceIndexError)(
+            f"{self._name(index)}: {op}: index {bad} is out of bounds for "
+            f"dimension {dim} with size {ext} ({valid}); found on the device by the op's kernel "
+            f"and reported at the next synchronisation, as CUDA's device-side assert (nothing "
+            f"was read or written there): fix the index, or set TORCHPORT_LAUNCH_BLOCKING=1 to "
+            f"raise at the op")
+
+    def _name(self, index: int) -> str:
+        """``ocl:N`` of physical device ``index`` (``TORCHPORT_VISIBLE_DEVICES`` applied)."""
+        b = current_backend()
+        visible = getattr(b, "visible", None) if b is not None and b.runtime is self else None
+        return f"ocl:{visible.index(index) if visible and index in visible else index}"
 
 
 def _has(device: cl.Device, extension: str) -> bool:
