@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-opencl conformance examples stress bench lint clean
+.PHONY: demo test test-graph test-opencl conformance examples stress bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -51,6 +51,11 @@ test: $(STAMP)
 # the transformer block and the conformance subset: a few minutes on 2 cores).
 test-opencl: $(STAMP)
 	$(BIN)/python -m pytest -q -m opencl tests
+
+# torch.compile on the sim, all of it (make test runs it without the Hugging Face model's
+# compiled training, minutes of compiling on 2 cores).
+test-graph: $(STAMP)
+	TORCHPORT_FULL_MODELS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m graph tests
 
 # Every OpInfo of PyTorch's op_db, sim vs CPU (python -m torchport.conformance, which a vendor
 # runs with --backend against its own), in both sim memory modes, default

@@ -114,7 +114,7 @@ def test_a_cnn_forward_and_backward_match_compiled_cpu() -> None:
     out_cpu = torch.compile(run)(m_cpu, x)
     torch._dynamo.reset()
     out_dev = torch.compile(run)(m_dev, x.to("sim"))
-    # within float rounding: the convolution's backward graph is not the CPU's
+    # within float rounding: the CPU compiles convolutions for mkldnn's channels-last layout
     # (docs/graph-mode.md, "Where compiled sim differs from compiled CPU")
     for d, c in zip(torch.utils._pytree.tree_leaves(out_dev),
                     torch.utils._pytree.tree_leaves(out_cpu), strict=True):
@@ -212,3 +212,36 @@ def test_a_graph_cached_in_one_memory_mode_is_not_reused_in_another(tmp_path) ->
         r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                            env=dict(env, TORCHPORT_SIM_STRICT=strict), timeout=300)
         assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TORCHPORT_FULL_MODELS", "") in ("", "0"),
+                    reason="minutes of compiling: make test-graph (TORCHPORT_FULL_MODELS=1)")
+def test_a_hugging_face_model_trains_compiled_as_on_the_cpu() -> None:
+    pytest.importorskip("transformers")
+    from tests.hf_models import ARCHS, build
+
+    arch = next(a for a in ARCHS if a.name == "llama")
+    model = build(arch)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def train(m: torch.nn.Module, device: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+        m = m.to(device)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        run = torch.compile(step)
+        return [run(ids.to(device)) for _ in range(2)], m.lm_head.weight.detach()
+
+    losses_cpu, w_cpu = train(copy.deepcopy(model), "cpu")
+    torch._dynamo.reset()
+    losses_dev, w_dev = train(copy.deepcopy(model), "sim")
+    assert w_dev.device.type == "sim"
+    torch.testing.assert_close(torch.stack(losses_dev).cpu(), torch.stack(losses_cpu))
+    torch.testing.assert_close(w_dev.cpu(), w_cpu)
