@@ -185,8 +185,16 @@ def test_cpu_compiles_are_unchanged() -> None:
 
 
 def test_the_cache_key_names_the_launch_mode() -> None:
+    from torch._inductor.codegen import common
+
     key = inductor.cache_key("sim")
     assert key.mode == inductor.launcher("sim").mode
+    # in the key inductor computes, also after inductor set its own backends up (which
+    # registers a PrivateUse1 device's classes again, without its pass)
+    common.init_backend_registration()
+    assert common.custom_backend_passes["sim"] is key
+    torch.compile(lambda t: t + 1)(torch.ones(2, device="sim"))
+    assert common.custom_backend_passes["sim"] is key
     other = type(key)("sim", "views" if key.mode != "views" else "direct")
     assert key.uuid() != other.uuid()
     strict = os.environ.get("TORCHPORT_SIM_STRICT", "") not in ("", "0")

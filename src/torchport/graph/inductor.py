@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -163,69 +162,69 @@ def enable_inductor(backend: DeviceBackend, codegen: str = "host",
 
 
 def on_register(backend: DeviceBackend, module: Any) -> None:
-    """Make the device compilable if its backend asked for it (:func:`enable_inductor`)."""
+    """Make the device compilable if its backend asked for it (:func:`enable_inductor`):
+    registered with inductor as soon as ``torch._inductor.codegen.common`` is imported,
+    before inductor sets its own backends up or computes a cache key."""
     if backend not in _DECLARED:
         return
     name = backend.name
     _COMPILABLE[name] = backend
     _LAUNCHERS.pop(name, None)
-    _REGISTERED.pop(name, None)
-    if _INDUCTOR_CPP in sys.modules:  # inductor is loaded: register now
-        _register(name)
-        return
-    # inductor asks torch.<device> for these names as it sets its backends up
-    module.__getattr__ = _device_module_getattr(name)
-    # the compile caches are looked up before that: the key must be there from the start
-    lazy.when_imported(_INDUCTOR_COMMON, lambda common: common.custom_backend_passes.setdefault(
-        name, cache_key(name)))
+    lazy.when_imported(_INDUCTOR_COMMON, lambda common: _register(name, common))
 
 
-def _device_module_getattr(name: str) -> Callable[[str], Any]:
-    """``torch.<device>``'s ``__getattr__`` answering inductor's questions for a
-    PrivateUse1 device (``torch.utils.backend_registration._get_custom_mod_func``):
-    the scheduling and wrapper classes, registered with the rest on first use."""
-    def __getattr__(attr: str) -> Any:
-        if attr not in _INDUCTOR_NAMES:
-            raise AttributeError(f"module 'torch.{name}' has no attribute {attr!r}")
-        return _register(name)[attr]
-    return __getattr__
-
-
-_INDUCTOR_CPP = "torch._inductor.codegen.cpp"
 _INDUCTOR_COMMON = "torch._inductor.codegen.common"
-_INDUCTOR_NAMES = ("Scheduling", "PythonWrapperCodegen", "CppWrapperCodegen", "WrapperFxCodegen")
-_REGISTERED: dict[str, dict[str, Any]] = {}
 
 
-def _register(name: str) -> dict[str, Any]:
-    """Register the device's scheduling, wrapper, op overrides and cache key with
-    inductor (once); the classes by the names inductor asks for."""
-    done = _REGISTERED.get(name)
-    if done is not None:
-        return done
-    from torch._inductor.codegen import common
-    from torch._inductor.codegen.cpp import CppScheduling
+def _register(name: str, common: Any) -> None:
+    """Register the device's scheduling, wrappers, op overrides and cache key with inductor.
 
-    from torchport.graph import cpu_checks
-
-    wrapper = _wrapper_class(name)
-    unsupported = _unsupported_wrapper(name)
+    This runs while ``codegen.common`` finishes importing, when inductor's code
+    generators cannot be imported yet (they import it): the classes given stand for them
+    and load them on first use."""
     common.register_backend_for_device(
-        name, CppScheduling, wrapper, unsupported, unsupported,
+        name, _scheduling_class(), _lazy_wrapper(name, _wrapper_class),
+        _lazy_wrapper(name, _unsupported_wrapper), _lazy_wrapper(name, _unsupported_wrapper),
         device_custom_pass=cache_key(name))
     common.register_device_op_overrides(name, _op_overrides(name, common))
-    cpu_checks.install(name)
-    done = _REGISTERED[name] = dict(zip(_INDUCTOR_NAMES, (CppScheduling, wrapper, unsupported,
-                                                          unsupported), strict=True))
-    return done
+
+
+def _scheduling_class() -> type:
+    class HostScheduling:
+        """Inductor's C++ scheduling (``CppScheduling``), imported when first made."""
+
+        def __new__(cls, scheduler: Any) -> Any:  # type: ignore[misc]
+            from torch._inductor.codegen.cpp import CppScheduling
+
+            return CppScheduling(scheduler)
+
+    return HostScheduling
+
+
+class _Lazy(type):
+    """A class standing for another one, made on first use: ``create`` and the class
+    attributes inductor reads (``supports_caching``, ...) are the real class's."""
+
+    def __getattr__(cls, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        made = cls.__dict__["_made"]
+        if not made:
+            made.append(cls.__dict__["_make"]())
+        return getattr(made[0], attr)
+
+
+def _lazy_wrapper(name: str, make: Callable[[str], type]) -> type:
+    """A wrapper code generator class, built when inductor first uses it."""
+    return _Lazy("LazyWrapper", (), {"_made": [], "_make": staticmethod(lambda: make(name))})
 
 
 def _unsupported_wrapper(name: str) -> type:
     from torch._inductor.codegen.wrapper import PythonWrapperCodegen
 
     class UnsupportedWrapper(PythonWrapperCodegen):
-        @classmethod
-        def create(cls, *args: Any, **kwargs: Any) -> Any:
+        @staticmethod
+        def create(*args: Any, **kwargs: Any) -> Any:
             raise NotImplementedError(
                 f"torch.compile on {name}: inductor's C++ and FX wrappers are not supported for "
                 f"this device; leave torch._inductor.config.cpp_wrapper and fx_wrapper off")
@@ -234,13 +233,18 @@ def _unsupported_wrapper(name: str) -> type:
 
 
 class _CacheKeyBase:
-    """Inductor's cache key of graphs on the device: the launch mode and this codegen."""
+    """The device's post-grad pass: inductor puts its ``uuid`` (this codegen and the
+    launch mode) in the cache key of graphs, and runs it on each graph on the device
+    before lowering it, which is when inductor's CPU questions must be answered for the
+    device (:mod:`torchport.graph.cpu_checks`)."""
 
     def __init__(self, name: str, mode: str) -> None:
         self.name, self.mode = name, mode
 
     def __call__(self, gm: torch.fx.GraphModule) -> None:
-        return None
+        from torchport.graph import cpu_checks
+
+        cpu_checks.install(self.name)
 
     def uuid(self) -> str:
         h = hashlib.sha256(f"torchport-{CODEGEN_VERSION}:{self.name}:{self.mode}".encode())
