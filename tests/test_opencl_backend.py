@@ -116,6 +116,114 @@ def test_elementwise_broadcasting_type_promotion_and_scalars(ocl):  # noqa: F811
     same(dx.pow(2), x.pow(2))
     native_only(lambda: (da + db, dm * db, da > db, torch.where(dm, da, da), dx.exp()))
     """)
+    ocl.run("""
+    # masked_fill: a broadcast mask, a strided self, the value as the CPU converts it
+    # (float16's rounding of 2.7, 2.7 to int64, to bool), its three overloads and out=
+    for dt in (torch.float32, torch.float16, torch.int64, torch.bool):
+        x, m = (torch.randn(4, 6) * 5).to(dt), torch.rand(6) > 0.5
+        dx, dm = x.to("ocl"), m.to("ocl")
+        for v in (2.7, -1, True):
+            same(dx.masked_fill(dm, v), x.masked_fill(m, v))
+        same(dx.t().masked_fill(dm[:, None], 0.1), x.t().masked_fill(m[:, None], 0.1))
+        same(dx[:, ::2].masked_fill(dm[:3], 3), x[:, ::2].masked_fill(m[:3], 3))
+        y = dx[1:].clone().t()
+        y.masked_fill_(dm[:, None], torch.tensor(-2))                 # a CPU 0-dim value
+        same(y, x[1:].t().masked_fill(m[:, None], -2))
+        y.masked_fill_(dm[:, None], torch.tensor(5).to("ocl"))          # a device value
+        same(y, x[1:].t().masked_fill(m[:, None], 5))
+        out = torch.empty(0, dtype=dt, device="ocl")
+        torch.ops.aten.masked_fill.Scalar_out(dx, dm, 1, out=out)
+        same(out, x.masked_fill(m, 1))
+        same(dx[:0].masked_fill(dm, 1), x[:0].masked_fill(m, 1))           # 0-size
+        native_only(lambda: (dx.masked_fill(dm, 1), dx.clone().masked_fill_(dm, torch.tensor(1)),
+                             torch.ops.aten.masked_fill.Scalar_out(dx, dm, 1, out=out)))
+    for call in (lambda d: torch.zeros(3, dtype=torch.half, device=d).masked_fill_(
+                     torch.ones(3, dtype=torch.bool, device=d), 1e10),      # overflows float16
+                 lambda d: torch.zeros(3, device=d).masked_fill_(torch.ones(3, dtype=torch.uint8,
+                                                                            device=d), 1)):
+        try:
+            call("cpu")
+        except RuntimeError as e:
+            want = str(e)
+        try:
+            call("ocl")
+        except RuntimeError as e:
+            assert str(e) == want, (str(e), want)
+        else:
+            raise AssertionError(want)
+    # logical ops: NaN is true, broadcasting, a CPU scalar rounded to float16 (1e-8 -> 0), out=
+    for dt in (torch.float32, torch.float16, torch.int64, torch.bool):
+        a, b = (torch.randn(4, 5) * 2).round().to(dt), (torch.randn(5) * 2).round().to(dt)
+        if dt.is_floating_point:
+            a[0, 0] = float("nan")
+        da, db = a.to("ocl"), b.to("ocl")
+        for f in (torch.logical_and, torch.logical_or, torch.logical_xor):
+            same(f(da.t(), db[:, None]), f(a.t(), b[:, None]))
+            same(f(da, torch.tensor(1e-8)), f(a, torch.tensor(1e-8)))
+            same(f(da, db, out=torch.empty(0, device="ocl")), f(a, b, out=torch.empty(0)))
+        same(torch.logical_not(da.t()), torch.logical_not(a.t()))
+        same(da[:, :0].logical_and(db[:0]), a[:, :0].logical_and(b[:0]))
+        same(torch.sign(da.t()), torch.sign(a.t())); same(torch.sgn(da), torch.sgn(a))
+        native_only(lambda: (torch.logical_and(da, db), da.logical_or_(db), torch.logical_xor(da, db),
+                             torch.logical_not(da), torch.sign(da), torch.sgn(da)))
+    s = torch.tensor([float("nan"), -0.0, 0.0, -3, 2, float("inf"), -float("inf")])
+    same(torch.sign(s.to("ocl")), torch.sign(s))
+    assert not torch.sign(s.to("ocl")).cpu()[:2].signbit().any()      # NaN, -0.0: +0.0
+    # pow with a tensor exponent: int64 exactly (negative exponents, wrapping products),
+    # float16 exactly, float32 within an ulp (the CPU's own pow differs by position)
+    i, e = torch.randint(-4, 5, (6, 7)), torch.randint(-3, 9, (7,))
+    same(i.to("ocl").pow(e.to("ocl")), i.pow(e))
+    big, be = torch.tensor([3, -3, 7, 2, -1, 1, 0, -2]), torch.tensor([40, 41, 30, 63, -5, -7, 0, -1])
+    same(big.to("ocl").pow(be.to("ocl")), big.pow(be))
+    same(torch.pow(3, e.to("ocl")), torch.pow(3, e))
+    a, b = torch.rand(6, 7) * 4, torch.randn(7) * 3
+    for dt, check in ((torch.float16, same), (torch.float32, close)):
+        ha, hb = a.to(dt), b.to(dt)
+        check(ha.to("ocl").t().pow(hb.to("ocl")[:, None]), ha.t().pow(hb[:, None]))
+        check(torch.pow(2.5, hb.to("ocl")), torch.pow(2.5, hb))
+        check(ha.to("ocl").pow(torch.tensor(0.1)), ha.pow(torch.tensor(0.1)))
+    h = (torch.rand(2000) * 4).half()                  # the exponent in float16, as the CPU
+    same(h.to("ocl").pow(0.1), h.pow(0.1)); same(h.to("ocl").pow(3), h.pow(3))
+    native_only(lambda: (i.to("ocl").pow(e.to("ocl")), torch.pow(2, e.to("ocl")),
+                         a.to("ocl").pow(a.to("ocl"))))
+    # division with a rounding mode: bit for bit, float16 in its own steps, a one-element
+    # divisor by its original value, IEEE specials, integers by negative divisors
+    z = torch.tensor([0.0, -0.0, float("nan"), float("inf"), 1e-30, 7.5, -7.5, 1e38])
+    n = torch.tensor([1.0, -2.0, 0.0, -0.0, 3.0, 2.0, -0.1, 1e-3])
+    for mode in ("trunc", "floor"):
+        for dt in (torch.float32, torch.float16, torch.int64):
+            a, b = (torch.randn(40, 37) * 100).to(dt), (torch.randn(37) * 3).to(dt)
+            if dt == torch.int64:
+                b = torch.randint(1, 9, (37,)) * (torch.randint(0, 2, (37,)) * 2 - 1)
+            da, db = a.to("ocl"), b.to("ocl")
+            same(torch.div(da, db, rounding_mode=mode), torch.div(a, b, rounding_mode=mode))
+            same(torch.div(da.t(), db[:, None], rounding_mode=mode),
+                 torch.div(a.t(), b[:, None], rounding_mode=mode))
+            same(torch.div(da, 0.7, rounding_mode=mode), torch.div(a, 0.7, rounding_mode=mode))
+            same(torch.div(da, -3, rounding_mode=mode), torch.div(a, -3, rounding_mode=mode))
+            same(torch.div(da, db[:1], rounding_mode=mode), torch.div(a, b[:1], rounding_mode=mode))
+            if dt.is_floating_point:
+                for p, q in ((n, z), (z, n), (n[:, None], z)):
+                    p, q = p.to(dt), q.to(dt)
+                    same(torch.div(p.to("ocl"), q.to("ocl"), rounding_mode=mode),
+                         torch.div(p, q, rounding_mode=mode))
+            native_only(lambda: (torch.div(da, db, rounding_mode=mode), torch.div(da, 2, rounding_mode=mode),
+                                 da // db))
+    same(torch.div(torch.tensor([-2**63, 5, -7]).to("ocl"), torch.tensor([-1, -1, 2]).to("ocl"),
+                   rounding_mode="floor"), torch.tensor([-2**63, -5, -4]))   # no trap
+    # a zero divisor: the CPU's error for a host one; on the device unchecked, as CUDA's
+    # kernel (0 here)
+    i = torch.tensor([4, -9, 7])
+    for mode in ("trunc", "floor"):
+        try:
+            torch.div(i.to("ocl"), 0, rounding_mode=mode)
+        except RuntimeError as err:
+            assert str(err) == "ZeroDivisionError", str(err)
+        else:
+            raise AssertionError("no ZeroDivisionError")
+        same(torch.div(i.to("ocl"), torch.tensor([0, 2, 0]).to("ocl"), rounding_mode=mode),
+             torch.tensor([0, -9 // 2 if mode == "floor" else -4, 0]))
+    """)
 
 
 @pytest.mark.opencl_full
@@ -581,11 +689,14 @@ def test_overlapping_outputs_raise_as_on_the_cpu(ocl):  # noqa: F811
         "where, out a shifted input": lambda a, m, i: torch.where(a[:5] > 0, a[:5], a[1:], out=a[1:]),
         "addcmul_ shifted": lambda a, m, i: a[1:].addcmul_(a[:-1], a[:-1]),
         "neg, out shifted": lambda a, m, i: torch.neg(a[:-1], out=a[1:]),
+        "masked_fill_ by a shifted mask": lambda a, m, i: (b := (m > 0).view(-1))[1:].masked_fill_(
+            b[:-1], False),
     }
     fine = {
         "add_ of itself": lambda a, m, i: a.add_(a),
         "exp, out its input": lambda a, m, i: torch.exp(a, out=a),
         "relu_": lambda a, m, i: torch.relu_(m),
+        "masked_fill_ by itself": lambda a, m, i: (b := m > 0).masked_fill_(b, False),
         "fill_ expanded": lambda a, m, i: a[:1].expand(3).fill_(2),
         "copy_ to a wider dtype, shifted": lambda a, m, i: a[1:].copy_(a[:-1].double()),
         "gather, out beside its input": lambda a, m, i: torch.gather(m[:, :2], 0, i[None, :2].expand(2, 2), out=m[:2, 2:]),
