@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-graph test-opencl conformance examples stress bench lint clean
+.PHONY: demo test test-graph test-opencl conformance compiled-conformance examples stress bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -81,6 +81,14 @@ conformance: $(STAMP)
 			|| rc=1; \
 	done; \
 	exit $$rc
+
+# torch.compile on sim against torch.compile on the CPU, every OpInfo of op_db (float32, two
+# samples each; python -m torchport.conformance.compiled): equal / close / both-error /
+# MISMATCH per sample, each mismatch diagnosed (reports/compiled-opinfo.{md,json}). About 30
+# minutes on 2 cores with a cold kernel cache. Fails on an undiagnosed mismatch.
+COMPILED_ARGS ?= --quiet
+compiled-conformance: $(STAMP)
+	$(BIN)/python -m torchport.conformance.compiled $(COMPILED_ARGS)
 
 # Typical CUDA training scripts (examples/scripts/: torch.accelerator, .cuda() with checkpoint
 # resume, mp.spawn DDP, DataParallel, Hugging Face Trainer in fp32/bf16/fp16, accelerate), each

@@ -16,6 +16,14 @@ the CPU is what a Python layer between PyTorch and the kernels costs by itself.
 ``--python-views`` adds the sim step with the Python view kernels instead of PyTorch's C++
 ones (``torchport.ops.native_views``), switched in this process, in the same alternation.
 
+``--compile`` times four sides of each case, alternating: eager CPU, eager sim, and both
+compiled the way PyTorch's tutorials compile training (``torch.compile(model)``, whose
+backward AOTAutograd compiles too, and ``torch.compile(optimizer.step)``; the loss, the
+``zero_grad`` and the ``.item()`` stay eager), with the ratios of compiled sim to eager sim,
+eager CPU and compiled CPU, and each compiled side's first and second call (the compiles:
+forward and backward, then the optimizer step again once its state exists), with
+inductor's caches off so that both sides compile from nothing.
+
 ``--allocator`` prints, instead of times, each case's allocations a step that missed the
 caching allocator's exact-size reuse (its slow path) after warm-up, and the memory it then
 holds: counts, not times, so they do not move with this kind of machine's speed.
@@ -101,20 +109,24 @@ class _EmptyMode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def make_step(case: Case, device: str, python_floor: bool = False) -> Callable[[], float]:
+def make_step(case: Case, device: str, python_floor: bool = False,
+              compiled: bool = False) -> Callable[[], float]:
     """One training step of ``case`` on ``device`` (same seed, so same model and data);
-    ``python_floor``: inside an empty ``TorchDispatchMode``."""
+    ``python_floor``: inside an empty ``TorchDispatchMode``; ``compiled``: the model and the
+    optimizer step through ``torch.compile``."""
     torch.manual_seed(0)
     model = case.make_model().to(device)
     x, y = (t.to(device) for t in case.make_batch())
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if case.optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    forward = torch.compile(model) if compiled else model
+    opt_step = torch.compile(opt.step) if compiled else opt.step
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
-        loss = case.loss(model(x), y)
+        loss = case.loss(forward(x), y)
         loss.backward()
-        opt.step()
+        opt_step()
         return loss.item()
 
     def step_in_mode() -> float:
@@ -162,6 +174,63 @@ def time_case(case: Case, steps: int, repeat: int, python_floor: bool = False,
             runs[d].append(run(d, steps))
     return {d: (statistics.median(r), statistics.median(
         [a / c for a, c in zip(r, runs["cpu"], strict=True)])) for d, r in runs.items()}
+
+
+COMPILE_SIDES = ("cpu", "sim", "ccpu", "csim")
+
+
+def time_compiled_case(case: Case, steps: int, repeat: int
+                       ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(median seconds per step of each side of ``COMPILE_SIDES``, the median ratios of
+    back-to-back runs ``csim/sim``, ``csim/cpu``, ``csim/ccpu``, ``ccpu/cpu``, and the
+    seconds of the first and second calls of ``ccpu`` and ``csim``). Inductor's caches are
+    off while the compiled sides compile, so neither reuses the other's kernels."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # never time eager silently
+    fns = {d: make_step(case, d[-3:], compiled=len(d) == 4) for d in COMPILE_SIDES}
+    compile_s: dict[str, float] = {}
+    with torch.compiler.config.patch(force_disable_caches=True):
+        for d in ("ccpu", "csim"):
+            for k in ("1st", "2nd"):
+                t0 = time.perf_counter()
+                fns[d]()
+                compile_s[f"{d} {k}"] = time.perf_counter() - t0
+    runs: dict[str, list[float]] = {d: [] for d in fns}
+    for d in fns:
+        for _ in range(3):
+            fns[d]()
+    for i in range(repeat):
+        for d in (COMPILE_SIDES if i % 2 == 0 else COMPILE_SIDES[::-1]):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fns[d]()
+            runs[d].append((time.perf_counter() - t0) / steps)
+    medians = {d: statistics.median(r) for d, r in runs.items()}
+    ratios = {f"{a}/{b}": statistics.median([p / q for p, q in zip(runs[a], runs[b],
+                                                                   strict=True)])
+              for a, b in (("csim", "sim"), ("csim", "cpu"), ("csim", "ccpu"), ("ccpu", "cpu"))}
+    torch._dynamo.reset()
+    return medians, ratios, compile_s
+
+
+def print_compiled(steps: int, repeat: int, only: str | None) -> None:
+    print(f"{'model':<20}{'batch':>6}{'cpu ms':>9}{'sim ms':>9}{'c-cpu ms':>10}{'c-sim ms':>10}"
+          f"{'csim/sim':>10}{'csim/cpu':>10}{'csim/ccpu':>10}{'ccpu/cpu':>10}"
+          f"{'compile cpu s':>15}{'compile sim s':>15}")
+    for case in CASES:
+        if only and only not in case.name:
+            continue
+        m, r, c = time_compiled_case(case, steps, repeat)
+        print(f"{case.name:<20}{case.batch:>6}"
+              + "".join(f"{m[d] * 1e3:>{w}.2f}" for d, w in zip(COMPILE_SIDES, (9, 9, 10, 10),
+                                                                 strict=True))
+              + "".join(f"{r[k]:>10.2f}" for k in ("csim/sim", "csim/cpu", "csim/ccpu",
+                                                   "ccpu/cpu"))
+              + f"{c['ccpu 1st']:>8.1f}+{c['ccpu 2nd']:<6.1f}{c['csim 1st']:>8.1f}+"
+                f"{c['csim 2nd']:<6.1f}", flush=True)
 
 
 def slow_allocations(case: Case, steps: int) -> tuple[float, int]:
@@ -214,7 +283,14 @@ def main() -> None:
                    help="also time the sim step with the Python view kernels")
     p.add_argument("--allocator", action="store_true",
                    help="print slow-path allocations per step instead of times")
+    p.add_argument("--compile", action="store_true",
+                   help="time eager and torch.compile'd steps on CPU and sim (and the compiles)")
     args = p.parse_args()
+    if args.compile:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
+              f"{args.repeat} runs x {args.steps} steps; compile: first call + second call")
+        print_compiled(args.steps, args.repeat, args.only)
+        return
     if args.allocator:
         print_allocations(args.steps, args.only)
         return

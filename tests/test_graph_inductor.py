@@ -176,6 +176,7 @@ def test_kernels_run_after_the_work_queued_before_them() -> None:
 def test_cpu_compiles_are_unchanged() -> None:
     from torch._inductor import utils
 
+    torch.compile(lambda t: t * 3)(torch.ones(2, device="sim"))  # (cached or not)
     # the device's answers are the CPU's; every other device keeps its own
     assert utils.get_current_backend("sim") == utils.get_current_backend("cpu") == "cpp"
     assert utils.get_current_backend("cuda") == "triton"

@@ -19,14 +19,22 @@ inductor's question                       why the device must get the CPU's answ
                                           its reciprocal (which rounds differently)
 ``lowering.use_two_step_variance``        the C++ codegen's choice between Welford and the
                                           two-pass variance (``var``, LayerNorm, BatchNorm)
+FakeTensor's convolution rule             the memory format of a convolution's result: the
+(``fake_impls``, ``aten.convolution``)    device's convolution is the CPU's kernel
+                                          (channels_last in, channels_last out, as cuDNN);
+                                          PyTorch's rule for a PrivateUse1 device
+                                          (``Overrideable``) says contiguous, and the
+                                          compiled program's stride check fails
 =======================================  ==================================================
 
 Each is extended, not replaced: the function keeps its name, and answers as before for
 every device but the ones compiled here, so CPU compiles are unchanged
 (tests/test_graph_inductor.py checks both), and a graph compiled for the device
-computes what the same graph compiled for the CPU computes, bit for bit. The
-decisions left to inductor's non-CPU answer only choose among equal results or
-decompose ``mm``/``bmm`` of degenerate shapes differently: docs/graph-mode.md lists them.
+computes what the same graph compiled for the CPU computes, bit for bit, except where
+the decisions left to inductor's (and PyTorch's decompositions') non-CPU answer, which
+is CUDA's, round differently (convolution bias, group norm) or give CUDA's shapes (eval
+batch norm's statistics): docs/graph-mode.md lists them, reports/compiled-opinfo.md
+measures them.
 """
 
 from __future__ import annotations
@@ -141,7 +149,61 @@ def install(name: str) -> None:
             mod.get_current_backend = patched
 
 
+def install_fake_rules(name: str) -> None:
+    """FakeTensor's convolution rules answer for device ``name`` as for the CPU, from the
+    start: dynamo and AOTAutograd trace with them before inductor is involved."""
+    HOST_CODEGEN_DEVICES.add(name)
+    _extend_fake_convolution(HOST_CODEGEN_DEVICES)
+
+
+def _extend_fake_convolution(devices: set[str]) -> None:
+    """FakeTensor's convolution rules answer for the devices as for the CPU: the inputs are
+    presented as CPU tensors to the rule, its results are the device's again."""
+    import torch
+    from torch._subclasses import fake_impls
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+    from torch.utils import _pytree
+
+    cpu = torch.device("cpu")
+
+    def fake_convolution(original: Callable[..., Any]) -> Callable[..., Any]:
+        def conv(fake_mode: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+            moved = [(t, t.fake_device) for t in (*args, *kwargs.values())
+                     if isinstance(t, FakeTensor) and t.fake_device.type in devices]
+            if not moved:
+                return original(fake_mode, func, *args, **kwargs)
+            for t, _ in moved:
+                t.fake_device = cpu
+            try:
+                out = original(fake_mode, func, *args, **kwargs)
+            finally:
+                for t, device in moved:
+                    t.fake_device = device
+            device = moved[0][1]
+
+            def on_device(o: Any) -> Any:
+                if not isinstance(o, FakeTensor) or o.fake_device != cpu:
+                    return o
+                with in_kernel_invocation_manager(fake_mode):
+                    meta = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype,
+                                               device="meta")
+                return FakeTensor(fake_mode, meta, device)
+            return _pytree.tree_map(on_device, out)
+        return conv
+
+    table = fake_impls.op_implementations_dict
+    aten = torch.ops.aten
+    for op in (aten.convolution.default, aten._convolution.default,
+               aten._convolution.deprecated, aten.convolution_backward.default):
+        original = table.get(op)
+        if original is not None and not hasattr(original, "__torchport_extends__"):
+            extended_rule = functools.wraps(original)(fake_convolution(original))
+            extended_rule.__torchport_extends__ = original  # type: ignore[attr-defined]
+            table[op] = extended_rule
+
+
 def extended() -> list[str]:
     """The inductor functions answered for the devices (for ``torchport info`` and tests)."""
     return ["scheduler.BaseSchedulerNode.is_cpu", "ir.is_cpu", "utils.get_current_backend",
-            "lowering.div_prim", "lowering.use_two_step_variance"]
+            "lowering.div_prim", "lowering.use_two_step_variance",
+            "fake_impls.op_implementations_dict[aten.convolution*]"]

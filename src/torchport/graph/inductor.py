@@ -167,9 +167,12 @@ def on_register(backend: DeviceBackend, module: Any) -> None:
     before inductor sets its own backends up or computes a cache key."""
     if backend not in _DECLARED:
         return
+    from torchport.graph import cpu_checks
+
     name = backend.name
     _COMPILABLE[name] = backend
     _LAUNCHERS.pop(name, None)
+    cpu_checks.install_fake_rules(name)
     lazy.when_imported(_INDUCTOR_COMMON, lambda common: _register(name, common))
 
 
@@ -247,6 +250,10 @@ class _CacheKeyBase:
         cpu_checks.install(self.name)
 
     def uuid(self) -> str:
+        from torchport.graph import cpu_checks
+
+        # asked before a graph is traced for the compile caches: the answers must be there
+        cpu_checks.install(self.name)
         h = hashlib.sha256(f"torchport-{CODEGEN_VERSION}:{self.name}:{self.mode}".encode())
         here = os.path.dirname(os.path.abspath(__file__))
         for src in ("inductor.py", "cpu_checks.py"):  # the code this key covers

@@ -58,12 +58,16 @@ def factory_kernel(backend: DeviceBackend, op: torch._ops.OpOverload,
     def fill_kernel(*args: Any, **kwargs: Any) -> Any:
         if slow is not None and fb.SLOW:
             return slow(args, kwargs)
+        if kwargs.get("device") is not None or kwargs.get("pin_memory"):
+            # "sim" names the current device: no cache; nor is the input's memory read
+            # (FakeTensor's fallback makes ``zeros_like(fake, device=...)``: no data pointer)
+            return composite(*args, **kwargs)
         x = args[0]
         e = entries.get((x.data_ptr(), x.dtype, x.shape, x.stride()))
         if e is None:
             e = add_view(x, (x.data_ptr(), x.dtype, x.shape, x.stride()))
-        if e is None or kwargs.get("device") is not None or kwargs.get("pin_memory"):
-            return composite(*args, **kwargs)  # "sim" names the current device: no cache
+        if e is None:
+            return composite(*args, **kwargs)
         key = (e[1], *[(type(a), tuple(a) if type(a) is list else a) for a in args[1:]],
                *kwargs.items())
         try:
