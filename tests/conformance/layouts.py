@@ -31,10 +31,8 @@ are listed with their reason, never counted as passes).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -43,16 +41,16 @@ from typing import Any
 
 from torchport.conformance.opinfo import (
     Runner,
-    _alarm,
     _short,
-    _Timeout,
     _uninitialized,
     add_mode_arguments,
+    guarded,
     load_op_db,
     opinfo_id,
     report_name,
     run_worker_pool,
     select,
+    serve,
     worker_env,
 )
 
@@ -266,12 +264,7 @@ class LayoutRunner(Runner):
         out: dict[str, Any] = {"id": opinfo_id(op), "cells": {}, "failures": [],
                                "tolerances": [], "known": [], "skip_reasons": []}
         supported = op.supported_dtypes("cpu")
-        use_alarm = self.op_timeout > 0 and hasattr(signal, "SIGALRM")
-        if use_alarm:
-            old = signal.signal(signal.SIGALRM, _alarm)
-            signal.alarm(int(self.op_timeout))
-        old_warn = self.tops.set_fallback_warn(False)
-        try:
+        with guarded(out, self.op_timeout, self.tops, trace=None):
             for name in dtypes:
                 if getattr(torch, name) not in supported:
                     out["skip_reasons"].append(f"{name} not supported by the op on the CPU")
@@ -301,15 +294,6 @@ class LayoutRunner(Runner):
                         elif st == "tolerance" and (key, msg) not in out["tolerances"]:
                             out["tolerances"].append((key, msg))
                         c[st] += 1
-        except _Timeout:
-            out["error"] = f"timeout after {self.op_timeout:.0f}s"
-        except Exception as e:  # a harness problem, reported, never hidden
-            out["error"] = "harness: " + _short(e)
-        finally:
-            if use_alarm:
-                signal.alarm(0)
-                signal.signal(signal.SIGALRM, old)
-            self.tops.set_fallback_warn(old_warn)
         cells = [v for v in out["cells"].values() if "pass" in v]
         out["status"] = ("fail" if out["failures"] or out.get("error") else
                          "known" if out["known"] else
@@ -338,21 +322,8 @@ def run_in_process(pattern: str | None, dtypes: Sequence[str] = DEFAULT_DTYPES,
 def _worker(args: argparse.Namespace) -> int:
     import torchport.sim  # noqa: F401  (before op_db: device bases are computed at import)
 
-    ops = select(load_op_db(), args.ops)
-    ids = set(json.loads(Path(args.worker_ids).read_text()))
     runner = LayoutRunner(max_samples=args.max_samples, grad=False, op_timeout=args.op_timeout)
-    with open(args.worker_out, "a") as f:
-        for i, op in enumerate(ops):
-            key = f"{i}:{opinfo_id(op)}"
-            if key not in ids:
-                continue
-            f.write(json.dumps({"start": key}) + "\n")
-            f.flush()
-            r = runner.run_layouts(op, args.dtypes)
-            r["key"] = key
-            f.write(json.dumps({"result": r}) + "\n")
-            f.flush()
-    return 0
+    return serve(args, lambda op: runner.run_layouts(op, args.dtypes))
 
 
 def _run_workers(args: argparse.Namespace, keys: list[str],

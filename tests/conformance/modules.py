@@ -41,25 +41,21 @@ import argparse
 import copy
 import io
 import json
-import math
 import os
 import pickle
 import re
-import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from torchport.conformance.opinfo import (
-    _alarm,
     _md,
     _short,
     _stub_expecttest,
-    _Timeout,
     add_mode_arguments,
+    guarded,
     report_name,
     run_worker_pool,
     worker_env,
@@ -577,13 +573,8 @@ class Runner:
         torch = self.torch
         t0 = time.perf_counter()
         out: dict[str, Any] = {"id": mi.name, "entries": []}
-        use_alarm = self.timeout > 0 and hasattr(signal, "SIGALRM")
-        if use_alarm:
-            old = signal.signal(signal.SIGALRM, _alarm)
-            signal.alarm(int(math.ceil(self.timeout)))
         modes = [True, False] if mi.train_and_eval_differ else [True]
-        old_warn = self.tops.set_fallback_warn(False)
-        try:
+        with guarded(out, self.timeout, self.tops, trace=(3, 400)):
             for name in DTYPES:
                 dtype = getattr(torch, name)
                 if dtype not in mi.supported_dtypes("cpu"):
@@ -605,15 +596,6 @@ class Runner:
                             "i": i, "desc": s.desc,
                             "checks": {k: {"status": st, **({"msg": m} if m else {})}
                                        for k, (st, m) in checks.items()}})
-        except _Timeout:
-            out["error"] = f"timeout after {self.timeout:.0f}s"
-        except Exception as e:  # a harness problem, reported, never hidden
-            out["error"] = "harness: " + _short(e) + " " + traceback.format_exc(limit=3)[-400:]
-        finally:
-            if use_alarm:
-                signal.alarm(0)
-                signal.signal(signal.SIGALRM, old)
-            self.tops.set_fallback_warn(old_warn)
         apply_known(out)
         out["seconds"] = round(time.perf_counter() - t0, 3)
         return out

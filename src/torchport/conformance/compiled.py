@@ -42,10 +42,8 @@ import json
 import math
 import os
 import re
-import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,16 +51,17 @@ from typing import Any
 from torchport.conformance import opinfo
 from torchport.conformance.opinfo import (
     Runner,
-    _alarm,
     _md,
     _short,
     _Timeout,
     _uninitialized,
+    guarded,
     load_backend,
     load_op_db,
     opinfo_id,
     run_worker_pool,
     select,
+    serve,
     worker_env,
 )
 
@@ -348,40 +347,28 @@ class CompiledRunner(Runner):
         self.counters.clear()
         out: dict[str, Any] = {"id": opinfo_id(op), "name": op.name, "dtypes": {}}
         supported = op.supported_dtypes("cpu")
-        use_alarm = self.op_timeout > 0 and hasattr(signal, "SIGALRM")
-        if use_alarm:
-            old = signal.signal(signal.SIGALRM, _alarm)
-            signal.alarm(int(math.ceil(self.op_timeout)))
-        old_warn = self.tops.set_fallback_warn(False)
         settings = self._settings()
         try:
-            fn = self.compiled(op)
-            for name in dtypes:
-                dt = getattr(torch, name)
-                if dt not in supported:
-                    out["dtypes"][name] = {"skip": "dtype not supported by the op on CPU"}
-                    continue
-                try:
-                    samples = self._samples(op, dt, False)
-                except Exception as e:
-                    out["dtypes"][name] = {"skip": f"no samples ({_short(e)})"}
-                    continue
-                if not samples:
-                    out["dtypes"][name] = {"skip": "no samples"}
-                    continue
-                entry: dict[str, Any] = {"samples": []}
-                out["dtypes"][name] = entry
-                for s, keep in samples:
-                    entry["samples"].append(self.run_compiled_sample(op, s, fn, keep))
-        except _Timeout:
-            out["error"] = f"timeout after {self.op_timeout:.0f}s"
-        except Exception as e:  # a harness problem, reported, never hidden
-            out["error"] = "harness: " + _short(e) + " " + traceback.format_exc(limit=2)[-300:]
+            with guarded(out, self.op_timeout, self.tops):
+                fn = self.compiled(op)
+                for name in dtypes:
+                    dt = getattr(torch, name)
+                    if dt not in supported:
+                        out["dtypes"][name] = {"skip": "dtype not supported by the op on CPU"}
+                        continue
+                    try:
+                        samples = self._samples(op, dt, False)
+                    except Exception as e:
+                        out["dtypes"][name] = {"skip": f"no samples ({_short(e)})"}
+                        continue
+                    if not samples:
+                        out["dtypes"][name] = {"skip": "no samples"}
+                        continue
+                    entry: dict[str, Any] = {"samples": []}
+                    out["dtypes"][name] = entry
+                    for s, keep in samples:
+                        entry["samples"].append(self.run_compiled_sample(op, s, fn, keep))
         finally:
-            if use_alarm:
-                signal.alarm(0)
-                signal.signal(signal.SIGALRM, old)
-            self.tops.set_fallback_warn(old_warn)
             settings.close()
             torch._dynamo.reset()
         out["seconds"] = round(time.perf_counter() - t0, 3)
@@ -604,25 +591,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def _worker(args: argparse.Namespace) -> int:
     device = load_backend(args.backend)  # before op_db: device bases are computed at import
-    ops = select(load_op_db(), args.ops)
-    ids = set(json.loads(Path(args.worker_ids).read_text()))
     runner = CompiledRunner(device, max_samples=args.max_samples, op_timeout=args.op_timeout)
-    with open(args.worker_out, "a") as f:
-        for i, op in enumerate(ops):
-            key = f"{i}:{opinfo_id(op)}"
-            if key not in ids:
-                continue
-            f.write(json.dumps({"start": key}) + "\n")
-            f.flush()
-            if args.deadline and time.time() > args.deadline:
-                r = {"id": opinfo_id(op), "name": op.name, "dtypes": {}, "not_run": True,
-                     "class": "skip"}
-            else:
-                r = runner.run_compiled_opinfo(op, args.dtypes)
-            r["key"] = key
-            f.write(json.dumps({"result": r}) + "\n")
-            f.flush()
-    return 0
+
+    def run(op: Any) -> dict[str, Any]:
+        if args.deadline and time.time() > args.deadline:
+            return {"id": opinfo_id(op), "name": op.name, "dtypes": {}, "not_run": True,
+                    "class": "skip"}
+        return runner.run_compiled_opinfo(op, args.dtypes)
+
+    return serve(args, run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

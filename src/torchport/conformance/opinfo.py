@@ -32,6 +32,7 @@ the run. Exit status: 0 when nothing failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -45,7 +46,7 @@ import time
 import traceback
 import types
 import unittest
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,32 @@ def _uninitialized(op: Any) -> bool:
 
 def _alarm(signum: int, frame: Any) -> None:
     raise _Timeout()
+
+
+@contextlib.contextmanager
+def guarded(out: dict[str, Any], timeout: float, tops: Any,
+            trace: tuple[int, int] | None = (2, 300)) -> Iterator[None]:
+    """One entry's run (an OpInfo, a ModuleInfo): a wall-clock limit (SIGALRM, where
+    there is one) and fallback warnings off; a timeout or a harness error is recorded in
+    ``out["error"]`` (with the end of its traceback: ``trace`` = frames, characters),
+    never hidden and never raised."""
+    use_alarm = timeout > 0 and hasattr(signal, "SIGALRM")
+    if use_alarm:
+        old = signal.signal(signal.SIGALRM, _alarm)
+        signal.alarm(int(math.ceil(timeout)))
+    old_warn = tops.set_fallback_warn(False)
+    try:
+        yield
+    except _Timeout:
+        out["error"] = f"timeout after {timeout:.0f}s"
+    except Exception as e:  # a harness problem, reported, never hidden
+        out["error"] = "harness: " + _short(e) + (
+            "" if trace is None else " " + traceback.format_exc(limit=trace[0])[-trace[1]:])
+    finally:
+        if use_alarm:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, old)
+        tops.set_fallback_warn(old_warn)
 
 
 def _short(e: BaseException) -> str:
@@ -504,12 +531,7 @@ class Runner:
         t0 = time.perf_counter()
         supported = op.supported_dtypes("cpu")
         out: dict[str, Any] = {"id": opinfo_id(op), "name": op.name, "dtypes": {}, "grad": {}}
-        use_alarm = self.op_timeout > 0 and hasattr(signal, "SIGALRM")
-        if use_alarm:
-            old = signal.signal(signal.SIGALRM, _alarm)
-            signal.alarm(int(math.ceil(self.op_timeout)))
-        old_warn = self.tops.set_fallback_warn(False)
-        try:
+        with guarded(out, self.op_timeout, self.tops):
             with self.tops.record() as rec:
                 for name in dtypes:
                     dt = getattr(torch, name)
@@ -527,15 +549,6 @@ class Runner:
                                                  "reason": "backward dtype not supported on CPU"}
                         else:
                             out["grad"][name] = self._run_kind(op, dt, True)
-        except _Timeout:
-            out["error"] = f"timeout after {self.op_timeout:.0f}s"
-        except Exception as e:  # a harness problem, reported, never hidden
-            out["error"] = "harness: " + _short(e) + " " + traceback.format_exc(limit=2)[-300:]
-        finally:
-            if use_alarm:
-                signal.alarm(0)
-                signal.signal(signal.SIGALRM, old)
-            self.tops.set_fallback_warn(old_warn)
         out["paths"] = {n: rec.path_of(n) for n in sorted(rec.ops) if rec.path_of(n)}
         # every path each overload took (an overload may take several: a Decline)
         out["path_counts"] = {n: dict(rec.ops[n].paths) for n in sorted(rec.ops)
@@ -605,12 +618,12 @@ def run_in_process(pattern: str | None, dtypes: Sequence[str] = DEFAULT_DTYPES,
 
 
 # ---- workers ---------------------------------------------------------------------
-def _worker(args: argparse.Namespace) -> int:
-    device = load_backend(args.backend)  # before op_db: device bases are computed at import
+def serve(args: argparse.Namespace, run: Callable[[Any], dict[str, Any]]) -> int:
+    """A worker's loop (the OpInfo runners share it): the OpInfos whose keys it was given,
+    each one's start and ``run(op)`` result written to ``args.worker_out`` as it goes, so
+    that a crash or a hang costs only the OpInfo it happened in."""
     ops = select(load_op_db(), args.ops)
     ids = set(json.loads(Path(args.worker_ids).read_text()))
-    runner = Runner(device, max_samples=args.max_samples, grad=not args.no_grad,
-                    op_timeout=args.op_timeout)
     with open(args.worker_out, "a") as f:
         for i, op in enumerate(ops):
             key = f"{i}:{opinfo_id(op)}"
@@ -618,11 +631,18 @@ def _worker(args: argparse.Namespace) -> int:
                 continue
             f.write(json.dumps({"start": key}) + "\n")
             f.flush()
-            r = runner.run_opinfo(op, args.dtypes)
+            r = run(op)
             r["key"] = key
             f.write(json.dumps({"result": r}) + "\n")
             f.flush()
     return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    device = load_backend(args.backend)  # before op_db: device bases are computed at import
+    runner = Runner(device, max_samples=args.max_samples, grad=not args.no_grad,
+                    op_timeout=args.op_timeout)
+    return serve(args, lambda op: runner.run_opinfo(op, args.dtypes))
 
 
 def _keys(pattern: str | None) -> list[str]:
