@@ -51,6 +51,8 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
     b = torch.randn(8, 8, device=device)
     w = torch.randn(8, 8, device=device)
     idx = torch.tensor([0, 3, 5], device=device)
+    c = torch.empty(8, 8, device=device)
+    host = torch.randn(8, 8)
     return {
         "add": lambda: a + b,
         "mul": lambda: a * b,
@@ -60,6 +62,8 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
         "index_select": lambda: a.index_select(0, idx),
         "getitem[idx]": lambda: a[idx],
         "empty": lambda: torch.empty(8, 8, device=device),
+        "copy_": lambda: c.copy_(a),
+        "copy_ from cpu": lambda: c.copy_(host),
     }
 
 
