@@ -94,6 +94,8 @@ class Backend:
         self._libs: list[torch.library.Library] = []
         from torchport.ops.native_views import ViewKernels
         self.view_kernels = ViewKernels()  # C++ view kernels, or the Python ones
+        from torchport.ops.native_hostops import HostOpKernels
+        self.host_op_kernels = HostOpKernels(self)  # C++ host-op kernels, or the Python ones
         self._keep_alive: list[tuple[int, Any, Any]] = []
 
     # ---- devices ------------------------------------------------------------
@@ -216,6 +218,21 @@ class Backend:
         out = self.empty(cpu.shape, cpu.dtype, index)
         tensors.write_from_host(self, out, cpu)
         return out
+
+    @functools.cached_property
+    def host_address_is_device_address(self) -> bool:
+        """Does the host reach a block at the block's device address itself (a unified-
+        memory device, the sim by default)? Then C++ kernels may read ``data_ptr()``."""
+        rt = self.runtime
+        if not rt.host_addressable or not self.visible:
+            return False
+        ptr = rt.malloc(self.visible[0], 64)
+        if ptr is None:
+            return False
+        try:
+            return rt.host_address(ptr) == ptr
+        finally:
+            rt.free(self.visible[0], ptr)
 
     @functools.cached_property
     def adopts_host(self) -> bool:

@@ -34,6 +34,7 @@ class DeviceBackend(Protocol):
     stream_hook: Any  # logical index -> current stream handle (set by the stream layer)
     device_module: types.ModuleType | None  # torch.<device>, made at registration
     view_kernels: Any  # torchport.ops.native_views.ViewKernels
+    host_op_kernels: Any  # torchport.ops.native_hostops.HostOpKernels
     kernel_sets: list[Any]
     registered: bool  # Backend.register() has completed
     initialized: bool  # some device memory was taken from the runtime

@@ -64,8 +64,7 @@ class KernelLauncher:
         self.name = backend.name
         rt = backend.runtime
         self.asynchronous = bool(rt.asynchronous)
-        self.direct = bool(rt.host_addressable) and not self.asynchronous \
-            and _host_addresses_are_device_addresses(backend)
+        self.direct = not self.asynchronous and backend.host_address_is_device_address
         self._views = hostviews.for_to_cpu(views, backend.devices)
         self._empty = torch.empty_strided
         if self.direct:
@@ -108,19 +107,6 @@ class KernelLauncher:
 
 def _call(index: int, name: str, kernel: Callable[..., Any], *args: Any) -> None:
     kernel(*args)
-
-
-def _host_addresses_are_device_addresses(backend: DeviceBackend) -> bool:
-    """True when the runtime's host address of a block is the block's device address
-    (the C++ kernels then read ``data_ptr()`` directly)."""
-    rt = backend.runtime
-    ptr = rt.malloc(backend.visible[0], 64) if backend.visible else None
-    if ptr is None:
-        return False
-    try:
-        return rt.host_address(ptr) == ptr
-    finally:
-        rt.free(backend.visible[0], ptr)
 
 
 def launcher(name: str) -> KernelLauncher:

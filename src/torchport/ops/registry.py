@@ -36,6 +36,7 @@ from torchport.ops import (
     hostexec,
     hostkernels,
     native_factories,
+    native_hostops,
     native_views,
     paths,
 )
@@ -149,6 +150,7 @@ def install(backend: DeviceBackend) -> None:
     fb.fallback(fallback.make_fallback(backend), "PrivateUse1", with_keyset=True)
     native_views.install(backend)
     native_factories.install(backend, factories)
+    native_hostops.install(backend)
 
 
 def overload_name(op: torch._ops.OpOverload) -> str:
@@ -220,6 +222,8 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                 fn = _wrap(backend, op, oname, fn, route)
             if d.kind == "host" and plan_for(op).is_view and native_views.switchable(op):
                 backend.view_kernels.add(oname, fn)  # or PyTorch's C++ kernels serve
+            elif d.kind == "host" and d.dtypes is None and native_hostops.servable(op):
+                backend.host_op_kernels.add(oname, op, fn)  # or the C++ host-op kernel serves
             else:
                 if oname in native_views.OPS:  # the vendor's own view kernel serves
                     backend.view_kernels.give_way()

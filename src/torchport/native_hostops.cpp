@@ -1,0 +1,363 @@
+// Host-op kernels in C++: PyTorch's CPU kernel run on CPU tensors over device memory, for a
+// device whose memory the host reads and writes at the device address itself (a
+// synchronous runtime whose host address of a block is the block's address: the sim by
+// default, a unified-memory device). The Python host kernels (torchport/ops/hostkernels)
+// do the same with a Python entry per op; this serves their common calls without one.
+//
+// A call is served here when every tensor argument is a plain strided tensor of one device
+// of the backend (0-dim CPU tensors, such as Python numbers, pass as they are), no argument
+// is a tensor list, and a functional op's device inputs are small (larger ones take the
+// Python kernel, which computes into the new device tensors directly; here a new result is
+// computed in host memory and copied). The CPU kernel sees one CPU tensor per device tensor
+// and one CPU storage per device storage (its overlap checks see what the CPU's see);
+// written arguments are the device tensors' own memory; a result that is an argument is
+// that argument, a view of an argument's memory is a device view, a new result is copied
+// into a new block of the C++ caching allocator on the current stream (a large one, or an
+// unusual one, goes to the Python `result` function, which adopts or converts it).
+// Anything else -- another device, a CPU tensor with dimensions, a conjugate or negative
+// view, an out= argument the CPU kernel must grow -- is handed to the op's Python kernel,
+// so that results and errors stay the Python ones.
+// Switched by torchport/ops/native_hostops.py like the view and empty kernels.
+#if __has_include(<Python.h>)
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/util/SmallVector.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/Layout.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/tensor_memoryformats.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace torchport {
+at::Tensor caching_new_tensor(int device, uint64_t nbytes, c10::ScalarType scalar,
+                              c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                              int64_t stream);  // native_allocator.cpp
+int64_t caching_current_stream(c10::DeviceIndex device);
+bool caching_serves();
+}  // namespace torchport
+
+namespace {
+
+constexpr auto kDevice = c10::DeviceType::PrivateUse1;
+
+// What the kernels share: the Python `result(cpu_tensor, index)` function for results not
+// copied here, the bounds, and the counts tests read.
+PyObject* python_result = nullptr;
+uint64_t functional_input_max = 0;  // bytes: larger device inputs take the Python kernel
+uint64_t copy_max = 0;              // bytes: larger new results go to `result`
+int visible = 0;
+std::atomic<int64_t> served{0};
+std::atomic<int64_t> handed{0};
+std::mutex registering;
+std::unique_ptr<torch::Library> registered;
+std::vector<std::string> registered_names;
+
+[[noreturn]] void raise_python() {
+  python_error e;
+  e.persist();
+  throw std::move(e);
+}
+
+// An argument as the Python kernel receives it (dtype, layout and memory format objects,
+// not the integers the dispatcher holds them as).
+py::object argument_object(const c10::Argument& arg, const c10::IValue& v) {
+  if (v.isNone()) return py::none();
+  const c10::Type* t = arg.real_type().get();
+  if (auto opt = t->castRaw<c10::OptionalType>()) t = opt->getElementType().get();
+  switch (t->kind()) {
+    case c10::TypeKind::ScalarTypeType:
+      return py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(torch::getTHPDtype(v.toScalarType())));
+    case c10::TypeKind::LayoutType:
+      return py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(torch::getTHPLayout(v.toLayout())));
+    case c10::TypeKind::MemoryFormatType:
+      return py::reinterpret_borrow<py::object>(
+          torch::utils::getTHPMemoryFormat(v.toMemoryFormat()));
+    default:
+      return torch::jit::toPyObject(v);
+  }
+}
+
+class HostOp final : public c10::OperatorKernel {
+ public:
+  HostOp(PyObject* python, bool functional) : python_(python), functional_(functional) {
+    Py_INCREF(python_);  // kept for the process, as the Python registration keeps it
+  }
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    const auto& schema = op.schema();
+    const size_t nargs = schema.arguments().size();
+    const size_t first = stack->size() - nargs;
+    int index = -1;
+    // 1. Is the call one this kernel serves?
+    for (size_t i = 0; i < nargs; ++i) {
+      const c10::IValue& v = (*stack)[first + i];
+      if (v.isTensor()) {
+        const at::Tensor& t = v.toTensor();
+        if (!t.defined()) continue;
+        if (t.device().type() != kDevice) {
+          if (t.device().type() != c10::DeviceType::CPU || t.dim() != 0) return python(op, stack);
+          continue;
+        }
+        const int d = t.device().index();
+        if ((index >= 0 && d != index) || d < 0 || d >= visible ||
+            t.layout() != c10::Layout::Strided || t.is_conj() || t.is_neg() ||
+            t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
+            (functional_ && t.numel() * t.itemsize() > functional_input_max))
+          return python(op, stack);
+        index = d;
+      } else if (v.isTensorList() || v.isObject() || v.isGenerator() ||
+                 (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList())) {
+        return python(op, stack);
+      }
+    }
+    if (index < 0 || !torchport::caching_serves()) return python(op, stack);
+
+    // 2. CPU tensors over the device tensors' memory: one per tensor, one storage per storage.
+    c10::SmallVector<std::pair<c10::TensorImpl*, at::Tensor>, 6> tensors;  // device -> CPU
+    c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 6> storages;
+    c10::SmallVector<c10::IValue, 8> originals((*stack).begin() + first, (*stack).end());
+    for (size_t i = 0; i < nargs; ++i) {
+      c10::IValue& v = (*stack)[first + i];
+      if (!v.isTensor()) continue;
+      const at::Tensor& t = v.toTensor();
+      if (!t.defined() || t.device().type() != kDevice) continue;
+      v = c10::IValue(cpu_alias(t, tensors, storages));
+    }
+
+    // 3. The CPU kernel.
+    try {
+      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+    } catch (const c10::Error& e) {
+      // an out= argument the CPU kernel must grow: nothing computed yet, the Python kernel
+      // resizes the device tensor
+      if (std::strstr(e.what(), "not resizable") == nullptr) throw;
+      restore(stack, first, originals);
+      return python(op, stack);
+    }
+
+    // 4. Written arguments whose layout the CPU kernel changed (an out= it shrank).
+    for (size_t i = 0; i < nargs; ++i) {
+      const c10::AliasInfo* info = schema.arguments()[i].alias_info();
+      if (info == nullptr || !info->isWrite() || !originals[i].isTensor()) continue;
+      const at::Tensor& dev = originals[i].toTensor();
+      for (auto& [impl, cpu] : tensors) {
+        if (impl != dev.unsafeGetTensorImpl()) continue;
+        if (cpu.sizes() != dev.sizes() || cpu.strides() != dev.strides() ||
+            cpu.storage_offset() != dev.storage_offset())
+          impl->set_sizes_and_strides(cpu.sizes(), cpu.strides(), cpu.storage_offset());
+      }
+    }
+
+    // 5. Results on the device.
+    const size_t nret = schema.returns().size();
+    for (size_t r = stack->size() - nret; r < stack->size(); ++r) {
+      c10::IValue& v = (*stack)[r];
+      if (!v.isTensor()) continue;
+      const at::Tensor& cpu = v.toTensor();
+      if (!cpu.defined()) continue;
+      v = c10::IValue(on_device(cpu, index, tensors, storages));
+    }
+    served.fetch_add(1, std::memory_order_relaxed);
+  }
+
+ private:
+  static at::Tensor cpu_alias(const at::Tensor& t,
+                              c10::SmallVectorImpl<std::pair<c10::TensorImpl*, at::Tensor>>& tensors,
+                              c10::SmallVectorImpl<std::pair<c10::StorageImpl*, c10::Storage>>& storages) {
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    for (auto& [dev, cpu] : tensors)
+      if (dev == impl) return cpu;
+    c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
+    c10::Storage storage;
+    for (auto& [dev, cpu] : storages)
+      if (dev == st) storage = cpu;
+    if (!storage) {
+      storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
+          c10::StorageImpl::use_byte_size_t(), st->nbytes(),
+          c10::DataPtr(const_cast<void*>(st->data_ptr().get()), c10::Device(c10::kCPU)),
+          /*allocator=*/nullptr, /*resizable=*/false));
+      storages.emplace_back(st, storage);
+    }
+    at::Tensor cpu = at::detail::make_tensor<c10::TensorImpl>(
+        std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+    cpu.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+    tensors.emplace_back(impl, cpu);
+    return cpu;
+  }
+
+  // A result of the CPU kernel as the device's: an argument itself, a view of an argument's
+  // memory, or a new tensor copied (or handed to `result`).
+  static at::Tensor on_device(const at::Tensor& cpu, int index,
+                              const c10::SmallVectorImpl<std::pair<c10::TensorImpl*, at::Tensor>>& tensors,
+                              const c10::SmallVectorImpl<std::pair<c10::StorageImpl*, c10::Storage>>& storages) {
+    c10::TensorImpl* impl = cpu.unsafeGetTensorImpl();
+    for (auto& [dev, alias] : tensors)
+      if (alias.unsafeGetTensorImpl() == impl)
+        return at::Tensor(c10::intrusive_ptr<c10::TensorImpl>::reclaim_copy(dev));
+    if (cpu.has_storage()) {
+      c10::StorageImpl* st = cpu.storage().unsafeGetStorageImpl();
+      for (size_t i = 0; i < storages.size(); ++i) {
+        if (storages[i].second.unsafeGetStorageImpl() != st) continue;
+        c10::Storage dev_storage(
+            c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storages[i].first));
+        at::Tensor view = at::detail::make_tensor<c10::TensorImpl>(
+            std::move(dev_storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+            cpu.dtype());
+        view.unsafeGetTensorImpl()->set_sizes_and_strides(cpu.sizes(), cpu.strides(),
+                                                         cpu.storage_offset());
+        return view;
+      }
+    }
+    const uint64_t nbytes = static_cast<uint64_t>(cpu.numel()) * cpu.itemsize();
+    if (cpu.layout() == c10::Layout::Strided && !cpu.is_quantized() && !cpu._is_zerotensor() &&
+        !cpu.is_conj() && !cpu.is_neg() && nbytes <= copy_max &&
+        cpu.is_non_overlapping_and_dense()) {
+      at::Tensor out = torchport::caching_new_tensor(
+          index, nbytes, cpu.scalar_type(), cpu.sizes(), cpu.strides(),
+          torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)));
+      if (nbytes) std::memcpy(out.data_ptr(), cpu.data_ptr(), nbytes);
+      return out;
+    }
+    pybind11::gil_scoped_acquire gil;
+    PyObject* t = THPVariable_Wrap(cpu);
+    if (!t) raise_python();
+    PyObject* got = PyObject_CallFunction(python_result, "Oi", t, index);
+    Py_DECREF(t);
+    if (!got) raise_python();
+    if (!THPVariable_Check(got)) {
+      Py_DECREF(got);
+      PyErr_SetString(PyExc_TypeError, "torchport: a host result function returned no tensor");
+      raise_python();
+    }
+    at::Tensor dev = THPVariable_Unpack(got);
+    Py_DECREF(got);
+    return dev;
+  }
+
+  static void restore(torch::jit::Stack* stack, size_t first,
+                      const c10::SmallVectorImpl<c10::IValue>& originals) {
+    stack->resize(first);
+    stack->insert(stack->end(), originals.begin(), originals.end());
+  }
+
+  // The op's Python kernel on the arguments on the stack; its results replace them.
+  void python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+    handed.fetch_add(1, std::memory_order_relaxed);
+    const auto& schema = op.schema();
+    const auto& arguments = schema.arguments();
+    const size_t first = stack->size() - arguments.size();
+    pybind11::gil_scoped_acquire gil;
+    py::object result;
+    try {
+      py::list args;
+      py::dict kwargs;
+      for (size_t i = 0; i < arguments.size(); ++i) {
+        py::object o = argument_object(arguments[i], (*stack)[first + i]);
+        if (arguments[i].kwarg_only())
+          kwargs[py::str(arguments[i].name())] = o;
+        else
+          args.append(o);
+      }
+      stack->resize(first);
+      result = py::reinterpret_borrow<py::object>(python_)(*py::tuple(args), **kwargs);
+    } catch (py::error_already_set& e) {
+      e.restore();
+      raise_python();
+    }
+    const auto& returns = schema.returns();
+    try {
+      if (returns.size() == 1) {
+        stack->push_back(torch::jit::toIValue(result, returns[0].real_type()));
+      } else if (!returns.empty()) {
+        py::tuple items = py::reinterpret_borrow<py::tuple>(result);
+        for (size_t i = 0; i < returns.size(); ++i)
+          stack->push_back(torch::jit::toIValue(items[i], returns[i].real_type()));
+      }
+    } catch (py::error_already_set& e) {
+      e.restore();
+      raise_python();
+    }
+  }
+
+  PyObject* python_;
+  bool functional_;
+};
+
+}  // namespace
+
+// Serve the ops in `kernels` (a dict: overload name -> (Python kernel, functional flag))
+// from C++, with `result` for the results not copied here, `devices` visible devices,
+// functional inputs up to `input_max` bytes and copies up to `copy_max` bytes: 1; 0 with a
+// Python error. Ops already served stay. Called through ctypes.PyDLL (with the GIL).
+extern "C" int torchport_native_hostops_enable(PyObject* kernels, PyObject* result, int devices,
+                                               int64_t input_max, int64_t max_copy) {
+  if (!PyDict_Check(kernels) || !PyCallable_Check(result)) {
+    PyErr_SetString(PyExc_TypeError, "expected a dict of kernels and a callable");
+    return 0;
+  }
+  std::lock_guard<std::mutex> lock(registering);
+  Py_INCREF(result);
+  Py_XDECREF(python_result);
+  python_result = result;
+  visible = devices;
+  functional_input_max = static_cast<uint64_t>(input_max);
+  copy_max = static_cast<uint64_t>(max_copy);
+  try {
+    if (!registered) {
+      registered = std::make_unique<torch::Library>(
+          torch::Library::IMPL, "aten", std::make_optional(c10::DispatchKey::PrivateUse1),
+          __FILE__, __LINE__);
+      registered_names.clear();
+    }
+    PyObject *key = nullptr, *value = nullptr;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(kernels, &pos, &key, &value)) {
+      const char* name = PyUnicode_AsUTF8(key);
+      if (!name || !PyTuple_Check(value) || PyTuple_GET_SIZE(value) != 2 ||
+          !PyCallable_Check(PyTuple_GET_ITEM(value, 0))) {
+        if (!PyErr_Occurred())
+          PyErr_SetString(PyExc_TypeError, "expected name -> (kernel, functional)");
+        return 0;
+      }
+      bool done = false;
+      for (const auto& n : registered_names) done = done || n == name;
+      if (done) continue;
+      registered->impl(name, torch::CppFunction::makeFromBoxedFunctor(std::make_unique<HostOp>(
+                                 PyTuple_GET_ITEM(value, 0),
+                                 PyObject_IsTrue(PyTuple_GET_ITEM(value, 1)) == 1)));
+      registered_names.emplace_back(name);
+    }
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return 0;
+  }
+  return 1;
+}
+
+// Removes them all (the dispatcher then finds the Python kernels once registered).
+extern "C" void torchport_native_hostops_disable() {
+  std::lock_guard<std::mutex> lock(registering);
+  registered.reset();
+  registered_names.clear();
+}
+
+// Calls served in C++ and calls handed to the Python kernels, since the process started.
+extern "C" void torchport_native_hostops_counts(int64_t* out) {
+  out[0] = served.load();
+  out[1] = handed.load();
+}
+#endif

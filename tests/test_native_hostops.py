@@ -1,0 +1,334 @@
+"""Host-op kernels in C++ (native_hostops.cpp): the common calls of functional, in-place and
+``out=`` ops served without a Python entry, equal to the CPU bit for bit; everything else
+handed to the Python kernels with their results and errors; switched like the view and
+empty kernels. The C++-only tests skip where the library does not serve (strict and
+asynchronous sim, TORCHPORT_NATIVE=0)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchport.sim  # noqa: F401
+from tests.helpers import check_python, child_env
+from torchport.backend import active_backend
+from torchport.ops import fallback, native_hostops, stats
+
+pytestmark = pytest.mark.modes
+
+_B = active_backend()
+_K = _B.host_op_kernels
+needs_cpp = pytest.mark.skipif(not _K.native, reason="the C++ host-op kernels do not serve "
+                               "(strict or asynchronous sim, TORCHPORT_NATIVE=0, no compiler)")
+
+
+class python_kernels:
+    """Within: the Python kernels serve (as while a recorder runs)."""
+
+    def __enter__(self) -> None:
+        _K.use(False)
+
+    def __exit__(self, *exc: object) -> None:
+        _K.use(not fallback.SLOW)
+
+
+class calls:
+    """Counts the calls served in C++ and handed to Python within."""
+
+    def __enter__(self) -> calls:
+        self._start = native_hostops.counts()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = native_hostops.counts()
+        self.served, self.handed = end[0] - self._start[0], end[1] - self._start[1]
+
+
+def _same(dev: object, cpu: object) -> None:
+    if isinstance(cpu, (tuple, list)):
+        assert len(dev) == len(cpu)
+        for d, c in zip(dev, cpu, strict=True):
+            _same(d, c)
+        return
+    if isinstance(cpu, torch.Tensor):
+        assert dev.device.type == "sim", dev.device
+        assert (dev.shape, dev.stride(), dev.dtype) == (cpu.shape, cpu.stride(), cpu.dtype)
+        assert torch.equal(dev.cpu(), cpu) or (cpu.is_floating_point() and torch.equal(
+            dev.cpu().isnan(), cpu.isnan()) and torch.equal(dev.cpu().nan_to_num(), cpu.nan_to_num()))
+        return
+    assert dev == cpu
+
+
+def _inputs(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "x": torch.randn(6, 8, generator=g), "y": torch.randn(6, 8, generator=g),
+        "w": torch.randn(5, 8, generator=g), "b": torch.randn(5, generator=g),
+        "i": torch.tensor([4, 0, 2, 2]), "m": torch.randn(6, 8, generator=g) > 0,
+        "img": torch.randn(2, 3, 6, 6, generator=g), "k": torch.randn(4, 3, 3, 3, generator=g),
+        "t": torch.randn(8, 6, generator=g).t(),  # transposed: strides (1, 6)
+    }
+
+
+# (name, fn(inputs) -> result): functional ops of a model's step, on every argument type
+# the C++ kernel takes: tensors, numbers, 0-dim CPU tensors, int lists, dtypes, memory
+# formats, strings, optional tensors; one, several and boolean results.
+_FUNCTIONAL = [
+    ("add", lambda v: v["x"] + v["y"]),
+    ("add alpha", lambda v: torch.add(v["x"], v["y"], alpha=2.5)),
+    ("mul number", lambda v: v["x"] * 0.5),
+    ("mul 0-dim cpu", lambda v: v["x"] * torch.tensor(3.0)),
+    ("transposed", lambda v: v["t"] * v["x"]),
+    ("sum dims", lambda v: v["x"].sum(dim=[0])),
+    ("sum dtype", lambda v: v["x"].sum(dtype=torch.float64)),
+    ("mean keepdim", lambda v: v["x"].mean(1, keepdim=True)),
+    ("linear", lambda v: F.linear(v["x"], v["w"], v["b"])),
+    ("mm", lambda v: v["x"] @ v["w"].t()),
+    ("relu", lambda v: torch.relu(v["x"])),
+    ("softmax", lambda v: torch.softmax(v["x"], -1)),
+    ("layer norm", lambda v: torch.ops.aten.native_layer_norm(v["x"], [8], None, None, 1e-5)),
+    ("max dim", lambda v: v["x"].max(dim=1)),
+    ("sort", lambda v: v["x"].sort(dim=0, descending=True)),
+    ("clone channels_last", lambda v: v["img"].clone(memory_format=torch.channels_last)),
+    ("where", lambda v: torch.where(v["m"], v["x"], v["y"])),
+    ("masked_fill", lambda v: v["x"].masked_fill(v["m"], -1.0)),
+    ("index_select", lambda v: v["x"].index_select(0, v["i"])),
+    ("div floor", lambda v: torch.div(v["x"], v["y"], rounding_mode="floor")),
+    ("eq", lambda v: v["x"] == v["y"]),
+    ("argmax", lambda v: v["t"].argmax(0)),
+    ("cumsum", lambda v: v["x"].cumsum(1)),
+    ("conv2d", lambda v: F.conv2d(v["img"], v["k"], padding=1)),
+    ("gelu tanh", lambda v: F.gelu(v["x"], approximate="tanh")),
+    ("clamp min", lambda v: torch.clamp(v["x"], min=-0.5)),
+]
+
+
+@pytest.mark.parametrize("name,fn", _FUNCTIONAL, ids=[n for n, _ in _FUNCTIONAL])
+def test_functional_calls_equal_the_cpu(name, fn) -> None:
+    cpu = _inputs()
+    dev = {k: v.to("sim") if k != "t" else v.t().to("sim").t() for k, v in cpu.items()}
+    assert dev["t"].stride() == cpu["t"].stride()
+    with calls() as c:
+        got = fn(dev)
+    _same(got, fn(cpu))
+    if _K.native:
+        assert c.served >= 1 and c.handed == 0, (c.served, c.handed)
+
+
+def test_a_training_step_equals_the_cpu_bit_for_bit() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
+                                torch.nn.Linear(16, 3))
+    data, target = torch.randn(4, 8), torch.tensor([0, 2, 1, 1])
+    results = []
+    for device in ("cpu", "sim"):
+        m = copy.deepcopy(model).to(device)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, foreach=False)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(data.to(device)), target.to(device))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        results.append((losses, [p.detach().cpu() for p in m.parameters()]))
+    assert results[0][0] == results[1][0]
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_in_place_and_out_calls() -> None:
+    cpu = _inputs()
+    x, y = cpu["x"].clone(), cpu["y"]
+    dx, dy = x.to("sim"), y.to("sim")
+    with calls() as c:
+        dx.add_(dy, alpha=-1.5)
+        dx.mul_(2)
+        dx.clamp_(max=0.25)
+        out = torch.empty(6, 8, device="sim")
+        r = torch.mul(dx, dy, out=out)
+        same = torch.add(dx, dx, out=dx)  # an argument passed twice is one CPU tensor
+    x.add_(y, alpha=-1.5).mul_(2).clamp_(max=0.25)
+    expect = torch.mul(x, y)
+    x2 = torch.add(x, x)
+    assert r is out and same is dx
+    _same(out, expect)
+    _same(dx, x2)
+    if _K.native:
+        assert c.handed == 0 and c.served >= 5
+
+
+def test_out_of_another_shape() -> None:
+    x, w = _inputs()["x"], _inputs()["w"]
+    dx, dw = x.to("sim"), w.to("sim")
+    # growing: the CPU kernel cannot grow host memory it does not own: the Python kernel
+    # resizes the device tensor
+    with calls() as grow:
+        out = torch.empty(0, device="sim")
+        torch.mm(dx, dw.t(), out=out)
+    _same(out, x @ w.t())
+    # shrinking, with PyTorch's warning: the device tensor takes the CPU kernel's layout
+    cpu_out = torch.empty(10, 10)
+    dev_out = torch.empty(10, 10, device="sim")
+    with warnings.catch_warnings(record=True) as cw:
+        warnings.simplefilter("always")
+        torch.mm(x, w.t(), out=cpu_out)
+    with warnings.catch_warnings(record=True) as dw_:
+        warnings.simplefilter("always")
+        torch.mm(dx, dw.t(), out=dev_out)
+    _same(dev_out, cpu_out)
+    assert [str(w.message) for w in dw_] == [str(w.message) for w in cw]
+    if _K.native:
+        assert grow.handed == 1
+
+
+def test_overlap_errors_are_the_cpus() -> None:
+    a = torch.arange(10.0)
+    d = a.to("sim")
+    outcomes = []
+    for t in (a, d):
+        try:
+            torch.add(t[1:], t[:-1], out=t[:-1])
+            outcomes.append(None)
+        except RuntimeError as e:
+            outcomes.append(str(e))
+    assert outcomes[0] is not None and outcomes[0] == outcomes[1]
+    assert torch.equal(d.cpu(), a)  # inputs intact, as on the CPU
+
+
+def _outcome(fn) -> tuple:
+    try:
+        r = fn()
+        return ("ok", r.cpu() if isinstance(r, torch.Tensor) else r)
+    except Exception as e:  # noqa: BLE001 (the exception is the result compared)
+        return (type(e), str(e))
+
+
+_HANDED = [
+    ("two devices", lambda: torch.ones(3, device="sim:0") + torch.ones(3, device="sim:1")),
+    ("a cpu tensor", lambda: torch.ones(3, device="sim") + torch.ones(3)),
+    ("a conjugate view", lambda: torch.ones(3, dtype=torch.complex64, device="sim").conj()
+     * torch.full((3,), 1j, device="sim")),
+    ("large with a dtype", lambda: torch.ones(40000, device="sim").sum(dtype=torch.float64)),
+    ("large with a memory format", lambda: torch.ones(2, 3, 80, 80, device="sim")
+     .clone(memory_format=torch.channels_last).stride()),
+    ("large with a string", lambda: torch.div(torch.full((20000,), 7.0, device="sim"), 2.0,
+                                              rounding_mode="trunc")[:3]),
+]
+
+
+@pytest.mark.parametrize("name,fn", _HANDED, ids=[n for n, _ in _HANDED])
+def test_calls_handed_to_python_are_the_python_kernels(name, fn) -> None:
+    with calls() as c:
+        native = _outcome(fn)
+    with python_kernels():
+        python = _outcome(fn)
+    assert type(native[1]) is type(python[1])
+    if isinstance(python[1], torch.Tensor):
+        assert torch.equal(native[1], python[1])
+    else:
+        assert native == python
+    if _K.native:
+        assert c.handed >= 1
+
+
+def test_errors_are_the_cpu_kernels() -> None:
+    x = torch.randn(4, 3)
+    bad = torch.tensor([0, 9])
+    cpu = _outcome(lambda: x.index_select(0, bad))
+    dev = _outcome(lambda: x.to("sim").index_select(0, bad.to("sim")))
+    assert cpu[0] is IndexError and dev == cpu
+    cpu = _outcome(lambda: torch.mm(x, x))
+    dev = _outcome(lambda: torch.mm(x.to("sim"), x.to("sim")))
+    assert cpu[0] is RuntimeError and dev == cpu
+
+
+@needs_cpp
+def test_a_large_result_is_adopted_not_copied() -> None:
+    a, b = torch.randn(2048, 1), torch.randn(1, 512)  # 4 MiB from 10 KiB of inputs
+    da, db = a.to("sim"), b.to("sim")
+    before = torch.sim.memory_allocated()
+    with calls() as c:
+        r = da @ db
+    assert c.served == 1
+    assert torch.equal(r.cpu(), a @ b)
+    block = _B.allocators[0].active[r.data_ptr()]
+    assert block.adopted
+    assert torch.sim.memory_allocated() - before >= r.numel() * 4
+    del r
+
+
+@needs_cpp
+def test_new_results_are_allocated_on_the_current_stream() -> None:
+    x = torch.randn(16, device="sim:1")
+    s = torch.sim.Stream(device="sim:1")
+    with torch.sim.stream(s):
+        r = x * 2
+    d = x * 3
+    streams = [_B.allocators[1].active[t.data_ptr()].stream for t in (r, d)]
+    assert streams[0] != streams[1]
+    assert r.device == torch.device("sim:1")
+    del r, d
+
+
+def test_a_recorder_sees_every_op_and_the_kernels_switch_back() -> None:
+    was = _K.native
+    x = torch.randn(4, device="sim")
+    with stats.record() as rec:
+        assert not _K.native
+        (x + 1).relu_()
+    assert rec.ops["add.Tensor"].calls == 1 and rec.ops["relu_"].calls == 1
+    assert _K.native == was
+    with calls() as c:
+        x + 1
+    if was:
+        assert c.served == 1
+
+
+@needs_cpp
+def test_the_cpp_kernels_are_registered_alone() -> None:
+    for name in ("aten::add.Tensor", "aten::mm.out", "aten::relu_"):
+        dump = torch._C._dispatch_dump(name)
+        lines = [line for line in dump.splitlines() if line.startswith("PrivateUse1:")]
+        assert len(lines) == 1 and "native_hostops.cpp" in lines[0], dump
+    with python_kernels():
+        dump = torch._C._dispatch_dump("aten::add.Tensor")
+        lines = [line for line in dump.splitlines() if line.startswith("PrivateUse1:")]
+        assert len(lines) == 1 and "native_hostops.cpp" not in lines[0], dump
+
+
+def test_threads_compute_what_one_thread_does() -> None:
+    xs = [torch.randn(32, 32) for _ in range(4)]
+    expect = [torch.tanh(x @ x.t() + 1).sum(0) for x in xs]
+    got: list[torch.Tensor | None] = [None] * 4
+
+    def work(i: int) -> None:
+        d = xs[i].to("sim")
+        for _ in range(50):
+            r = torch.tanh(d @ d.t() + 1).sum(0)
+        got[i] = r.cpu()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for g, e in zip(got, expect, strict=True):
+        assert torch.equal(g, e)
+
+
+def test_without_the_library_the_python_kernels_serve() -> None:
+    out = check_python("""
+        import torch, torchport.sim
+        from torchport.backend import active_backend
+        from torchport.ops import native_hostops
+        x = torch.arange(4., device="sim")
+        print(active_backend().host_op_kernels.native, (x * 2).tolist(),
+              native_hostops.counts())
+    """, env=child_env(TORCHPORT_NATIVE="0"))
+    assert out.split() == ["False", "[0.0,", "2.0,", "4.0,", "6.0]", "(0,", "0)"]
