@@ -105,6 +105,13 @@ _FUNCTIONAL = [
     ("conv2d", lambda v: F.conv2d(v["img"], v["k"], padding=1)),
     ("gelu tanh", lambda v: F.gelu(v["x"], approximate="tanh")),
     ("clamp min", lambda v: torch.clamp(v["x"], min=-0.5)),
+    # tensor lists
+    ("cat", lambda v: torch.cat([v["x"], v["y"], v["t"]], dim=0)),
+    ("stack", lambda v: torch.stack([v["x"], v["y"]], dim=1)),
+    ("index", lambda v: v["x"][v["i"], 1:]),
+    ("index mask", lambda v: v["x"][v["m"]]),
+    ("foreach add", lambda v: torch._foreach_add([v["x"], v["y"]], [v["y"], v["x"]], alpha=2)),
+    ("foreach mul scalars", lambda v: torch._foreach_mul([v["x"], v["y"]], [0.5, 2.0])),
 ]
 
 
@@ -118,6 +125,18 @@ def test_functional_calls_equal_the_cpu(name, fn) -> None:
     _same(got, fn(cpu))
     if _K.native:
         assert c.served >= 1 and c.handed == 0, (c.served, c.handed)
+
+
+def test_a_large_weight_with_a_small_batch_is_served() -> None:
+    x, w, b = torch.randn(4, 1024), torch.randn(512, 1024), torch.randn(512)  # w: 2 MiB
+    dx, dw, db = x.to("sim"), w.to("sim"), b.to("sim")
+    with calls() as c:
+        got = F.linear(dx, dw, db)
+        grad_in = got @ dw
+    _same(got, F.linear(x, w, b))
+    _same(grad_in, F.linear(x, w, b) @ w)
+    if _K.native:
+        assert c.served == 2 and c.handed == 0
 
 
 def test_a_training_step_equals_the_cpu_bit_for_bit() -> None:
@@ -161,6 +180,37 @@ def test_in_place_and_out_calls() -> None:
     _same(dx, x2)
     if _K.native:
         assert c.handed == 0 and c.served >= 5
+
+
+def test_lists_in_place_and_optimizers() -> None:
+    cpu = _inputs()
+    xs, ys = [cpu["x"].clone(), cpu["w"].clone()], [cpu["y"], cpu["w"] * 2]
+    dxs, dys = [t.to("sim") for t in xs], [t.to("sim") for t in ys]
+    idx, vals = cpu["i"], torch.ones(4, 8)
+    with calls() as c:
+        torch._foreach_add_(dxs, dys, alpha=0.5)
+        torch._foreach_mul_(dxs, 3.0)
+        dxs[0].index_put_((idx.to("sim"),), vals.to("sim"), accumulate=True)
+    torch._foreach_add_(xs, ys, alpha=0.5)
+    torch._foreach_mul_(xs, 3.0)
+    xs[0].index_put_((idx,), vals, accumulate=True)
+    for d, x in zip(dxs, xs, strict=True):
+        _same(d, x)
+    if _K.native:
+        assert c.handed == 0 and c.served == 3
+    for kind in ({"foreach": True}, {"fused": True}):
+        params = []
+        for device in ("cpu", "sim"):
+            torch.manual_seed(1)
+            p = [torch.randn(6, 8, device=device, requires_grad=True) for _ in range(3)]
+            opt = torch.optim.AdamW(p, lr=0.01, **kind)
+            for _ in range(3):
+                opt.zero_grad()
+                sum((q * q).sum() for q in p).backward()
+                opt.step()
+            params.append([q.detach().cpu() for q in p])
+        for a, b in zip(*params, strict=True):
+            assert torch.equal(a, b), kind
 
 
 def test_out_of_another_shape() -> None:
@@ -211,13 +261,16 @@ def _outcome(fn) -> tuple:
 
 _HANDED = [
     ("two devices", lambda: torch.ones(3, device="sim:0") + torch.ones(3, device="sim:1")),
+    ("two devices in a list", lambda: torch.cat([torch.ones(3, device="sim:0"),
+                                                 torch.ones(3, device="sim:1")])),
+    ("cpu indices", lambda: torch.arange(6.0, device="sim")[torch.tensor([5, 1])]),
     ("a cpu tensor", lambda: torch.ones(3, device="sim") + torch.ones(3)),
     ("a conjugate view", lambda: torch.ones(3, dtype=torch.complex64, device="sim").conj()
      * torch.full((3,), 1j, device="sim")),
-    ("large with a dtype", lambda: torch.ones(40000, device="sim").sum(dtype=torch.float64)),
-    ("large with a memory format", lambda: torch.ones(2, 3, 80, 80, device="sim")
+    ("large with a dtype", lambda: torch.ones(300000, device="sim").sum(dtype=torch.float64)),
+    ("large with a memory format", lambda: torch.ones(2, 3, 240, 240, device="sim")
      .clone(memory_format=torch.channels_last).stride()),
-    ("large with a string", lambda: torch.div(torch.full((20000,), 7.0, device="sim"), 2.0,
+    ("large with a string", lambda: torch.div(torch.full((300000,), 7.0, device="sim"), 2.0,
                                               rounding_mode="trunc")[:3]),
 ]
 

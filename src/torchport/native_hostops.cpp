@@ -4,11 +4,12 @@
 // default, a unified-memory device). The Python host kernels (torchport/ops/hostkernels)
 // do the same with a Python entry per op; this serves their common calls without one.
 //
-// A call is served here when every tensor argument is a plain strided tensor of one device
-// of the backend (0-dim CPU tensors, such as Python numbers, pass as they are), no argument
-// is a tensor list, and a functional op's device inputs are small (larger ones take the
-// Python kernel, which computes into the new device tensors directly; here a new result is
-// computed in host memory and copied). The CPU kernel sees one CPU tensor per device tensor
+// A call is served here when every tensor argument (also in lists) is a plain strided
+// tensor of one device of the backend (0-dim CPU tensors, such as Python numbers, pass as
+// they are outside lists), and a functional op's first tensor is not large (an activation
+// of a large batch: its results are large too, which the Python kernel computes into new
+// device blocks directly; here a new result is computed in host memory, then copied or
+// adopted). The CPU kernel sees one CPU tensor per device tensor
 // and one CPU storage per device storage (its overlap checks see what the CPU's see);
 // written arguments are the device tensors' own memory; a result that is an argument is
 // that argument, a view of an argument's memory is a device view, a new result is copied
@@ -55,7 +56,7 @@ constexpr auto kDevice = c10::DeviceType::PrivateUse1;
 // What the kernels share: the Python `result(cpu_tensor, index)` function for results not
 // copied here, the bounds, and the counts tests read.
 PyObject* python_result = nullptr;
-uint64_t functional_input_max = 0;  // bytes: larger device inputs take the Python kernel
+uint64_t functional_input_max = 0;  // bytes: a larger first input takes the Python kernel
 uint64_t copy_max = 0;              // bytes: larger new results go to `result`
 int visible = 0;
 std::atomic<int64_t> served{0};
@@ -97,6 +98,24 @@ class HostOp final : public c10::OperatorKernel {
     Py_INCREF(python_);  // kept for the process, as the Python registration keeps it
   }
 
+  // A tensor argument this kernel maps: a plain strided tensor of a visible device, the same
+  // device as the others (`index`, set by the first); `cpu_scalar`: a 0-dim CPU tensor
+  // passes as it is (a Python number, a CPU scalar), as the Python kernels let it.
+  bool servable(const at::Tensor& t, bool cpu_scalar, int& index) const {
+    if (!t.defined()) return true;
+    if (t.device().type() != kDevice)
+      return cpu_scalar && t.device().type() == c10::DeviceType::CPU && t.dim() == 0;
+    const int d = t.device().index();
+    if ((index >= 0 && d != index) || d < 0 || d >= visible ||
+        t.layout() != c10::Layout::Strided || t.is_conj() || t.is_neg() ||
+        t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
+        (functional_ && index < 0 &&
+         static_cast<uint64_t>(t.numel()) * t.itemsize() > functional_input_max))
+      return false;
+    index = d;
+    return true;
+  }
+
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
     const auto& schema = op.schema();
     const size_t nargs = schema.arguments().size();
@@ -106,21 +125,18 @@ class HostOp final : public c10::OperatorKernel {
     for (size_t i = 0; i < nargs; ++i) {
       const c10::IValue& v = (*stack)[first + i];
       if (v.isTensor()) {
-        const at::Tensor& t = v.toTensor();
-        if (!t.defined()) continue;
-        if (t.device().type() != kDevice) {
-          if (t.device().type() != c10::DeviceType::CPU || t.dim() != 0) return python(op, stack);
-          continue;
+        if (!servable(v.toTensor(), /*cpu_scalar=*/true, index)) return python(op, stack);
+      } else if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorList())
+          if (!servable(t, false, index)) return python(op, stack);
+      } else if (v.isList()) {
+        if (v.isIntList() || v.isDoubleList() || v.isBoolList()) continue;
+        for (const c10::IValue& e : v.toListRef()) {  // Tensor?[] (indices), Scalar[]
+          if (e.isTensor() ? !servable(e.toTensor(), false, index)
+                           : !(e.isNone() || e.isScalar()))
+            return python(op, stack);
         }
-        const int d = t.device().index();
-        if ((index >= 0 && d != index) || d < 0 || d >= visible ||
-            t.layout() != c10::Layout::Strided || t.is_conj() || t.is_neg() ||
-            t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
-            (functional_ && t.numel() * t.itemsize() > functional_input_max))
-          return python(op, stack);
-        index = d;
-      } else if (v.isTensorList() || v.isObject() || v.isGenerator() ||
-                 (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList())) {
+      } else if (v.isObject() || v.isGenerator()) {
         return python(op, stack);
       }
     }
@@ -132,10 +148,25 @@ class HostOp final : public c10::OperatorKernel {
     c10::SmallVector<c10::IValue, 8> originals((*stack).begin() + first, (*stack).end());
     for (size_t i = 0; i < nargs; ++i) {
       c10::IValue& v = (*stack)[first + i];
-      if (!v.isTensor()) continue;
-      const at::Tensor& t = v.toTensor();
-      if (!t.defined() || t.device().type() != kDevice) continue;
-      v = c10::IValue(cpu_alias(t, tensors, storages));
+      if (v.isTensor()) {
+        const at::Tensor& t = v.toTensor();
+        if (t.defined() && t.device().type() == kDevice)
+          v = c10::IValue(cpu_alias(t, tensors, storages));
+      } else if (v.isTensorList()) {
+        c10::List<at::Tensor> mapped;
+        mapped.reserve(v.toTensorList().size());
+        for (const at::Tensor& t : v.toTensorList())
+          mapped.push_back(t.defined() ? cpu_alias(t, tensors, storages) : t);
+        v = c10::IValue(std::move(mapped));
+      } else if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
+        c10::impl::GenericList mapped(v.toList().elementType());
+        mapped.reserve(v.toList().size());
+        for (const c10::IValue& e : v.toListRef())
+          mapped.push_back(e.isTensor() && e.toTensor().defined()
+                               ? c10::IValue(cpu_alias(e.toTensor(), tensors, storages))
+                               : e);
+        v = c10::IValue(std::move(mapped));
+      }
     }
 
     // 3. The CPU kernel.
@@ -166,10 +197,16 @@ class HostOp final : public c10::OperatorKernel {
     const size_t nret = schema.returns().size();
     for (size_t r = stack->size() - nret; r < stack->size(); ++r) {
       c10::IValue& v = (*stack)[r];
-      if (!v.isTensor()) continue;
-      const at::Tensor& cpu = v.toTensor();
-      if (!cpu.defined()) continue;
-      v = c10::IValue(on_device(cpu, index, tensors, storages));
+      if (v.isTensor()) {
+        if (v.toTensor().defined())
+          v = c10::IValue(on_device(v.toTensor(), index, tensors, storages));
+      } else if (v.isTensorList()) {
+        c10::List<at::Tensor> results;
+        results.reserve(v.toTensorList().size());
+        for (const at::Tensor& t : v.toTensorList())
+          results.push_back(t.defined() ? on_device(t, index, tensors, storages) : t);
+        v = c10::IValue(std::move(results));
+      }
     }
     served.fetch_add(1, std::memory_order_relaxed);
   }

@@ -10,8 +10,8 @@ kernel, new results copied into blocks of the C++ caching allocator. Its uncommo
 grow) it hands to the op's Python kernel, so results and errors stay the Python ones.
 
 Served so: the functional, in-place and ``out=`` ops whose schema holds only tensors,
-numbers, dtypes and memory formats (no tensor list, device, generator or layout), that
-draw no random numbers and change no tensor's metadata. As with the view and empty
+tensor lists, numbers, strings, dtypes and memory formats (no device, generator or
+layout), that draw no random numbers and change no tensor's metadata. As with the view and empty
 kernels, never both are registered: where the library is missing, the memory is not
 host memory at the device address, the runtime is asynchronous, and while
 ``fallback.SLOW`` is set (op statistics, forced fallback, tools intercepting ops), the
@@ -28,30 +28,30 @@ import torch
 
 from torchport import native
 from torchport.libraries import keep_past_exit
-from torchport.ops.hostkernels import schema
 from torchport.ops.plan import plan_for
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
 
-#: A functional op's device inputs up to this many bytes are served in C++; larger ones
-#: take the Python kernel, which computes into the new device tensors directly (C++
-#: computes a new result in host memory and copies it).
-FUNCTIONAL_INPUT_MAX = 64 << 10
+#: A functional op whose first tensor is larger takes the Python kernel, which computes
+#: into new device blocks directly: its results are likely as large (an activation of a
+#: large batch), and C++ computes a new result in host memory, then copies it (up to
+#: ``ADOPT_MIN_BYTES``) or has the runtime adopt it.
+FUNCTIONAL_INPUT_MAX = 1 << 20
 
 _ARG_TYPES = frozenset({
     "Tensor", "Tensor?", "number", "number?", "int", "int?", "bool", "bool?", "float",
     "float?", "str", "str?", "List[int]", "List[int]?", "List[bool]", "List[float]",
-    "List[float]?", "ScalarType", "ScalarType?", "MemoryFormat", "MemoryFormat?"})
-_RETURN_TYPES = frozenset({"Tensor", "number", "int", "float", "bool"})
+    "List[float]?", "ScalarType", "ScalarType?", "MemoryFormat", "MemoryFormat?",
+    "List[Tensor]", "List[Optional[Tensor]]", "List[number]"})
+_RETURN_TYPES = frozenset({"Tensor", "number", "int", "float", "bool", "List[Tensor]"})
 
 
 def servable(op: torch._ops.OpOverload) -> bool:
     """Can ``op``'s host kernel be served in C++ (its schema alone decides)?"""
     p = plan_for(op)
-    if p.is_view or p.random or p.has_device_arg or p.has_generator_arg or p.mixed_device_ok \
-            or p.num_returns == 0 or torch.Tag.inplace_view in op.tags \
-            or schema.takes_tensor_lists(op):
+    if p.is_view or p.random or p.has_device_arg or p.has_generator_arg \
+            or (p.num_returns == 0 and not p.write_args) or torch.Tag.inplace_view in op.tags:
         return False
     name = op._schema.name.split("::")[1]
     if name.startswith(("resize", "set_", "_resize")):
@@ -61,8 +61,9 @@ def servable(op: torch._ops.OpOverload) -> bool:
         return False
     if any(str(r.type) not in _RETURN_TYPES for r in s.returns):
         return False
-    # written arguments: tensors, each returned (in-place self, out=)
-    return all(str(a.type) == "Tensor" for a in s.arguments if a.name in p.write_args)
+    # written arguments: tensors or tensor lists (in-place, out=, the fused optimizers)
+    return all(str(a.type) in ("Tensor", "List[Tensor]") for a in s.arguments
+               if a.name in p.write_args)
 
 
 def _arg_type(a: Any) -> str:
