@@ -8,6 +8,7 @@ bit for bit). Nothing here imports torchport: child code imports it after its en
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -259,3 +260,11 @@ def python_views_serve(backend: str = "active_backend()", device: str = "sim") -
     return (f"assert not {backend}.view_kernels.native\n"
             f"x = torch.arange(6., device='{device}')\n"
             "assert torch.equal(x.view(2, 3)[1].cpu(), torch.arange(3., 6.))\n")
+
+
+def python_host_kernels() -> contextlib.AbstractContextManager[None]:
+    """Within: the Python host-op kernels serve, as where the C++ ones cannot (strict and
+    asynchronous sim, no library), also across recorders (tests of their paths)."""
+    from torchport.backend import active_backend
+
+    return active_backend().host_op_kernels.python_only()

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import torchport.sim  # noqa: F401
-from tests.helpers import check_python, child_env
+from tests.helpers import check_python, child_env, python_host_kernels
 from torchport.backend import active_backend
-from torchport.ops import fallback, native_hostops, stats
+from torchport.ops import native_hostops, stats
 
 pytestmark = pytest.mark.modes
 
@@ -25,16 +25,6 @@ _B = active_backend()
 _K = _B.host_op_kernels
 needs_cpp = pytest.mark.skipif(not _K.native, reason="the C++ host-op kernels do not serve "
                                "(strict or asynchronous sim, TORCHPORT_NATIVE=0, no compiler)")
-
-
-class python_kernels:
-    """Within: the Python kernels serve (as while a recorder runs)."""
-
-    def __enter__(self) -> None:
-        _K.use(False)
-
-    def __exit__(self, *exc: object) -> None:
-        _K.use(not fallback.SLOW)
 
 
 class calls:
@@ -279,7 +269,7 @@ _HANDED = [
 def test_calls_handed_to_python_are_the_python_kernels(name, fn) -> None:
     with calls() as c:
         native = _outcome(fn)
-    with python_kernels():
+    with python_host_kernels():
         python = _outcome(fn)
     assert type(native[1]) is type(python[1])
     if isinstance(python[1], torch.Tensor):
@@ -349,7 +339,7 @@ def test_the_cpp_kernels_are_registered_alone() -> None:
         dump = torch._C._dispatch_dump(name)
         lines = [line for line in dump.splitlines() if line.startswith("PrivateUse1:")]
         assert len(lines) == 1 and "native_hostops.cpp" in lines[0], dump
-    with python_kernels():
+    with python_host_kernels():
         dump = torch._C._dispatch_dump("aten::add.Tensor")
         lines = [line for line in dump.splitlines() if line.startswith("PrivateUse1:")]
         assert len(lines) == 1 and "native_hostops.cpp" not in lines[0], dump

@@ -7,15 +7,25 @@ import copy
 import gc
 import json
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 import torchport.sim  # noqa: F401
+from tests.helpers import python_host_kernels
 from torchport.backend import active_backend
 from torchport.ops import hostviews
 
 pytestmark = pytest.mark.modes
+
+
+@pytest.fixture(autouse=True)
+def _python_host_kernels() -> Iterator[None]:
+    """These tests follow the Python host kernels' paths (C++ serves their common calls
+    where it can: tests/test_native_hostops.py)."""
+    with python_host_kernels():
+        yield
 
 # Checks of the synchronous path's own machinery (its caches, plans and adoptions); an
 # asynchronous runtime queues kernels instead, checked in tests/test_async.py.

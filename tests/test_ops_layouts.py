@@ -5,18 +5,27 @@ Every check is bit for bit against the CPU, in each sim mode."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import torchport.sim  # noqa: F401
+from tests.helpers import python_host_kernels
 from torchport.backend import active_backend
 from torchport.ops import hostkernels
 from torchport.ops.hostkernels import trials
 
 pytestmark = pytest.mark.modes
+
+
+@pytest.fixture(autouse=True)
+def _python_host_kernels() -> Iterator[None]:
+    """These tests follow the Python host kernels' paths (C++ serves their common calls
+    where it can: tests/test_native_hostops.py)."""
+    with python_host_kernels():
+        yield
 
 ASYNC = active_backend().runtime.asynchronous
 

@@ -20,8 +20,9 @@ Python kernels serve.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -81,6 +82,7 @@ class HostOpKernels:
         self.python: dict[str, tuple[Callable[..., Any], bool]] = {}  # name -> (kernel, functional)
         self._registered: torch.library.Library | None = None  # the Python ones, while serving
         self.native = False
+        self._held = 0  # python_only() depth
 
     def add(self, name: str, op: torch._ops.OpOverload, kernel: Callable[..., Any]) -> None:
         """``op``'s Python host kernel, registered as ``name`` (by whichever set serves)."""
@@ -123,9 +125,22 @@ class HostOpKernels:
                                            ADOPT_MIN_BYTES - 1)
         return True
 
+    @contextlib.contextmanager
+    def python_only(self) -> Iterator[None]:
+        """Within: the Python kernels serve whatever else switches (tests of their paths)."""
+        from torchport.ops import fallback
+
+        self._held += 1
+        self.use(False)
+        try:
+            yield
+        finally:
+            self._held -= 1
+            self.use(not fallback.SLOW)
+
     def use(self, from_cpp: bool) -> None:
         """Serve the ops from C++ (where it can) or from the Python kernels."""
-        if from_cpp and self.python and self._enable(self.python):
+        if from_cpp and not self._held and self.python and self._enable(self.python):
             native.enabled("host-op kernels")
             self.native = True
             return
