@@ -10,6 +10,9 @@ into one small library, with PyTorch's C++ view kernels:
   PyTorch's own C++ view kernels, registered for the device;
 * ``empty`` and ``empty_strided`` (``native_factories.cpp``, switched by
   :mod:`torchport.ops.native_factories`): new tensors from the C++ caching allocator;
+* host-op kernels (``native_hostops.cpp``, switched by :mod:`torchport.ops.native_hostops`):
+  the CPU kernel on CPU tensors over device memory, for devices whose memory the host
+  reaches at the device address, handing uncommon calls to the Python host kernels;
 * the device guard (``native_guard.cpp``): the per-thread current device and current
   stream of each device, read without Python; streams, events and synchronization through
   the stream layer (:mod:`torchport.streams`);
