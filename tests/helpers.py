@@ -268,3 +268,10 @@ def python_host_kernels() -> contextlib.AbstractContextManager[None]:
     from torchport.backend import active_backend
 
     return active_backend().host_op_kernels.python_only()
+
+
+def privateuse1_registrations(name: str) -> list[str]:
+    """The dispatcher's registrations of operator ``name`` (``"aten::add.Tensor"``) for
+    PrivateUse1, each naming the file that registered it: one where the kernels switch."""
+    return [line for line in torch._C._dispatch_dump(name).splitlines()
+            if line.startswith("PrivateUse1:")]

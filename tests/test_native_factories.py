@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torchport.sim  # noqa: F401
-from tests.helpers import check_python, child_env
+from tests.helpers import check_python, child_env, privateuse1_registrations
 from torchport import allocator, tensors
 from torchport.backend import active_backend
 from torchport.ops import fallback, native_factories, stats
@@ -191,13 +191,11 @@ def test_a_recorder_sees_empty_and_the_kernels_switch_back() -> None:
 @needs_cpp
 def test_the_cpp_kernels_are_registered_alone() -> None:
     for name in ("aten::empty.memory_format", "aten::empty_strided"):
-        dump = torch._C._dispatch_dump(name)
-        lines = [line for line in dump.splitlines() if line.startswith("PrivateUse1:")]
-        assert len(lines) == 1 and "native_factories.cpp" in lines[0], dump
+        lines = privateuse1_registrations(name)
+        assert len(lines) == 1 and "native_factories.cpp" in lines[0], lines
     with python_kernels():
-        dump = torch._C._dispatch_dump("aten::empty.memory_format")
-        lines = [line for line in dump.splitlines() if line.startswith("PrivateUse1:")]
-        assert len(lines) == 1 and "native_factories.cpp" not in lines[0], dump
+        lines = privateuse1_registrations("aten::empty.memory_format")
+        assert len(lines) == 1 and "native_factories.cpp" not in lines[0], lines
 
 
 @needs_cpp

@@ -59,6 +59,7 @@ from torchport import settings
 _HERE = Path(__file__).parent
 # every ``native_*.cpp`` beside this file is a part of the one library
 SOURCES = (_HERE / "ops" / "native_views.cpp", *sorted(_HERE.glob("native_*.cpp")))
+HEADERS = tuple(sorted(_HERE.glob("native_*.h")))  # what the sources share (in the build's hash)
 _cpp: ctypes.CDLL | None = None
 _py: ctypes.PyDLL | None = None  # the same library, for the functions taking Python objects
 _tried = False
@@ -109,7 +110,7 @@ def _python_flags() -> list[str]:
 def _name() -> str:
     """The library's name: a new build for every source, torch or Python version."""
     h = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         h.update(source.read_bytes())
     h.update(f"{torch.__version__} {sys.version} {torch._C._GLIBCXX_USE_CXX11_ABI}".encode())
     h.update(" ".join(_python_flags()).encode())
@@ -269,23 +270,28 @@ def pinned_bytes() -> int:
     return int(cpp.torchport_pinned_bytes())
 
 
-def _python_api() -> ctypes.PyDLL | None:
-    """The library's functions that take or return Python objects, called holding the GIL
-    (a ``ctypes.CDLL`` call releases it) and raising the Python error they set; ``None``
-    where the library is unavailable or was built without Python's headers."""
+def python_function(name: str, argtypes: list[Any], restype: Any) -> Any:
+    """The library's function ``name`` that takes or returns Python objects, called holding
+    the GIL (a ``ctypes.CDLL`` call releases it) and raising the Python error it sets;
+    ``None`` where the library is unavailable or was built without Python's headers."""
     global _py
+    cpp = load()
+    if cpp is None or not hasattr(cpp, name):
+        return None
     if _py is None:
-        cpp = load()
-        if cpp is None or not hasattr(cpp, "torchport_generators_adopt"):
-            return None
-        py = ctypes.PyDLL(cpp._name)  # the same loaded library
-        py.torchport_generators_adopt.argtypes = [ctypes.py_object]
-        py.torchport_generators_adopt.restype = ctypes.c_int
-        py.torchport_generator_default.argtypes = [ctypes.c_int]
-        py.torchport_generator_default.restype = ctypes.py_object
-        py.torchport_generator_inner.argtypes = [ctypes.py_object]
-        py.torchport_generator_inner.restype = ctypes.py_object
-        _py = py
+        _py = ctypes.PyDLL(cpp._name)  # the same loaded library
+    fn = getattr(_py, name)
+    fn.argtypes = argtypes
+    fn.restype = restype
+    return fn
+
+
+def _python_api() -> ctypes.PyDLL | None:
+    """The generators' functions (:func:`python_function`); ``None`` without them."""
+    if python_function("torchport_generators_adopt", [ctypes.py_object], ctypes.c_int) is None:
+        return None
+    python_function("torchport_generator_default", [ctypes.c_int], ctypes.py_object)
+    python_function("torchport_generator_inner", [ctypes.py_object], ctypes.py_object)
     return _py
 
 

@@ -43,6 +43,8 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
+#include "native_layer.h"
+
 namespace {
 
 using c10::CachingDeviceAllocator::DeviceStats;
@@ -172,9 +174,6 @@ void free_allocation(void* ctx) {
 // stay in C++: a storage's DataPtr returns its block from its deleter. Python is entered
 // only for a new or returned segment, an out-of-memory message, a device synchronize, and
 // the events of stream-aware freeing (through the device guard's stream layer).
-namespace torchport {
-int guard_call(int op, long long a, long long b, long long c, long long* iout);  // native_guard.cpp
-}
 
 namespace {
 

@@ -31,14 +31,8 @@
 #include <optional>
 #include <vector>
 
-namespace torchport {
-at::Tensor caching_new_tensor(int device, uint64_t nbytes, c10::ScalarType scalar,
-                              c10::IntArrayRef sizes, c10::IntArrayRef strides,
-                              int64_t stream);  // native_allocator.cpp
-int64_t caching_current_stream(c10::DeviceIndex device);
-bool caching_serves();
-c10::DeviceIndex guard_current_device();  // native_guard.cpp
-}  // namespace torchport
+#include "native_layer.h"
+
 
 namespace {
 

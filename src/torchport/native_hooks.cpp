@@ -28,15 +28,8 @@
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/Exception.h>
 
-namespace torchport {
-const at::Generator& default_generator(c10::DeviceIndex index);  // native_generator.cpp
-at::Generator new_generator(c10::DeviceIndex index);
-c10::DeviceIndex guard_device_count();  // native_guard.cpp
-c10::DeviceIndex guard_current_device();
-void guard_set_device(c10::DeviceIndex index);
-void resize_device_storage(const c10::Storage& storage, size_t newsize);  // native_allocator.cpp
-bool caching_serves();
-}  // namespace torchport
+#include "native_layer.h"
+
 
 namespace {
 

@@ -41,13 +41,8 @@
 #include <utility>
 #include <vector>
 
-namespace torchport {
-at::Tensor caching_new_tensor(int device, uint64_t nbytes, c10::ScalarType scalar,
-                              c10::IntArrayRef sizes, c10::IntArrayRef strides,
-                              int64_t stream);  // native_allocator.cpp
-int64_t caching_current_stream(c10::DeviceIndex device);
-bool caching_serves();
-}  // namespace torchport
+#include "native_layer.h"
+
 
 namespace {
 
@@ -145,7 +140,8 @@ class HostOp final : public c10::OperatorKernel {
     // 2. CPU tensors over the device tensors' memory: one per tensor, one storage per storage.
     c10::SmallVector<std::pair<c10::TensorImpl*, at::Tensor>, 6> tensors;  // device -> CPU
     c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 6> storages;
-    c10::SmallVector<c10::IValue, 8> originals((*stack).begin() + first, (*stack).end());
+    c10::SmallVector<c10::IValue, 8> originals;  // what an op writing its arguments was given
+    if (!functional_) originals.assign((*stack).begin() + first, (*stack).end());
     for (size_t i = 0; i < nargs; ++i) {
       c10::IValue& v = (*stack)[first + i];
       if (v.isTensor()) {
@@ -175,13 +171,13 @@ class HostOp final : public c10::OperatorKernel {
     } catch (const c10::Error& e) {
       // an out= argument the CPU kernel must grow: nothing computed yet, the Python kernel
       // resizes the device tensor
-      if (std::strstr(e.what(), "not resizable") == nullptr) throw;
+      if (functional_ || std::strstr(e.what(), "not resizable") == nullptr) throw;
       restore(stack, first, originals);
       return python(op, stack);
     }
 
     // 4. Written arguments whose layout the CPU kernel changed (an out= it shrank).
-    for (size_t i = 0; i < nargs; ++i) {
+    for (size_t i = 0; i < originals.size(); ++i) {
       const c10::AliasInfo* info = schema.arguments()[i].alias_info();
       if (info == nullptr || !info->isWrite() || !originals[i].isTensor()) continue;
       const at::Tensor& dev = originals[i].toTensor();

@@ -39,37 +39,28 @@ class FactoryKernels:
         self.backend = backend
         self.python = dict(python)  # overload name -> the registered Python kernel
         self._registered: torch.library.Library | None = None
-        self._py: Any = None  # the library's Python-object entry points, once looked up
         self.native = False
 
     def _library(self) -> Any:
-        """The library's Python-object entry points, where C++ can serve the device."""
+        """The library's enable function, where C++ can serve the device."""
         b = self.backend
-        cpp = native.load()
-        if cpp is None or not hasattr(cpp, "torchport_native_factories_enable") \
-                or b._guard_device is None \
-                or any(getattr(a, "new_tensor", None) is None for a in b.allocators):
+        if b._guard_device is None or any(getattr(a, "new_tensor", None) is None
+                                           for a in b.allocators):
             return None
-        if self._py is None:
-            py = ctypes.PyDLL(cpp._name)
-            py.torchport_native_factories_enable.argtypes = [ctypes.py_object] * 3 + [ctypes.c_int]
-            py.torchport_native_factories_enable.restype = ctypes.c_int
-            py.torchport_native_factories_disable.restype = None
-            self._py = py
-        return self._py
+        return native.python_function("torchport_native_factories_enable",
+                                      [ctypes.py_object] * 3 + [ctypes.c_int], ctypes.c_int)
 
     def use(self, from_cpp: bool) -> None:
         """Serve ``empty*`` from C++ (where it can) or from the Python kernels."""
-        py = self._library() if from_cpp else None
-        if py is not None:
+        enable = self._library() if from_cpp else None
+        if enable is not None:
             if self._registered is not None:
                 self._registered._destroy()
                 self._registered = None
             refused = sorted(set(QUANTIZED) | set(self.backend.runtime.unsupported_dtypes),
                              key=str)
-            py.torchport_native_factories_enable(self.python["empty.memory_format"],
-                                                 self.python["empty_strided"], refused,
-                                                 self.backend.device_count())
+            enable(self.python["empty.memory_format"], self.python["empty_strided"], refused,
+                   self.backend.device_count())
             native.enabled("empty kernels")
             self.native = True
             return

@@ -6,13 +6,13 @@ itself and the runtime is synchronous (the sim by default, a unified-memory devi
 ``native_hostops.cpp`` (part of :mod:`torchport.native`) does the same from C++ for an
 op's common calls: tensors of one device, CPU tensors over the same memory, the CPU
 kernel, new results copied into blocks of the C++ caching allocator. Its uncommon calls
-(another device, tensor lists, conjugate views, large functional inputs, an ``out=`` to
+(another device, conjugate views, a large first input of a functional op, an ``out=`` to
 grow) it hands to the op's Python kernel, so results and errors stay the Python ones.
 
 Served so: the functional, in-place and ``out=`` ops whose schema holds only tensors,
 tensor lists, numbers, strings, dtypes and memory formats (no device, generator or
-layout), that draw no random numbers and change no tensor's metadata. As with the view and empty
-kernels, never both are registered: where the library is missing, the memory is not
+layout), that draw no random numbers and change no tensor's metadata. As with the view and
+empty kernels, never both are registered: where the library is missing, the memory is not
 host memory at the device address, the runtime is asynchronous, and while
 ``fallback.SLOW`` is set (op statistics, forced fallback, tools intercepting ops), the
 Python kernels serve.
@@ -98,31 +98,27 @@ class HostOpKernels:
         return not rt.asynchronous and self.backend.host_address_is_device_address
 
     def _library(self) -> Any:
+        """The library's enable function, where C++ can serve the device."""
         b = self.backend
-        cpp = native.load()
-        if cpp is None or not hasattr(cpp, "torchport_native_hostops_enable") \
-                or b._guard_device is None or not self.direct() \
+        if b._guard_device is None or not self.direct() \
                 or any(getattr(a, "new_tensor", None) is None for a in b.allocators):
             return None
-        py = ctypes.PyDLL(cpp._name)
-        py.torchport_native_hostops_enable.argtypes = [ctypes.py_object, ctypes.py_object,
-                                                       ctypes.c_int, ctypes.c_int64,
-                                                       ctypes.c_int64]
-        py.torchport_native_hostops_enable.restype = ctypes.c_int
-        return py
+        return native.python_function(
+            "torchport_native_hostops_enable",
+            [ctypes.py_object, ctypes.py_object, ctypes.c_int, ctypes.c_int64, ctypes.c_int64],
+            ctypes.c_int)
 
     def _enable(self, kernels: dict[str, tuple[Callable[..., Any], bool]]) -> bool:
         from torchport.allocator import ADOPT_MIN_BYTES
 
-        py = self._library()
-        if py is None:
+        enable = self._library()
+        if enable is None:
             return False
         if self._registered is not None:  # never both registered
             self._registered._destroy()
             self._registered = None
-        py.torchport_native_hostops_enable(kernels, _result_function(self.backend),
-                                           self.backend.device_count(), FUNCTIONAL_INPUT_MAX,
-                                           ADOPT_MIN_BYTES - 1)
+        enable(kernels, _result_function(self.backend), self.backend.device_count(),
+               FUNCTIONAL_INPUT_MAX, ADOPT_MIN_BYTES - 1)
         return True
 
     @contextlib.contextmanager

@@ -1,0 +1,27 @@
+// What the parts of torchport's one C++ library call of each other (they are compiled
+// together by torchport/native.py): the caching allocator (native_allocator.cpp), the device
+// guard (native_guard.cpp) and the device generators (native_generator.cpp).
+#pragma once
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace torchport {
+// native_allocator.cpp
+bool caching_serves();
+int64_t caching_current_stream(c10::DeviceIndex device);
+at::Tensor caching_new_tensor(int device, uint64_t nbytes, c10::ScalarType scalar,
+                              c10::IntArrayRef sizes, c10::IntArrayRef strides, int64_t stream);
+void resize_device_storage(const c10::Storage& storage, size_t newsize);
+// native_guard.cpp
+c10::DeviceIndex guard_device_count();
+c10::DeviceIndex guard_current_device();
+void guard_set_device(c10::DeviceIndex index);
+int guard_call(int op, long long a, long long b, long long c, long long* iout);
+// native_generator.cpp
+const at::Generator& default_generator(c10::DeviceIndex index);
+at::Generator new_generator(c10::DeviceIndex index);
+}  // namespace torchport
