@@ -267,3 +267,53 @@ def test_a_block_freed_from_python_the_allocator_called_returns_after() -> None:
         allocator.SEGMENT_FREED.remove(hook)
     assert seen and not held
     assert torch.sim.memory_allocated() == start
+
+
+@needs_cpp_allocator
+def test_an_adopted_result_needs_no_python_object_and_returns_to_the_host() -> None:
+    """A large CPU result the runtime adopts as device memory is a storage of the C++
+    allocator too: no weak reference, one owner (so autograd adds gradients into it in
+    place, as on CUDA), counted while alive, given back to the runtime when it dies."""
+    if not _B.adopts_host or _B.runtime.strict:
+        pytest.skip("the runtime adopts no host memory in this mode")
+    _fresh()
+    start, segments = torch.sim.memory_allocated(), len(_B.runtime._dev(0).segments)
+    cpu = torch.arange(float(1 << 19))  # 2 MiB
+    address = cpu.data_ptr()
+    t = _B.result_to_device(cpu, 0)
+    del cpu
+    st = t.untyped_storage()
+    assert t.data_ptr() == address  # adopted, not copied
+    assert not weakref.getweakrefs(st)
+    assert torch._C._storage_Use_Count(st._cdata) == 2  # t and st: no Python object of ours
+    assert _B.allocators[0].active[address].adopted
+    assert torch.sim.memory_allocated() == start + (1 << 21)
+    assert torch.equal(t[-3:].cpu(), torch.tensor([524285.0, 524286.0, 524287.0]))
+    del t, st
+    assert torch.sim.memory_allocated() == start
+    assert len(_B.runtime._dev(0).segments) == segments  # the host memory went back
+
+
+def _accumulated_in_place(device: str) -> bool:
+    """Does autograd add the two gradients of ``y`` (2.3 MiB each, each a matmul of a small
+    gradient: on the sim, results the host computed and the runtime adopted) into one of
+    them?"""
+    x = torch.randn(1024, 600, device=device, requires_grad=True)
+    y = x * 1.0
+    branches, summed = [], []
+    outs = [y @ torch.randn(600, 4, device=device) for _ in range(2)]
+    for out in outs:
+        out.grad_fn.register_hook(lambda grad_in, grad_out: branches.append(grad_in[0].data_ptr()))
+    y.register_hook(lambda grad: summed.append(grad.data_ptr()))
+    (outs[0].sum() + outs[1].sum()).backward()
+    return len(summed) == 1 and len(branches) == 2 and summed[0] in branches
+
+
+@needs_cpp_allocator
+def test_gradients_of_adopted_results_accumulate_in_place() -> None:
+    """Two gradients of one large tensor (adopted results of the host-op kernels): the
+    engine adds one into the other, as it does on the CPU and CUDA."""
+    assert _accumulated_in_place("cpu")
+    if not _B.adopts_host or _B.runtime.strict:
+        pytest.skip("the runtime adopts no host memory in this mode")
+    assert _accumulated_in_place("sim")

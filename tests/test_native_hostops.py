@@ -177,10 +177,11 @@ def test_lists_in_place_and_optimizers() -> None:
     xs, ys = [cpu["x"].clone(), cpu["w"].clone()], [cpu["y"], cpu["w"] * 2]
     dxs, dys = [t.to("sim") for t in xs], [t.to("sim") for t in ys]
     idx, vals = cpu["i"], torch.ones(4, 8)
+    didx, dvals = idx.to("sim"), vals.to("sim")
     with calls() as c:
         torch._foreach_add_(dxs, dys, alpha=0.5)
         torch._foreach_mul_(dxs, 3.0)
-        dxs[0].index_put_((idx.to("sim"),), vals.to("sim"), accumulate=True)
+        dxs[0].index_put_((didx,), dvals, accumulate=True)
     torch._foreach_add_(xs, ys, alpha=0.5)
     torch._foreach_mul_(xs, 3.0)
     xs[0].index_put_((idx,), vals, accumulate=True)
@@ -374,3 +375,200 @@ def test_without_the_library_the_python_kernels_serve() -> None:
               native_hostops.counts())
     """, env=child_env(TORCHPORT_NATIVE="0"))
     assert out.split() == ["False", "[0.0,", "2.0,", "4.0,", "6.0]", "(0,", "0)"]
+
+
+# Copies (torchport's own copy_, served the same way): (name, fn(make) -> the written
+# tensor), where make(t) puts a CPU tensor where the copy's device side is.
+_COPIES = [
+    ("same device", lambda m: torch.empty(6, 8, device=_dev(m)).copy_(m(_x()))),
+    ("same device transposed", lambda m: m(torch.empty(8, 6)).copy_(m(_x()).t())),
+    ("same device broadcast", lambda m: m(torch.empty(6, 8)).copy_(m(_x()[0]))),
+    ("same device to half", lambda m: m(torch.empty(6, 8, dtype=torch.half)).copy_(m(_x()))),
+    ("same device int to float", lambda m: m(torch.empty(6, 8)).copy_(m(_x().long()))),
+    ("same device to bool", lambda m: m(torch.empty(6, 8, dtype=torch.bool)).copy_(m(_x()))),
+    ("into a strided view", lambda m: _strided(m(torch.zeros(6, 16)), m(_x()))),
+    ("from the host", lambda m: m(torch.empty(6, 8)).copy_(_x())),
+    ("from the host strided", lambda m: m(torch.empty(8, 6)).copy_(_x().t())),
+    ("from the host broadcast", lambda m: m(torch.empty(6, 8)).copy_(_x()[:1])),
+    ("from the host 0-dim", lambda m: m(torch.empty(6, 8)).copy_(torch.tensor(2.5))),
+    ("from the host to double", lambda m: m(torch.empty(6, 8, dtype=torch.double)).copy_(_x())),
+    ("to the host", lambda m: torch.empty(6, 8).copy_(m(_x()))),
+    ("to the host strided", lambda m: torch.empty(8, 6).t().copy_(m(_x()))),
+    ("to the host as int", lambda m: torch.empty(6, 8, dtype=torch.int32).copy_(m(_x() * 9))),
+    ("to the host non-blocking", lambda m: torch.empty(6, 8).copy_(m(_x()), non_blocking=True)),
+    ("empty", lambda m: m(torch.empty(0, 8)).copy_(_x()[:0])),
+]
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(6, 8, generator=torch.Generator().manual_seed(3))
+
+
+def _dev(m) -> str:
+    return "cpu" if m(torch.empty(0)).device.type == "cpu" else "sim"
+
+
+def _strided(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    dst[:, ::2].copy_(src)
+    return dst
+
+
+@pytest.mark.parametrize("name,fn", _COPIES, ids=[n for n, _ in _COPIES])
+def test_copies_equal_the_cpu(name, fn) -> None:
+    cpu = fn(lambda t: t)
+    with calls() as c:
+        got = fn(lambda t: t.to("sim"))
+    assert (got.shape, got.stride(), got.dtype) == (cpu.shape, cpu.stride(), cpu.dtype)
+    assert torch.equal(got.cpu(), cpu)
+    if _K.native:
+        assert c.handed == 0, c.handed  # the copy_ and the copies .to("sim") makes: C++
+
+
+@needs_cpp
+def test_a_copy_is_served_in_cpp_and_returns_its_destination() -> None:
+    a, h = torch.randn(5, device="sim"), torch.randn(5)
+    b = torch.empty(5, device="sim")
+    with calls() as c:
+        r1 = b.copy_(a)
+        r2 = b.copy_(h)
+        r3 = h.copy_(a)
+    assert c.served == 3 and c.handed == 0
+    assert r1 is b and r2 is b and r3 is h
+    assert torch.equal(h, a.cpu()) and torch.equal(b.cpu(), h)
+
+
+def test_copy_errors_are_the_cpus_and_leave_the_inputs_intact() -> None:
+    a = torch.arange(10.0)
+    d = a.to("sim")
+    for f in (lambda t: t[1:].copy_(t[:-1]),               # partial overlap
+              lambda t: t[:4].expand(3, 4).copy_(t[:4]),   # an output with internal overlap
+              lambda t: t[:4].copy_(t[:3])):               # shapes that do not broadcast
+        cpu, dev = _outcome(lambda f=f: f(a)), _outcome(lambda f=f: f(d))
+        assert cpu[0] is RuntimeError and dev == cpu
+        assert torch.equal(d.cpu(), a) and torch.equal(a, torch.arange(10.0))
+    h = torch.zeros(3)
+    assert _outcome(lambda: h.copy_(d[:4])) == _outcome(lambda: h.copy_(a[:4]))
+    assert torch.equal(h, torch.zeros(3))
+
+
+_COPIES_HANDED = [
+    ("between two devices", lambda: torch.zeros(4, device="sim:1").copy_(
+        torch.full((4,), 2.0, device="sim:0"))),
+    ("with the host on a side stream", lambda: _on_side_stream(
+        lambda: torch.zeros(4, device="sim").copy_(torch.arange(4.0)))),
+    ("from a conjugate view", lambda: torch.zeros(2, dtype=torch.complex64, device="sim").copy_(
+        torch.tensor([1 + 2j, 3j], device="sim").conj())),
+]
+
+
+def _on_side_stream(fn):
+    with torch.sim.stream(torch.sim.Stream()):
+        return fn()
+
+
+@pytest.mark.parametrize("name,fn", _COPIES_HANDED, ids=[n for n, _ in _COPIES_HANDED])
+def test_copies_handed_to_python_are_the_python_kernels(name, fn) -> None:
+    with calls() as c:
+        native = _outcome(fn)
+    with python_host_kernels():
+        python = _outcome(fn)
+    assert native[0] == "ok" and torch.equal(native[1], python[1])
+    if _K.native:
+        assert c.handed == 1
+
+
+@needs_cpp
+def test_a_vendor_copy_kernel_takes_copy_back_to_python() -> None:
+    from torchport.ops import KernelSet, registry
+
+    assert "native_hostops.cpp" in privateuse1_registrations("aten::copy_")[0]
+    seen = []
+    ks = KernelSet("copies")
+
+    @ks.kernel("copy_")
+    def copy_(dst, src, non_blocking=False):
+        seen.append(src.dtype)
+        from torchport.ops import Decline
+        raise Decline("the core copy does it")
+
+    try:
+        _B.add_kernels(ks)
+        lines = privateuse1_registrations("aten::copy_")
+        assert len(lines) == 1 and "native_hostops.cpp" not in lines[0], lines
+        assert _K.native  # the other ops stay in C++
+        assert "native_hostops.cpp" in privateuse1_registrations("aten::add.Tensor")[0]
+        torch.empty(3, device="sim").copy_(torch.ones(3, device="sim", dtype=torch.half))
+        assert seen == [torch.half]
+    finally:
+        registry.drop_override(_B, "copy_")
+        _B.kernel_sets.remove(ks)
+    lines = privateuse1_registrations("aten::copy_")
+    assert len(lines) == 1 and "native_hostops.cpp" in lines[0], lines
+
+
+@pytest.mark.parametrize("dst,src", [((3,), (4,)), ((4,), (1, 4)), ((2, 3), (3, 2))])
+def test_a_copy_of_a_shape_that_does_not_broadcast_raises_the_cpus_error(dst, src) -> None:
+    for where in ("same device", "from the host", "to the host"):
+        d = torch.zeros(dst, device="cpu" if where == "to the host" else "sim")
+        s = torch.ones(src, device="cpu" if where == "from the host" else "sim")
+        with python_host_kernels():
+            python = _outcome(lambda d=d, s=s: d.copy_(s))
+        assert python == _outcome(lambda d=d, s=s: d.copy_(s)) == _outcome(
+            lambda: torch.zeros(dst).copy_(torch.ones(src))), where
+        assert not d.cpu().any()
+
+
+# Tensor.to / .cpu() (torchport's own _to_copy, served the same way): (name, fn(t, dev) -> the
+# copy), t a CPU tensor, dev "sim" or "cpu"; the device's result must equal the CPU's.
+_TO = [
+    ("to the device", lambda t, dev: t.to(dev)),
+    ("to the device transposed", lambda t, dev: t.t().to(dev)),
+    ("to the device expanded", lambda t, dev: t[:1].expand(6, 8).to(dev, copy=True)),
+    ("to the device channels_last", lambda t, dev: t.reshape(1, 2, 3, 8).to(
+        dev, memory_format=torch.channels_last)),
+    ("to the device as half", lambda t, dev: t.to(dev, torch.half)),
+    ("to sim:1", lambda t, dev: t.to(dev if dev == "cpu" else "sim:1")),
+    ("to the host", lambda t, dev: t.to(dev).cpu()),
+    ("to the host transposed", lambda t, dev: t.to(dev).t().cpu()),
+    ("to the host as int", lambda t, dev: (t * 9).to(dev).to("cpu", torch.int32)),
+    ("to the host non-blocking", lambda t, dev: t.to(dev).to("cpu", non_blocking=True)),
+    ("a dtype", lambda t, dev: t.to(dev).to(torch.half)),
+    ("a dtype of a strided view", lambda t, dev: t.to(dev)[:, ::2].double()),
+    ("bool", lambda t, dev: t.to(dev).bool()),
+    ("a memory format", lambda t, dev: t.reshape(2, 3, 2, 4).to(dev).to(
+        memory_format=torch.channels_last)),
+    ("empty", lambda t, dev: t[:0].to(dev).to(torch.half)),
+    ("large", lambda t, dev: t.repeat(1024, 64).to(dev).double()),  # 6 MiB: adopted
+]
+
+
+@pytest.mark.parametrize("name,fn", _TO, ids=[n for n, _ in _TO])
+def test_to_copies_equal_the_cpu(name, fn) -> None:
+    cpu = fn(_x(), "cpu")
+    with calls() as c:
+        got = fn(_x(), "sim")
+    assert got.device.type == ("cpu" if "host" in name else "sim")
+    assert (got.shape, got.stride(), got.dtype) == (cpu.shape, cpu.stride(), cpu.dtype)
+    assert torch.equal(got.cpu(), cpu)
+    if _K.native:
+        assert c.served >= 1 and c.handed == 0, (c.served, c.handed)
+
+
+_TO_HANDED = [
+    ("to another device", lambda: torch.full((3,), 2.0, device="sim:0").to("sim:1")),
+    ("to the host on a side stream", lambda: _on_side_stream(
+        lambda: torch.full((3,), 2.0, device="sim").cpu())),
+    ("a conjugate view", lambda: torch.tensor([1 + 2j], device="sim").conj().to(
+        torch.complex128)),
+]
+
+
+@pytest.mark.parametrize("name,fn", _TO_HANDED, ids=[n for n, _ in _TO_HANDED])
+def test_to_copies_handed_to_python_are_the_python_kernels(name, fn) -> None:
+    with calls() as c:
+        native = _outcome(fn)
+    with python_host_kernels():
+        python = _outcome(fn)
+    assert native[0] == "ok" and torch.equal(native[1], python[1])
+    if _K.native:
+        assert c.handed >= 1

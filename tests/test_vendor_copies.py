@@ -72,8 +72,7 @@ def test_a_vendor_copy_kernel_is_offered_same_device_copies():
         assert torch.equal(host, x)
     finally:
         for name in ("copy_", "_to_copy"):
-            registry._OVERRIDES.pop(name, None)
-            registry._NATIVE.pop(name, None)
+            registry.drop_override(backend, name)
         backend.kernel_sets.remove(ks)
 
 

@@ -866,6 +866,9 @@ class NativeAllocator:
         self.free = free
         self.storage_died = storage_died
         self.new_tensor: Callable[..., torch.Tensor] | None = None
+        # (buffer, dtype, size, stride, stream) -> an adopted device tensor, or None
+        self.adopted_tensor: Callable[..., torch.Tensor | None] | None = \
+            None if c_new is None else self._adopted_tensor
         if c_new is not None:
             def new_tensor(nbytes: int, dtype: torch.dtype, size: Any, stride: Any,
                            stream: Any = None) -> torch.Tensor:
@@ -1061,6 +1064,25 @@ class NativeAllocator:
         self._check(self.cpp.torchport_caching_adopt(self.logical, ptr, nbytes, sid))
         return NativeBlock(ptr, self.owners)
 
+    def _adopted_tensor(self, buffer: torch.UntypedStorage, dtype: torch.dtype, size: Any,
+                        stride: Any, stream: Any = None) -> torch.Tensor | None:
+        """A device tensor over ``buffer`` adopted by the runtime (as :meth:`adopt`), whose
+        storage's C++ deleter returns it, or ``None`` where the runtime declines."""
+        py = _py_library(self.cpp)
+        nbytes = buffer.nbytes()
+        if not self._within_fraction(nbytes):
+            return None
+        ptr = self.runtime.adopt_host(self.phys, buffer)
+        if ptr is None:
+            return None
+        sid = 0 if stream is None else self.stream_id_of(stream)
+        t = py.torchport_caching_adopted_tensor(self.logical, ptr, nbytes, dtype, list(size),
+                                                list(stride), sid)
+        if t is None:
+            self.runtime.free(self.phys, ptr)
+            raise self._error()
+        return t
+
     def empty_cache(self) -> None:
         """Return every fully free segment to the runtime (``torch.<device>.empty_cache``)."""
         if self.runtime.asynchronous:
@@ -1110,6 +1132,10 @@ def _py_library(cpp: Any) -> Any:
     f = py.torchport_caching_new_tensor
     f.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.py_object, ctypes.py_object,
                   ctypes.py_object, ctypes.c_longlong]
+    f.restype = ctypes.py_object
+    f = py.torchport_caching_adopted_tensor
+    f.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.py_object,
+                  ctypes.py_object, ctypes.py_object, ctypes.c_longlong]
     f.restype = ctypes.py_object
     return py
 

@@ -249,7 +249,12 @@ class Backend:
                 and torch._C._storage_Use_Count(st._cdata) <= 2 \
                 and (cpu.is_contiguous() or tensors.is_non_overlapping_and_dense(cpu)):  # 2: cpu, st
             alloc = self.allocators[index]
-            block = alloc.adopt(st, self.current_stream_handle(index))
+            stream = self.current_stream_handle(index)
+            adopted_tensor = getattr(alloc, "adopted_tensor", None)
+            if adopted_tensor is not None:  # the C++ allocator: its storage frees it
+                t = adopted_tensor(st, cpu.dtype, cpu.shape, cpu.stride(), stream)
+                return self.to_device(cpu, index) if t is None else t
+            block = alloc.adopt(st, stream)
             if block is not None:
                 return tensors.wrap_block(self.devices[index], alloc, block, n, cpu.dtype,
                                           list(cpu.shape), list(cpu.stride()))

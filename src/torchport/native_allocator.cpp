@@ -1233,10 +1233,10 @@ bool caching_serves() { return caching_on.load(); }
 
 int64_t caching_current_stream(c10::DeviceIndex device) { return current_stream_id(device); }
 
-at::Tensor caching_new_tensor(int device, uint64_t nbytes, c10::ScalarType scalar,
-                              c10::IntArrayRef sizes, c10::IntArrayRef strides,
-                              int64_t stream) {
-  c10::DataPtr data = cached_data_ptr(device, nbytes, stream);
+namespace {
+// A device tensor over `data` (`nbytes`), its storage resizable by the device allocator.
+at::Tensor tensor_over(c10::DataPtr data, uint64_t nbytes, c10::ScalarType scalar,
+                       c10::IntArrayRef sizes, c10::IntArrayRef strides) {
   auto storage = c10::make_intrusive<c10::StorageImpl>(
       c10::StorageImpl::use_byte_size_t(), static_cast<int64_t>(nbytes), std::move(data),
       allocator(), /*resizable=*/true);
@@ -1245,6 +1245,13 @@ at::Tensor caching_new_tensor(int device, uint64_t nbytes, c10::ScalarType scala
       c10::scalarTypeToTypeMeta(scalar));
   t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides);
   return t;
+}
+}  // namespace
+
+at::Tensor caching_new_tensor(int device, uint64_t nbytes, c10::ScalarType scalar,
+                              c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                              int64_t stream) {
+  return tensor_over(cached_data_ptr(device, nbytes, stream), nbytes, scalar, sizes, strides);
 }
 
 // UntypedStorage.resize_ of a device storage: a new block of `newsize` bytes on the current
@@ -1323,6 +1330,31 @@ extern "C" PyObject* torchport_caching_new_tensor(int device, uint64_t nbytes, P
   at::Tensor t;
   int ok = caching_guarded(
       [&] { t = torchport::caching_new_tensor(device, nbytes, scalar, sizes, strides, stream); });
+  if (!ok) Py_RETURN_NONE;
+  return THPVariable_Wrap(std::move(t));
+}
+
+// A device tensor over `nbytes` at `ptr`, host memory the runtime adopted as device memory:
+// an allocated segment of its own on `stream`, whose storage's deleter returns it (the
+// runtime's `free` then gives the memory back to the host), as a new block's does. None
+// where the allocator failed; NULL with a Python error for arguments it cannot read.
+extern "C" PyObject* torchport_caching_adopted_tensor(int device, uint64_t ptr, uint64_t nbytes,
+                                                      PyObject* dtype, PyObject* size,
+                                                      PyObject* stride, long long stream) {
+  std::vector<int64_t> sizes, strides;
+  if (!read_ints(size, sizes) || !read_ints(stride, strides)) return nullptr;
+  if (!THPDtype_Check(dtype)) {
+    PyErr_SetString(PyExc_TypeError, "expected a torch.dtype");
+    return nullptr;
+  }
+  c10::ScalarType scalar = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+  at::Tensor t;
+  int ok = caching_guarded([&] {
+    caching_of(device).adopt(ptr, nbytes, stream);
+    c10::DataPtr data(reinterpret_cast<void*>(ptr), new Allocation{ptr, device}, &free_cached,
+                      c10::Device(kDevice, static_cast<c10::DeviceIndex>(device)));
+    t = torchport::tensor_over(std::move(data), nbytes, scalar, sizes, strides);
+  });
   if (!ok) Py_RETURN_NONE;
   return THPVariable_Wrap(std::move(t));
 }

@@ -15,9 +15,13 @@
 // that argument, a view of an argument's memory is a device view, a new result is copied
 // into a new block of the C++ caching allocator on the current stream (a large one, or an
 // unusual one, goes to the Python `result` function, which adopts or converts it).
-// Anything else -- another device, a CPU tensor with dimensions, a conjugate or negative
-// view, an out= argument the CPU kernel must grow -- is handed to the op's Python kernel,
-// so that results and errors stay the Python ones.
+// torchport's own `copy_` is served so too, with the CPU tensor of a copy between the host
+// and the device passed to the CPU kernel as it is (and returned as it is), and its own
+// `_to_copy` (to the CPU, to the device from the CPU, a dtype on one device).
+// Anything else -- another device, a CPU tensor with dimensions (but a copy's), a conjugate
+// or negative view, an out= argument the CPU kernel must grow, a copy with the host while a
+// side stream is current -- is handed to the op's Python kernel, so that results and errors
+// stay the Python ones.
 // Switched by torchport/ops/native_hostops.py like the view and empty kernels.
 #if __has_include(<Python.h>)
 #include <ATen/core/Tensor.h>
@@ -89,17 +93,26 @@ py::object argument_object(const c10::Argument& arg, const c10::IValue& v) {
 
 class HostOp final : public c10::OperatorKernel {
  public:
-  HostOp(PyObject* python, bool functional) : python_(python), functional_(functional) {
+  HostOp(PyObject* python, bool functional, bool cpu_tensors, bool to_copy)
+      : python_(python), functional_(functional), cpu_tensors_(cpu_tensors), to_copy_(to_copy) {
     Py_INCREF(python_);  // kept for the process, as the Python registration keeps it
   }
 
   // A tensor argument this kernel maps: a plain strided tensor of a visible device, the same
   // device as the others (`index`, set by the first); `cpu_scalar`: a 0-dim CPU tensor
-  // passes as it is (a Python number, a CPU scalar), as the Python kernels let it.
-  bool servable(const at::Tensor& t, bool cpu_scalar, int& index) const {
+  // passes as it is (a Python number, a CPU scalar), as the Python kernels let it; any
+  // strided CPU tensor passes for a copy between the host and the device (`host` then set).
+  bool servable(const at::Tensor& t, bool cpu_scalar, int& index, bool& host) const {
     if (!t.defined()) return true;
-    if (t.device().type() != kDevice)
-      return cpu_scalar && t.device().type() == c10::DeviceType::CPU && t.dim() == 0;
+    if (t.device().type() != kDevice) {
+      if (t.device().type() != c10::DeviceType::CPU) return false;
+      if (cpu_scalar && t.dim() == 0) return true;
+      if (!cpu_tensors_ || t.layout() != c10::Layout::Strided ||
+          t.unsafeGetTensorImpl()->has_symbolic_sizes_strides())
+        return false;
+      host = true;
+      return true;
+    }
     const int d = t.device().index();
     if ((index >= 0 && d != index) || d < 0 || d >= visible ||
         t.layout() != c10::Layout::Strided || t.is_conj() || t.is_neg() ||
@@ -112,22 +125,24 @@ class HostOp final : public c10::OperatorKernel {
   }
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    if (to_copy_) return to_copy(op, stack);
     const auto& schema = op.schema();
     const size_t nargs = schema.arguments().size();
     const size_t first = stack->size() - nargs;
     int index = -1;
+    bool host = false;
     // 1. Is the call one this kernel serves?
     for (size_t i = 0; i < nargs; ++i) {
       const c10::IValue& v = (*stack)[first + i];
       if (v.isTensor()) {
-        if (!servable(v.toTensor(), /*cpu_scalar=*/true, index)) return python(op, stack);
+        if (!servable(v.toTensor(), /*cpu_scalar=*/true, index, host)) return python(op, stack);
       } else if (v.isTensorList()) {
         for (const at::Tensor& t : v.toTensorList())
-          if (!servable(t, false, index)) return python(op, stack);
+          if (!servable(t, false, index, host)) return python(op, stack);
       } else if (v.isList()) {
         if (v.isIntList() || v.isDoubleList() || v.isBoolList()) continue;
         for (const c10::IValue& e : v.toListRef()) {  // Tensor?[] (indices), Scalar[]
-          if (e.isTensor() ? !servable(e.toTensor(), false, index)
+          if (e.isTensor() ? !servable(e.toTensor(), false, index, host)
                            : !(e.isNone() || e.isScalar()))
             return python(op, stack);
         }
@@ -136,12 +151,16 @@ class HostOp final : public c10::OperatorKernel {
       }
     }
     if (index < 0 || !torchport::caching_serves()) return python(op, stack);
+    // A blocking copy with the host waits for the device's current stream: the Python
+    // kernel orders it so where a side stream is current.
+    if (host && torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0)
+      return python(op, stack);
 
     // 2. CPU tensors over the device tensors' memory: one per tensor, one storage per storage.
     c10::SmallVector<std::pair<c10::TensorImpl*, at::Tensor>, 6> tensors;  // device -> CPU
     c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 6> storages;
     c10::SmallVector<c10::IValue, 8> originals;  // what an op writing its arguments was given
-    if (!functional_) originals.assign((*stack).begin() + first, (*stack).end());
+    if (!functional_ || host) originals.assign((*stack).begin() + first, (*stack).end());
     for (size_t i = 0; i < nargs; ++i) {
       c10::IValue& v = (*stack)[first + i];
       if (v.isTensor()) {
@@ -194,7 +213,7 @@ class HostOp final : public c10::OperatorKernel {
     for (size_t r = stack->size() - nret; r < stack->size(); ++r) {
       c10::IValue& v = (*stack)[r];
       if (v.isTensor()) {
-        if (v.toTensor().defined())
+        if (v.toTensor().defined() && !(host && given(v.toTensor(), originals)))
           v = c10::IValue(on_device(v.toTensor(), index, tensors, storages));
       } else if (v.isTensorList()) {
         c10::List<at::Tensor> results;
@@ -208,6 +227,60 @@ class HostOp final : public c10::OperatorKernel {
   }
 
  private:
+  // torchport's `_to_copy` (Tensor.to with a dtype or device, .cpu(), .float()): the CPU
+  // kernel on the CPU tensor over the device tensor's memory (or the CPU tensor itself) makes
+  // the result, which a copy to the device then copies (or adopts) into a new block.
+  // _to_copy(Tensor self, *, ScalarType? dtype, Layout? layout, Device? device,
+  //          bool? pin_memory, bool non_blocking, MemoryFormat? memory_format)
+  void to_copy(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+    const size_t first = stack->size() - 7;
+    const at::Tensor self = (*stack)[first].toTensor();
+    const c10::IValue& layout = (*stack)[first + 2];
+    const c10::IValue& device = (*stack)[first + 3];
+    const c10::IValue& pin = (*stack)[first + 4];
+    if ((!layout.isNone() && layout.toLayout() != c10::Layout::Strided) ||
+        (!pin.isNone() && pin.toBool()) || self.layout() != c10::Layout::Strided ||
+        self.is_conj() || self.is_neg() || self.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
+        !torchport::caching_serves())
+      return python(op, stack);
+    const bool from_device = self.device().type() == kDevice;
+    const c10::Device to = device.isNone() ? self.device() : device.toDevice();
+    int index = -1;
+    if (to.type() == kDevice) {
+      index = to.has_index() ? to.index() : torchport::guard_current_device();
+      if ((from_device && index != self.device().index()) ||
+          (!from_device && self.device().type() != c10::DeviceType::CPU))
+        return python(op, stack);
+    } else if (to.type() == c10::DeviceType::CPU && from_device) {
+      index = self.device().index();
+    }
+    if (index < 0 || index >= visible) return python(op, stack);
+    // a copy with the host waits for the current stream: the Python kernel orders it so
+    if ((!from_device || to.type() != kDevice) &&
+        torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0)
+      return python(op, stack);
+    c10::SmallVector<std::pair<c10::TensorImpl*, at::Tensor>, 6> tensors;
+    c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 6> storages;
+    if (from_device) (*stack)[first] = c10::IValue(cpu_alias(self, tensors, storages));
+    (*stack)[first + 3] = c10::IValue(c10::Device(c10::DeviceType::CPU));
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+    if (to.type() == kDevice) {
+      at::Tensor cpu = stack->back().toTensor();
+      tensors.clear();
+      storages.clear();  // the result is new: nothing of it is an argument's
+      stack->back() = c10::IValue(on_device(cpu, index, tensors, storages));
+    }
+    served.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  // Is `cpu` a CPU tensor the caller passed (the host side of a copy, returned as it is)?
+  static bool given(const at::Tensor& cpu, const c10::SmallVectorImpl<c10::IValue>& originals) {
+    for (const c10::IValue& v : originals)
+      if (v.isTensor() && v.toTensor().unsafeGetTensorImpl() == cpu.unsafeGetTensorImpl())
+        return true;
+    return false;
+  }
+
   static at::Tensor cpu_alias(const at::Tensor& t,
                               c10::SmallVectorImpl<std::pair<c10::TensorImpl*, at::Tensor>>& tensors,
                               c10::SmallVectorImpl<std::pair<c10::StorageImpl*, c10::Storage>>& storages) {
@@ -328,11 +401,14 @@ class HostOp final : public c10::OperatorKernel {
 
   PyObject* python_;
   bool functional_;
+  bool cpu_tensors_;
+  bool to_copy_;
 };
 
 }  // namespace
 
-// Serve the ops in `kernels` (a dict: overload name -> (Python kernel, functional flag))
+// Serve the ops in `kernels` (a dict: overload name -> (Python kernel, functional flag, CPU
+// tensors of any size pass))
 // from C++, with `result` for the results not copied here, `devices` visible devices,
 // functional inputs up to `input_max` bytes and copies up to `copy_max` bytes: 1; 0 with a
 // Python error. Ops already served stay. Called through ctypes.PyDLL (with the GIL).
@@ -360,10 +436,10 @@ extern "C" int torchport_native_hostops_enable(PyObject* kernels, PyObject* resu
     Py_ssize_t pos = 0;
     while (PyDict_Next(kernels, &pos, &key, &value)) {
       const char* name = PyUnicode_AsUTF8(key);
-      if (!name || !PyTuple_Check(value) || PyTuple_GET_SIZE(value) != 2 ||
+      if (!name || !PyTuple_Check(value) || PyTuple_GET_SIZE(value) != 3 ||
           !PyCallable_Check(PyTuple_GET_ITEM(value, 0))) {
         if (!PyErr_Occurred())
-          PyErr_SetString(PyExc_TypeError, "expected name -> (kernel, functional)");
+          PyErr_SetString(PyExc_TypeError, "expected name -> (kernel, functional, cpu_tensors)");
         return 0;
       }
       bool done = false;
@@ -371,7 +447,9 @@ extern "C" int torchport_native_hostops_enable(PyObject* kernels, PyObject* resu
       if (done) continue;
       registered->impl(name, torch::CppFunction::makeFromBoxedFunctor(std::make_unique<HostOp>(
                                  PyTuple_GET_ITEM(value, 0),
-                                 PyObject_IsTrue(PyTuple_GET_ITEM(value, 1)) == 1)));
+                                 PyObject_IsTrue(PyTuple_GET_ITEM(value, 1)) == 1,
+                                 PyObject_IsTrue(PyTuple_GET_ITEM(value, 2)) == 1,
+                                 std::strcmp(name, "_to_copy") == 0)));
       registered_names.emplace_back(name);
     }
   } catch (const std::exception& e) {

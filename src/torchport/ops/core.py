@@ -68,7 +68,7 @@ def copy_between(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor,
     if same_device:
         _assert_no_partial_overlap(dst, src)
     if src.shape != dst.shape:
-        src = src.expand(dst.shape)
+        src = _broadcast_source(src, dst)
     if dst.numel() == 0:
         return dst
     if dst.device.type == name:
@@ -184,6 +184,16 @@ def _assert_no_partial_overlap(dst: torch.Tensor, src: torch.Tensor) -> None:
         raise RuntimeError("unsupported operation: some elements of the input tensor and the "
                            "written-to tensor refer to a single memory location. Please clone() "
                            "the tensor before performing the operation.")
+
+
+def _broadcast_source(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """``src`` expanded to ``dst``'s shape; where it does not broadcast, ATen's own error
+    for the copy (TensorIterator's, asked of meta tensors), as the CPU and CUDA raise it."""
+    try:
+        return src.expand(dst.shape)
+    except RuntimeError:
+        torch.empty(dst.shape, device="meta").copy_(torch.empty(src.shape, device="meta"))
+        raise
 
 
 def _host_view(backend: DeviceBackend, t: torch.Tensor) -> torch.Tensor:

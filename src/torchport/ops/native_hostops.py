@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 #: ``ADOPT_MIN_BYTES``) or has the runtime adopt it.
 FUNCTIONAL_INPUT_MAX = 1 << 20
 
+#: torchport's core kernels served the same way (with CPU tensors of any size: the copies
+#: between the host and the device; ``_to_copy`` by a kernel of its own).
+CORE = frozenset({"copy_", "_to_copy"})
+
 _ARG_TYPES = frozenset({
     "Tensor", "Tensor?", "number", "number?", "int", "int?", "bool", "bool?", "float",
     "float?", "str", "str?", "List[int]", "List[int]?", "List[bool]", "List[float]",
@@ -79,18 +83,40 @@ class HostOpKernels:
 
     def __init__(self, backend: DeviceBackend) -> None:
         self.backend = backend
-        self.python: dict[str, tuple[Callable[..., Any], bool]] = {}  # name -> (kernel, functional)
+        # name -> (Python kernel, functional, CPU tensors pass as they are)
+        self.python: dict[str, tuple[Callable[..., Any], bool, bool]] = {}
         self._registered: torch.library.Library | None = None  # the Python ones, while serving
+        self._kept: set[str] = set()  # served by their Python kernel whatever serves the rest
+        self._kept_registered: torch.library.Library | None = None
         self.native = False
         self._held = 0  # python_only() depth
 
-    def add(self, name: str, op: torch._ops.OpOverload, kernel: Callable[..., Any]) -> None:
-        """``op``'s Python host kernel, registered as ``name`` (by whichever set serves)."""
-        self.python[name] = (kernel, not plan_for(op).write_args)
+    def add(self, name: str, op: torch._ops.OpOverload, kernel: Callable[..., Any], *,
+            cpu_tensors: bool = False) -> None:
+        """``op``'s Python host kernel, registered as ``name`` (by whichever set serves);
+        ``cpu_tensors``: C++ also serves calls with CPU tensors of any size (a copy
+        between the host and the device), which it passes to the CPU kernel as they are."""
+        self.python[name] = (kernel, not plan_for(op).write_args, cpu_tensors)
         if self.native:
-            self._enable({name: self.python[name]})
+            if name in self._kept:
+                self._keep_registered({name: self.python[name]})
+            else:
+                self._enable({name: self.python[name]})
         elif self._registered is not None:
             self._registered.impl(name, kernel, "PrivateUse1")
+
+    def keep_in_python(self, name: str, keep: bool = True) -> None:
+        """Serve ``name`` by its Python kernel even where C++ serves the others (it consults
+        at call time what C++ does not: a vendor's ``copy_`` kernel), or no longer."""
+        if keep == (name in self._kept):
+            return
+        if keep:
+            self._kept.add(name)
+        else:
+            self._kept.discard(name)
+        if name in self.python and self.native:  # C++ unregisters per library, not per op
+            self._drop_native()
+            self.use(True)
 
     def direct(self) -> bool:
         """Does the host read device memory at the device address, synchronously?"""
@@ -108,7 +134,7 @@ class HostOpKernels:
             [ctypes.py_object, ctypes.py_object, ctypes.c_int, ctypes.c_int64, ctypes.c_int64],
             ctypes.c_int)
 
-    def _enable(self, kernels: dict[str, tuple[Callable[..., Any], bool]]) -> bool:
+    def _enable(self, kernels: dict[str, tuple[Callable[..., Any], bool, bool]]) -> bool:
         from torchport.allocator import ADOPT_MIN_BYTES
 
         enable = self._library()
@@ -117,9 +143,30 @@ class HostOpKernels:
         if self._registered is not None:  # never both registered
             self._registered._destroy()
             self._registered = None
-        enable(kernels, _result_function(self.backend), self.backend.device_count(),
+        enable({n: k for n, k in kernels.items() if n not in self._kept},
+               _result_function(self.backend), self.backend.device_count(),
                FUNCTIONAL_INPUT_MAX, ADOPT_MIN_BYTES - 1)
+        self._keep_registered({n: k for n, k in kernels.items() if n in self._kept})
         return True
+
+    def _keep_registered(self, kernels: dict[str, tuple[Callable[..., Any], bool, bool]]) -> None:
+        """Register the kept ops' Python kernels beside the C++ ones."""
+        if not kernels:
+            return
+        if self._kept_registered is None:
+            self._kept_registered = keep_past_exit(torch.library.Library("aten", "IMPL"))
+        for name, (kernel, _, _) in kernels.items():
+            self._kept_registered.impl(name, kernel, "PrivateUse1")
+
+    def _drop_native(self) -> None:
+        """Unregister the C++ kernels and the kept ops' Python ones."""
+        cpp = native.loaded()
+        if cpp is not None and hasattr(cpp, "torchport_native_hostops_disable"):
+            cpp.torchport_native_hostops_disable()
+        if self._kept_registered is not None:
+            self._kept_registered._destroy()
+            self._kept_registered = None
+        self.native = False
 
     @contextlib.contextmanager
     def python_only(self) -> Iterator[None]:
@@ -136,17 +183,17 @@ class HostOpKernels:
 
     def use(self, from_cpp: bool) -> None:
         """Serve the ops from C++ (where it can) or from the Python kernels."""
-        if from_cpp and not self._held and self.python and self._enable(self.python):
-            native.enabled("host-op kernels")
-            self.native = True
-            return
-        cpp = native.loaded()
-        if cpp is not None and hasattr(cpp, "torchport_native_hostops_disable"):
-            cpp.torchport_native_hostops_disable()
-        self.native = False
+        if from_cpp and not self._held and self.python:
+            if self.native:
+                return
+            if self._enable(self.python):
+                native.enabled("host-op kernels")
+                self.native = True
+                return
+        self._drop_native()
         if self._registered is None:
             self._registered = keep_past_exit(torch.library.Library("aten", "IMPL"))
-            for name, (kernel, _) in self.python.items():
+            for name, (kernel, _, _) in self.python.items():
                 self._registered.impl(name, kernel, "PrivateUse1")
 
 

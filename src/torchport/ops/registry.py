@@ -79,6 +79,14 @@ _CORE: set[str] = set()
 _OVERRIDES: dict[str, Callable[..., Any]] = {}  # the vendor's core.OVERRIDABLE kernels
 
 
+def drop_override(backend: DeviceBackend, name: str) -> None:
+    """Forget a vendor's kernel for the core overload ``name`` (the core kernel serves
+    alone again)."""
+    _OVERRIDES.pop(name, None)
+    _NATIVE.pop(name, None)
+    backend.host_op_kernels.keep_in_python(name, False)
+
+
 def native_overloads() -> dict[str, KernelDecl]:
     """Overload name ("add.out") -> its declaration, for tools and reports."""
     return dict(_NATIVE)
@@ -138,6 +146,12 @@ def install(backend: DeviceBackend) -> None:
         kernel = _wrap(backend, op, name, fn, fallback.Route(name))
         if name in native_factories.OPS:
             factories[name] = kernel
+        elif name in native_hostops.CORE:
+            # or the C++ host-op kernel serves it (also between the host and the device),
+            # unless a vendor kernel takes it over (then the core kernel asks it)
+            backend.host_op_kernels.add(name, op, kernel, cpu_tensors=True)
+            if name in _OVERRIDES:
+                backend.host_op_kernels.keep_in_python(name)
         else:
             lib.impl(name, kernel, "PrivateUse1")
         taken.add(name)
@@ -204,6 +218,7 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
             oname = overload_name(op)
             if oname in core.OVERRIDABLE and d.kind == "aten" and oname not in _OVERRIDES:
                 _OVERRIDES[oname] = d.fn if d.dtypes is None else _dtype_checked(op, d.fn, d.dtypes)
+                backend.host_op_kernels.keep_in_python(oname)  # the core kernel asks it
                 _NATIVE[oname] = d
                 done.append(oname)
                 installed = True
