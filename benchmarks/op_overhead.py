@@ -53,6 +53,7 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
     idx = torch.tensor([0, 3, 5], device=device)
     c = torch.empty(8, 8, device=device)
     host = torch.randn(8, 8)
+    s = a.sum()
     return {
         "add": lambda: a + b,
         "mul": lambda: a * b,
@@ -64,6 +65,11 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
         "empty": lambda: torch.empty(8, 8, device=device),
         "copy_": lambda: c.copy_(a),
         "copy_ from cpu": lambda: c.copy_(host),
+        # (copy=True: on the CPU, a copy too, not the tensor itself)
+        "to(device) from cpu": lambda: host.to(device, copy=True),
+        "to('cpu')": lambda: a.to("cpu", copy=True),
+        "to(half)": lambda: a.to(torch.half),
+        "item": lambda: s.item(),
     }
 
 
