@@ -154,6 +154,11 @@ class Backend:
         return self.allocators[self.check_index(index)]
 
     # ---- tensors ------------------------------------------------------------
+    def refused_dtypes(self) -> list[torch.dtype]:
+        """The dtypes a device tensor cannot have (quantized, the runtime's unsupported ones),
+        for the C++ kernels to hand to :meth:`check_dtype`'s error."""
+        return sorted(QUANTIZED_DTYPES | set(self.runtime.unsupported_dtypes), key=str)
+
     def check_dtype(self, dtype: torch.dtype) -> None:
         if dtype in QUANTIZED_DTYPES:
             raise TypeError(
@@ -242,6 +247,8 @@ class Backend:
     def result_to_device(self, cpu: torch.Tensor, index: int) -> torch.Tensor:
         """A CPU result nothing else uses, on device ``index``: a large one is adopted by
         the runtime where it can (no copy), anything else is copied (:meth:`to_device`)."""
+        if cpu.dtype in self.runtime.unsupported_dtypes:
+            self.check_dtype(cpu.dtype)
         st = cpu.untyped_storage()
         n = st.nbytes()
         if n >= ADOPT_MIN_BYTES and not cpu.is_quantized and self.adopts_host and cpu.storage_offset() == 0 \
@@ -379,8 +386,7 @@ class Backend:
             self._guard_device = native.use_guard(self.device_count())
             if self._guard_device is not None:  # its streams and events are the device's
                 streams.connect_guard(self, self._guard_device)
-                self._guard_device.set_unsupported(self.runtime.unsupported_dtypes
-                                                   | QUANTIZED_DTYPES)
+                self._guard_device.set_unsupported(set(self.refused_dtypes()))
             torch.utils.generate_methods_for_privateuse1_backend(
                 for_tensor=False, for_module=False, for_packed_sequence=False, for_storage=True,
                 unsupported_dtype=list(self.runtime.unsupported_dtypes))

@@ -37,6 +37,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <bitset>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -58,6 +59,7 @@ PyObject* python_result = nullptr;
 uint64_t functional_input_max = 0;  // bytes: a larger first input takes the Python kernel
 uint64_t copy_max = 0;              // bytes: larger new results go to `result`
 int visible = 0;
+std::bitset<256> refused;  // dtypes the device refuses: their new results go to `result`
 std::atomic<int64_t> served{0};
 std::atomic<int64_t> handed{0};
 std::mutex registering;
@@ -255,6 +257,10 @@ class HostOp final : public c10::OperatorKernel {
       index = self.device().index();
     }
     if (index < 0 || index >= visible) return python(op, stack);
+    const c10::IValue& dtype = (*stack)[first + 1];
+    if (to.type() == kDevice &&
+        refused[static_cast<size_t>(dtype.isNone() ? self.scalar_type() : dtype.toScalarType())])
+      return python(op, stack);  // its error
     // a copy with the host waits for the current stream: the Python kernel orders it so
     if ((!from_device || to.type() != kDevice) &&
         torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0)
@@ -330,6 +336,7 @@ class HostOp final : public c10::OperatorKernel {
     }
     const uint64_t nbytes = static_cast<uint64_t>(cpu.numel()) * cpu.itemsize();
     if (cpu.layout() == c10::Layout::Strided && !cpu.is_quantized() && !cpu._is_zerotensor() &&
+        !refused[static_cast<size_t>(cpu.scalar_type())] &&
         !cpu.is_conj() && !cpu.is_neg() && nbytes <= copy_max &&
         cpu.is_non_overlapping_and_dense()) {
       at::Tensor out = torchport::caching_new_tensor(
@@ -409,16 +416,28 @@ class HostOp final : public c10::OperatorKernel {
 
 // Serve the ops in `kernels` (a dict: overload name -> (Python kernel, functional flag, CPU
 // tensors of any size pass))
-// from C++, with `result` for the results not copied here, `devices` visible devices,
-// functional inputs up to `input_max` bytes and copies up to `copy_max` bytes: 1; 0 with a
-// Python error. Ops already served stay. Called through ctypes.PyDLL (with the GIL).
-extern "C" int torchport_native_hostops_enable(PyObject* kernels, PyObject* result, int devices,
+// from C++, with `result` for the results not copied here (and those of the dtypes in
+// `refuse`, a list of torch.dtype, which it refuses), `devices` visible devices, functional
+// inputs up to `input_max` bytes and copies up to `copy_max` bytes: 1; 0 with a Python
+// error. Ops already served stay. Called through ctypes.PyDLL (with the GIL).
+extern "C" int torchport_native_hostops_enable(PyObject* kernels, PyObject* result,
+                                               PyObject* refuse, int devices,
                                                int64_t input_max, int64_t max_copy) {
-  if (!PyDict_Check(kernels) || !PyCallable_Check(result)) {
-    PyErr_SetString(PyExc_TypeError, "expected a dict of kernels and a callable");
+  if (!PyDict_Check(kernels) || !PyCallable_Check(result) || !PyList_Check(refuse)) {
+    PyErr_SetString(PyExc_TypeError, "expected a dict of kernels, a callable and a list");
     return 0;
   }
+  std::bitset<256> dtypes;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(refuse); ++i) {
+    PyObject* d = PyList_GET_ITEM(refuse, i);
+    if (!THPDtype_Check(d)) {
+      PyErr_SetString(PyExc_TypeError, "expected a list of torch.dtype");
+      return 0;
+    }
+    dtypes.set(static_cast<size_t>(reinterpret_cast<THPDtype*>(d)->scalar_type));
+  }
   std::lock_guard<std::mutex> lock(registering);
+  refused = dtypes;
   Py_INCREF(result);
   Py_XDECREF(python_result);
   python_result = result;

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 # The overloads the C++ library registers (native_factories.cpp).
 OPS = ("empty.memory_format", "empty_strided")
-QUANTIZED = (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4)
 
 
 class FactoryKernels:
@@ -57,9 +56,8 @@ class FactoryKernels:
             if self._registered is not None:
                 self._registered._destroy()
                 self._registered = None
-            refused = sorted(set(QUANTIZED) | set(self.backend.runtime.unsupported_dtypes),
-                             key=str)
-            enable(self.python["empty.memory_format"], self.python["empty_strided"], refused,
+            enable(self.python["empty.memory_format"], self.python["empty_strided"],
+                   self.backend.refused_dtypes(),
                    self.backend.device_count())
             native.enabled("empty kernels")
             self.native = True

@@ -131,8 +131,8 @@ class HostOpKernels:
             return None
         return native.python_function(
             "torchport_native_hostops_enable",
-            [ctypes.py_object, ctypes.py_object, ctypes.c_int, ctypes.c_int64, ctypes.c_int64],
-            ctypes.c_int)
+            [ctypes.py_object, ctypes.py_object, ctypes.py_object, ctypes.c_int, ctypes.c_int64,
+             ctypes.c_int64], ctypes.c_int)
 
     def _enable(self, kernels: dict[str, tuple[Callable[..., Any], bool, bool]]) -> bool:
         from torchport.allocator import ADOPT_MIN_BYTES
@@ -144,7 +144,8 @@ class HostOpKernels:
             self._registered._destroy()
             self._registered = None
         enable({n: k for n, k in kernels.items() if n not in self._kept},
-               _result_function(self.backend), self.backend.device_count(),
+               _result_function(self.backend), self.backend.refused_dtypes(),
+               self.backend.device_count(),
                FUNCTIONAL_INPUT_MAX, ADOPT_MIN_BYTES - 1)
         self._keep_registered({n: k for n, k in kernels.items() if n in self._kept})
         return True
