@@ -42,7 +42,10 @@ class OutputSpec(NamedTuple):
 
 
 def spec_for(backend: DeviceBackend, shape, stride, dtype: torch.dtype) -> OutputSpec:
-    """The :class:`OutputSpec` of a (shape, stride, dtype) layout on ``backend``'s devices."""
+    """The :class:`OutputSpec` of a (shape, stride, dtype) layout on ``backend``'s devices
+    (the device's error for a dtype it refuses)."""
+    if dtype in backend.runtime.unsupported_dtypes:
+        backend.check_dtype(dtype)
     return OutputSpec(tensors.storage_nbytes(shape, stride, dtype.itemsize), dtype,
                       list(shape), list(stride), tuple(shape), tuple(stride),
                       [tensors.layout_header(d.index, dtype, shape, stride)
@@ -60,6 +63,8 @@ def new_output(backend: DeviceBackend, index: int, spec: OutputSpec) -> Tensor:
 
 def new_dense_like(backend: DeviceBackend, index: int, t: Tensor) -> Tensor:
     """A new tensor on device ``index`` in dense ``t``'s layout and dtype."""
+    if t.dtype in backend.runtime.unsupported_dtypes:
+        backend.check_dtype(t.dtype)
     return tensors.new_device_tensor(backend.devices[index], backend.allocators[index],
                                      t.numel() * t.element_size(), t.dtype, list(t.shape),
                                      list(t.stride()), backend.current_stream_handle(index))
