@@ -167,7 +167,9 @@ def test_backward_on_two_devices_matches_the_cpu_in_any_thread():
 
 
 @needs_cpp
-def test_backward_in_other_threads_runs_on_the_devices_threads_as_on_cuda():
+def test_backward_runs_on_the_devices_threads_as_on_cuda():
+    """In every thread, the registering one included: a device's nodes run on autograd's
+    thread for that device."""
     threads, caller = [], []
 
     def run() -> None:
@@ -176,10 +178,37 @@ def test_backward_in_other_threads_runs_on_the_devices_threads_as_on_cuda():
         x.register_hook(lambda g: threads.append(threading.get_ident()))
         (x * 2).sum().backward()
 
+    run()  # this thread registered the backend (tests import torchport.sim first)
     t = threading.Thread(target=run)
     t.start()
     t.join()
-    assert threads and threads[0] != caller[0]  # autograd's sim:1 worker
+    assert len(threads) == 2 and threads[0] != caller[0] and threads[1] != caller[1]
+    assert threads[0] == threads[1]  # autograd's sim:1 worker, both times
+
+
+@needs_cpp
+def test_at_exit_autograd_threads_drop_the_python_objects_of_their_last_backward():
+    """A backward's graph task keeps a copy of the caller's thread-local Python objects; the
+    device thread that ran its last node can drop it after the caller went on. Settling
+    (what an exit handler does before the interpreter finalizes) returns only after it
+    did, so no device thread needs the GIL during finalization."""
+    import gc
+    freed: list[str] = []
+
+    class Probe:
+        def __del__(self) -> None:
+            freed.append(threading.current_thread().name)
+
+    x = torch.randn(64, 64, device="sim:1", requires_grad=True)
+    torch._C._stash_obj_in_tls("torchport-probe", Probe())
+    try:
+        (x.tanh() * x).sum().backward()
+    finally:
+        torch._C._remove_obj_from_tls("torchport-probe")
+    from torchport.backend import active_backend
+    active_backend()._settle_autograd_threads()
+    gc.collect()
+    assert len(freed) == 1
 
 
 @needs_cpp

@@ -141,10 +141,29 @@ def test_backward_in_threads_on_both_devices(mode: str) -> None:
         for t in ts: t.join()
         print(results)
         assert results == {"sim:0": True, "sim:1": True}
-        # skip the interpreter's teardown: autograd's device threads can abort it
-        # (docs/limitations.md), a known fault apart from what this test checks
-        import os, sys
-        sys.stdout.flush()
-        os._exit(0)
     """, mode)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_processes_ending_right_after_backward_exit_cleanly() -> None:
+    """The last backward's device threads may still hold its Python objects when the
+    script ends (PyTorch's engine; an abort in finalization without torchport's exit
+    handler, about 1 run in 8 here): six processes, all exit 0."""
+    import torchport.sim  # noqa: F401
+    from torchport import native
+    if native.loaded() is None:
+        pytest.skip("the C++ device guard is not built: backward runs in the calling thread")
+    code = textwrap.dedent("""
+        import sys, torch, torchport.sim
+        x = torch.randn(64, 64, device="sim:1", requires_grad=True)
+        y = torch.randn(64, 64, device="sim:0", requires_grad=True)
+        sys.setswitchinterval(1000)  # this thread keeps the GIL to the end
+        for _ in range(3):
+            ((x.tanh() * x).sum() + (y * y).sum().to("sim:1")).backward()
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=_env("sync"), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(6)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err

@@ -7,7 +7,9 @@ backend: registering the same one again is a no-op; a different one is an error.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import sys
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -400,16 +402,42 @@ class Backend:
             if self._guard_device is None:
                 self._autograd_in_calling_threads()
             else:
-                # Backward of the registering thread in that thread: with the engine's device
-                # threads, a process ending right after a backward can abort in
-                # finalization (a device thread taking the GIL while Python shuts down).
-                torch.autograd.set_multithreading_enabled(False)
+                # after the exit handlers registered above run: last out, first in
+                atexit.register(self._settle_autograd_threads)
         except Exception:
             _ACTIVE = None
             raise
         self.registered = True
         return self
 
+
+    def _settle_autograd_threads(self) -> None:
+        """At exit, before the interpreter finalizes: let autograd's device threads finish
+        their last task. PyTorch's engine (2.13) keeps a Python object in each backward's
+        graph task (``_engine_run_backward`` stashes a ``contextvars`` context in the
+        thread-local state the task copies); the device thread that ran the last node can
+        drop the task's last reference after the caller went on, and then needs the GIL --
+        during finalization Python ends such a thread inside a C++ destructor, and the
+        process aborts ("terminate called without an active exception"; CUDA's device
+        threads are no different). A backward per device through the engine directly
+        (no stashed context) queues behind that epilogue and returns after it. It runs a
+        view's backward and the leaf's gradient accumulator, which takes the view as it is:
+        no kernel runs (an error an asynchronous device still holds stays for the handler
+        that reports it), and its graph task holds nothing of Python's."""
+        from torchport import forking
+
+        if not forking.used(self) or self.bad_fork \
+                or isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+            return  # (after Ctrl-C, queued device work is abandoned, not waited for)
+        engine = torch.autograd.variable.Variable._execution_engine
+        try:
+            with torch.enable_grad(), torch.autograd.set_multithreading_enabled(True):
+                for device in self.devices:
+                    leaf = torch.empty((), device=device, requires_grad=True)
+                    engine.run_backward((leaf.view(()),), (torch.empty((), device=device),),
+                                        False, False, (), True, True)
+        except Exception:  # noqa: BLE001 -- exiting: the device may be gone already
+            pass
 
     def _autograd_in_calling_threads(self) -> None:
         """Without the C++ guard PyTorch's Python guard reports one device, and the autograd
