@@ -276,13 +276,6 @@ constexpr int kCachingCallbacks = sizeof(CachingCallbacks) / sizeof(void*);
 CachingCallbacks cc{};
 std::atomic<bool> caching_on{false};
 
-// Does this thread hold the GIL (true where the interpreter's function is not known)? A
-// thread that does not (autograd's device threads) never waits for it where it frees: it
-// may be running a destructor after its last task while the interpreter exits, and a
-// thread that takes the GIL then is ended by Python -- inside a C++ destructor, which
-// aborts the process.
-bool holds_gil() { return cc.gil_check == nullptr || cc.gil_check() != 0; }
-
 // A device's allocator lock. Python is called with it held (segments, events); a thread
 // holding the GIL that must wait for it lets the GIL go while it waits, so that the
 // holder's Python call can run. Recursive: a Python call may drop a storage of the
@@ -315,9 +308,6 @@ struct CachingAllocator {
       pending;
   int depth = 0;  // operations of the thread holding the mutex (it alone changes this)
   std::vector<uint64_t> deferred;  // frees that arrived during an operation of that thread
-  // frees by threads without the GIL that need Python (events, an adopted segment's return):
-  // made by the next operation of a thread that holds it
-  std::vector<uint64_t> unowned;
   CStat stats[kNames][3];
   int64_t counters[kCounterCount] = {};
   int64_t slow_mallocs = 0;  // requests an exact-size parked block did not serve
@@ -478,15 +468,10 @@ struct CachingAllocator {
   }
 
   void free_locked(uint64_t ptr) {
-    const bool gil = holds_gil();
-    if (!pending.empty() && gil) process_pending(false);
+    if (!pending.empty()) process_pending(false);
     auto it = active.find(ptr);
     TORCH_CHECK(it != active.end(), "torchport: no block of device ", device, " at ", ptr);
     Block* b = it->second;
-    if (!gil && (!b->stream_uses.empty() || asynchronous || b->adopted)) {
-      unowned.push_back(ptr);  // still allocated until then
-      return;
-    }
     active.erase(it);
     std::vector<long long> events;
     if (!b->stream_uses.empty() || asynchronous) events = free_events(b);
@@ -731,10 +716,6 @@ struct CachingAllocator {
   }
 
   void drain_deferred() {
-    if (!unowned.empty() && holds_gil()) {
-      deferred.insert(deferred.end(), unowned.begin(), unowned.end());
-      unowned.clear();
-    }
     while (!deferred.empty()) {
       uint64_t ptr = deferred.back();
       deferred.pop_back();
@@ -760,7 +741,7 @@ Locked::Locked(CachingAllocator& alloc) : a(alloc) {
 }
 
 Locked::~Locked() {
-  if (a.depth == 1 && (!a.deferred.empty() || !a.unowned.empty())) {
+  if (a.depth == 1 && !a.deferred.empty()) {
     ++a.depth;
     a.drain_deferred();
     --a.depth;
@@ -1249,8 +1230,6 @@ std::atomic<ReleaseBlock> release_block_cb{nullptr};
 namespace torchport {
 
 bool caching_serves() { return caching_on.load(); }
-
-bool thread_holds_gil() { return holds_gil(); }
 
 int64_t caching_current_stream(c10::DeviceIndex device) { return current_stream_id(device); }
 

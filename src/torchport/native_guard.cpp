@@ -18,9 +18,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <mutex>
 #include <string>
-#include <vector>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/DeviceCapability.h>
@@ -28,8 +26,6 @@
 #include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
-
-#include "native_layer.h"
 
 namespace {
 
@@ -66,29 +62,12 @@ void check_index(c10::DeviceIndex index) {
               " device(s) of this type are visible (TORCHPORT_VISIBLE_DEVICES)");
 }
 
-// Events destroyed by threads without the GIL, destroyed by the next call.
-std::mutex orphans_mutex;
-std::vector<long long> orphan_events;
-std::atomic<bool> has_orphans{false};
-
 // Calls into Python; raises the callback's failure as a c10::Error.
 int call(Op op, long long a, long long b = 0, long long c = 0, long long* iout = nullptr,
          double* dout = nullptr) {
   Callback fn = callback.load();
   TORCH_CHECK(fn != nullptr, "the device's stream layer is not available (the process is "
                              "exiting, or torchport registered no backend)");
-  if (has_orphans.load()) {
-    std::vector<long long> events;
-    {
-      std::lock_guard<std::mutex> lock(orphans_mutex);
-      events.swap(orphan_events);
-      has_orphans.store(false);
-    }
-    long long i = 0;
-    double d = 0;
-    for (long long e : events) fn(EVENT_DESTROY, e, 0, 0, &i, &d);  // (failures: gone anyway)
-    failure.clear();
-  }
   long long i = 0;
   double d = 0;
   int rc = fn(op, a, b, c, iout ? iout : &i, dout ? dout : &d);
@@ -190,17 +169,8 @@ struct Guard final : public c10::impl::DeviceGuardImplInterface {
     call(EVENT_ELAPSED, event_id(start), event_id(end), 0, nullptr, &ms);
     return ms;
   }
-  // A thread without the GIL (autograd's device threads, which destroy their events after
-  // their last task, maybe while the interpreter exits) leaves the event to the next call:
-  // waiting for the GIL then would end the thread inside this noexcept function.
   void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
     if (event == nullptr || callback.load() == nullptr) return;
-    if (!torchport::thread_holds_gil()) {
-      std::lock_guard<std::mutex> lock(orphans_mutex);
-      orphan_events.push_back(event_id(event));
-      has_orphans.store(true);
-      return;
-    }
     try {
       call(EVENT_DESTROY, event_id(event));
     } catch (...) {  // a destructor: the event is gone either way

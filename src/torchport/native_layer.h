@@ -16,7 +16,6 @@ int64_t caching_current_stream(c10::DeviceIndex device);
 at::Tensor caching_new_tensor(int device, uint64_t nbytes, c10::ScalarType scalar,
                               c10::IntArrayRef sizes, c10::IntArrayRef strides, int64_t stream);
 void resize_device_storage(const c10::Storage& storage, size_t newsize);
-bool thread_holds_gil();  // (true where the interpreter is not known yet)
 // native_guard.cpp
 c10::DeviceIndex guard_device_count();
 c10::DeviceIndex guard_current_device();
