@@ -466,17 +466,6 @@ def _on_side_stream(fn):
         return fn()
 
 
-@pytest.mark.parametrize("name,fn", _COPIES_HANDED, ids=[n for n, _ in _COPIES_HANDED])
-def test_copies_handed_to_python_are_the_python_kernels(name, fn) -> None:
-    with calls() as c:
-        native = _outcome(fn)
-    with python_host_kernels():
-        python = _outcome(fn)
-    assert native[0] == "ok" and torch.equal(native[1], python[1])
-    if _K.native:
-        assert c.handed == 1
-
-
 @needs_cpp
 def test_a_vendor_copy_kernel_takes_copy_back_to_python() -> None:
     from torchport.ops import KernelSet, registry
@@ -563,8 +552,9 @@ _TO_HANDED = [
 ]
 
 
-@pytest.mark.parametrize("name,fn", _TO_HANDED, ids=[n for n, _ in _TO_HANDED])
-def test_to_copies_handed_to_python_are_the_python_kernels(name, fn) -> None:
+@pytest.mark.parametrize("name,fn", _COPIES_HANDED + _TO_HANDED,
+                         ids=[n for n, _ in _COPIES_HANDED + _TO_HANDED])
+def test_copies_handed_to_python_are_the_python_kernels(name, fn) -> None:
     with calls() as c:
         native = _outcome(fn)
     with python_host_kernels():

@@ -1052,32 +1052,35 @@ class NativeAllocator:
         return [NativeBlock(p, self.owners) for p in self._list(1)]
 
     # ---- allocation paths that are not hot ------------------------------------------
-    def adopt(self, buffer: torch.UntypedStorage, stream: Any = None) -> NativeBlock | None:
-        """As :meth:`DeviceAllocator.adopt`."""
+    def _adopted_by_runtime(self, buffer: torch.UntypedStorage, stream: Any) -> tuple | None:
+        """(address, bytes, stream id) of ``buffer`` once the runtime adopted it, or ``None``
+        where it declines or the memory fraction forbids it."""
         nbytes = buffer.nbytes()
         if not self._within_fraction(nbytes):
             return None
         ptr = self.runtime.adopt_host(self.phys, buffer)
         if ptr is None:
             return None
-        sid = 0 if stream is None else self.stream_id_of(stream)
-        self._check(self.cpp.torchport_caching_adopt(self.logical, ptr, nbytes, sid))
-        return NativeBlock(ptr, self.owners)
+        return ptr, nbytes, 0 if stream is None else self.stream_id_of(stream)
+
+    def adopt(self, buffer: torch.UntypedStorage, stream: Any = None) -> NativeBlock | None:
+        """As :meth:`DeviceAllocator.adopt`."""
+        adopted = self._adopted_by_runtime(buffer, stream)
+        if adopted is None:
+            return None
+        self._check(self.cpp.torchport_caching_adopt(self.logical, *adopted))
+        return NativeBlock(adopted[0], self.owners)
 
     def _adopted_tensor(self, buffer: torch.UntypedStorage, dtype: torch.dtype, size: Any,
                         stride: Any, stream: Any = None) -> torch.Tensor | None:
         """A device tensor over ``buffer`` adopted by the runtime (as :meth:`adopt`), whose
         storage's C++ deleter returns it, or ``None`` where the runtime declines."""
-        py = _py_library(self.cpp)
-        nbytes = buffer.nbytes()
-        if not self._within_fraction(nbytes):
+        adopted = self._adopted_by_runtime(buffer, stream)
+        if adopted is None:
             return None
-        ptr = self.runtime.adopt_host(self.phys, buffer)
-        if ptr is None:
-            return None
-        sid = 0 if stream is None else self.stream_id_of(stream)
-        t = py.torchport_caching_adopted_tensor(self.logical, ptr, nbytes, dtype, list(size),
-                                                list(stride), sid)
+        ptr, nbytes, sid = adopted
+        t = _py_library(self.cpp).torchport_caching_adopted_tensor(
+            self.logical, ptr, nbytes, dtype, list(size), list(stride), sid)
         if t is None:
             self.runtime.free(self.phys, ptr)
             raise self._error()

@@ -1311,6 +1311,18 @@ bool read_ints(PyObject* seq, std::vector<int64_t>& out) {
   Py_DECREF(fast);
   return !PyErr_Occurred();
 }
+
+// A tensor layout from Python (a torch.dtype, sizes, strides); false with a Python error.
+bool read_layout(PyObject* dtype, PyObject* size, PyObject* stride, c10::ScalarType& scalar,
+                 std::vector<int64_t>& sizes, std::vector<int64_t>& strides) {
+  if (!read_ints(size, sizes) || !read_ints(stride, strides)) return false;
+  if (!THPDtype_Check(dtype)) {
+    PyErr_SetString(PyExc_TypeError, "expected a torch.dtype");
+    return false;
+  }
+  scalar = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+  return true;
+}
 }  // namespace
 
 // A device tensor of `dtype`, `size` and `stride` over a new block of `nbytes` on `stream`
@@ -1321,12 +1333,8 @@ extern "C" PyObject* torchport_caching_new_tensor(int device, uint64_t nbytes, P
                                                   PyObject* size, PyObject* stride,
                                                   long long stream) {
   std::vector<int64_t> sizes, strides;
-  if (!read_ints(size, sizes) || !read_ints(stride, strides)) return nullptr;
-  if (!THPDtype_Check(dtype)) {
-    PyErr_SetString(PyExc_TypeError, "expected a torch.dtype");
-    return nullptr;
-  }
-  c10::ScalarType scalar = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+  c10::ScalarType scalar;
+  if (!read_layout(dtype, size, stride, scalar, sizes, strides)) return nullptr;
   at::Tensor t;
   int ok = caching_guarded(
       [&] { t = torchport::caching_new_tensor(device, nbytes, scalar, sizes, strides, stream); });
@@ -1342,12 +1350,8 @@ extern "C" PyObject* torchport_caching_adopted_tensor(int device, uint64_t ptr, 
                                                       PyObject* dtype, PyObject* size,
                                                       PyObject* stride, long long stream) {
   std::vector<int64_t> sizes, strides;
-  if (!read_ints(size, sizes) || !read_ints(stride, strides)) return nullptr;
-  if (!THPDtype_Check(dtype)) {
-    PyErr_SetString(PyExc_TypeError, "expected a torch.dtype");
-    return nullptr;
-  }
-  c10::ScalarType scalar = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+  c10::ScalarType scalar;
+  if (!read_layout(dtype, size, stride, scalar, sizes, strides)) return nullptr;
   at::Tensor t;
   int ok = caching_guarded([&] {
     caching_of(device).adopt(ptr, nbytes, stream);
