@@ -233,6 +233,22 @@ void keep(PyObject*& slot, PyObject* fn) {
 
 }  // namespace
 
+bool torchport::read_dtype_set(PyObject* list, std::bitset<256>& out) {
+  if (!PyList_Check(list)) {
+    PyErr_SetString(PyExc_TypeError, "expected a list of torch.dtype");
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); ++i) {
+    PyObject* d = PyList_GET_ITEM(list, i);
+    if (!THPDtype_Check(d)) {
+      PyErr_SetString(PyExc_TypeError, "expected a list of torch.dtype");
+      return false;
+    }
+    out.set(static_cast<size_t>(reinterpret_cast<THPDtype*>(d)->scalar_type));
+  }
+  return true;
+}
+
 // Registers the two kernels (once) with the Python kernels `empty` and `strided` for
 // everything but the plain cases, the dtypes `refused` (a list of torch.dtype) the device
 // refuses, and `devices` visible devices: 1; 0 with a Python error for bad arguments.
@@ -244,14 +260,7 @@ extern "C" int torchport_native_factories_enable(PyObject* empty, PyObject* stri
     return 0;
   }
   std::bitset<256> dtypes;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(refused); ++i) {
-    PyObject* d = PyList_GET_ITEM(refused, i);
-    if (!THPDtype_Check(d)) {
-      PyErr_SetString(PyExc_TypeError, "expected a list of torch.dtype");
-      return 0;
-    }
-    dtypes.set(static_cast<size_t>(reinterpret_cast<THPDtype*>(d)->scalar_type));
-  }
+  if (!torchport::read_dtype_set(refused, dtypes)) return 0;
   keep(python_empty, empty);
   keep(python_empty_strided, strided);
   rejected = dtypes;

@@ -428,14 +428,7 @@ extern "C" int torchport_native_hostops_enable(PyObject* kernels, PyObject* resu
     return 0;
   }
   std::bitset<256> dtypes;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(refuse); ++i) {
-    PyObject* d = PyList_GET_ITEM(refuse, i);
-    if (!THPDtype_Check(d)) {
-      PyErr_SetString(PyExc_TypeError, "expected a list of torch.dtype");
-      return 0;
-    }
-    dtypes.set(static_cast<size_t>(reinterpret_cast<THPDtype*>(d)->scalar_type));
-  }
+  if (!torchport::read_dtype_set(refuse, dtypes)) return 0;
   std::lock_guard<std::mutex> lock(registering);
   refused = dtypes;
   Py_INCREF(result);

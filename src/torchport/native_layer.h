@@ -25,3 +25,15 @@ int guard_call(int op, long long a, long long b, long long c, long long* iout);
 const at::Generator& default_generator(c10::DeviceIndex index);
 at::Generator new_generator(c10::DeviceIndex index);
 }  // namespace torchport
+
+#if __has_include(<Python.h>)
+#include <Python.h>
+
+#include <bitset>
+
+namespace torchport {
+// native_factories.cpp: the dtypes of `list` (a Python list of torch.dtype) set in `out`;
+// false with a Python TypeError for anything else.
+bool read_dtype_set(PyObject* list, std::bitset<256>& out);
+}  // namespace torchport
+#endif
