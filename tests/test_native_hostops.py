@@ -36,7 +36,8 @@ class calls:
 
     def __exit__(self, *exc: object) -> None:
         end = native_hostops.counts()
-        self.served, self.handed = end[0] - self._start[0], end[1] - self._start[1]
+        self.served, self.handed, self.moved = (e - s for e, s in zip(end, self._start,
+                                                                       strict=True))
 
 
 def _same(dev: object, cpu: object) -> None:
@@ -115,6 +116,26 @@ def test_functional_calls_equal_the_cpu(name, fn) -> None:
     _same(got, fn(cpu))
     if _K.native:
         assert c.served >= 1 and c.handed == 0, (c.served, c.handed)
+
+
+_LARGE = [  # inputs of 1.2 MiB and more: their results are computed in device blocks too
+    ("sum with a dtype", lambda v: v.sum(dtype=torch.float64)),
+    ("clone to channels_last", lambda v: v.view(2, 3, 250, 200)
+     .clone(memory_format=torch.channels_last)),
+    ("div with a rounding mode", lambda v: torch.div(v, 0.3, rounding_mode="trunc")),
+    ("softmax", lambda v: torch.softmax(v.view(300, 1000), 1)),
+]
+
+
+@pytest.mark.parametrize("name,fn", _LARGE, ids=[n for n, _ in _LARGE])
+def test_large_inputs_are_served(name, fn) -> None:
+    v = torch.randn(300000, generator=torch.Generator().manual_seed(0))
+    dv = v.to("sim")
+    with calls() as c:
+        got = fn(dv)
+    _same(got, fn(v))
+    if _K.native:
+        assert c.served >= 1 and c.handed == 0 and c.moved == 0, (c.served, c.handed, c.moved)
 
 
 def test_a_large_weight_with_a_small_batch_is_served() -> None:
@@ -258,11 +279,15 @@ _HANDED = [
     ("a cpu tensor", lambda: torch.ones(3, device="sim") + torch.ones(3)),
     ("a conjugate view", lambda: torch.ones(3, dtype=torch.complex64, device="sim").conj()
      * torch.full((3,), 1j, device="sim")),
-    ("large with a dtype", lambda: torch.ones(300000, device="sim").sum(dtype=torch.float64)),
-    ("large with a memory format", lambda: torch.ones(2, 3, 240, 240, device="sim")
+    # arguments the Python kernel receives as PyTorch's own Python kernels do
+    ("a negative view with a dtype",
+     lambda: torch._neg_view(torch.ones(30, device="sim")).sum(dtype=torch.float64)),
+    ("a negative view with a memory format",
+     lambda: torch._neg_view(torch.ones(2, 3, 4, 4, device="sim"))
      .clone(memory_format=torch.channels_last).stride()),
-    ("large with a string", lambda: torch.div(torch.full((300000,), 7.0, device="sim"), 2.0,
-                                              rounding_mode="trunc")[:3]),
+    ("a negative view with a string",
+     lambda: torch.div(torch._neg_view(torch.full((30,), 7.0, device="sim")), 2.0,
+                       rounding_mode="trunc")[:3]),
 ]
 
 
@@ -294,18 +319,87 @@ def test_errors_are_the_cpu_kernels() -> None:
 
 
 @needs_cpp
-def test_a_large_result_is_adopted_not_copied() -> None:
-    a, b = torch.randn(2048, 1), torch.randn(1, 512)  # 4 MiB from 10 KiB of inputs
+@pytest.mark.parametrize("rows", [4, 256, 2048])  # results of 8 KiB, 512 KiB, 4 MiB
+def test_new_results_are_computed_in_device_blocks(rows) -> None:
+    # the CPU kernel's result is a block of the device's pool: no host copy to move, and
+    # none adopted (an outer product: a large result from small inputs)
+    a, b = torch.randn(rows, 1), torch.randn(1, 512)
     da, db = a.to("sim"), b.to("sim")
     before = torch.sim.memory_allocated()
     with calls() as c:
         r = da @ db
-    assert c.served == 1
+    assert (c.served, c.handed, c.moved) == (1, 0, 0)
     assert torch.equal(r.cpu(), a @ b)
     block = _B.allocators[0].active[r.data_ptr()]
-    assert block.adopted
-    assert torch.sim.memory_allocated() - before >= r.numel() * 4
+    assert not block.adopted and block.size >= r.numel() * 4
+    assert torch.sim.memory_allocated() - before == block.size
+    r.add_(1)  # an ordinary device tensor: written in place, resized, freed to the pool
+    assert torch.equal(r.cpu(), a @ b + 1)
+    r.untyped_storage().resize_(r.untyped_storage().nbytes() * 2)
     del r
+    assert torch.sim.memory_allocated() == before
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: torch.div(x, 2.0, rounding_mode="trunc"), lambda x: x * 2, lambda x: x.sum(0)],
+    ids=["div", "mul", "sum"])
+def test_an_argument_only_the_call_holds_is_intact_until_the_cpu_kernel_is_done(fn) -> None:
+    # a negative view is resolved into a temporary that only the dispatcher's stack holds
+    # when the op runs on it; the CPU kernel's own allocations must not reuse its memory
+    base = torch.arange(-60.0, 60.0).view(4, 30)
+    for _ in range(3):
+        got = fn(torch._neg_view(base.to("sim")))
+        assert torch.equal(got.cpu(), fn(torch._neg_view(base)))
+
+
+@needs_cpp
+def test_results_for_the_host_are_host_memory() -> None:
+    x = torch.randn(300, 300, device="sim")
+    before = torch.sim.memory_allocated()
+    on_host = [x.cpu(), x.to("cpu", torch.float64), x.tolist()[0][0], x.numpy(force=True)]
+    assert torch.sim.memory_allocated() == before
+    expected = x.cpu().clone()
+    del x
+    torch.sim.empty_cache()
+    assert torch.equal(on_host[0], expected)
+    assert torch.equal(on_host[1], expected.double())
+    assert on_host[2] == expected[0, 0].item()
+    assert torch.equal(torch.from_numpy(on_host[3]), expected)
+
+
+@needs_cpp
+def test_cpu_kernels_with_their_own_workspaces_return_every_block() -> None:
+    # oneDNN's convolutions take their scratch memory through the CPU allocator's raw
+    # interface: device blocks while a host op runs, returned by the raw deleter
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(16, 32, 3, padding=1)
+    x = torch.randn(8, 16, 28, 28, requires_grad=True)
+    dconv = copy.deepcopy(conv).to("sim")
+    dx = x.detach().to("sim").requires_grad_()
+    before = torch.sim.memory_allocated()
+    out, dout = conv(x), dconv(dx)
+    out.square().sum().backward()
+    dout.square().sum().backward()
+    assert torch.allclose(dout.cpu(), out, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(dx.grad.cpu(), x.grad, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(dconv.weight.grad.cpu(), conv.weight.grad, rtol=1e-4, atol=1e-3)
+    grads = dx.grad.numel() * 4 + sum(p.grad.numel() * 4 for p in dconv.parameters())
+    del out, dout
+    dx.grad = None
+    dconv.zero_grad(set_to_none=True)
+    assert torch.sim.memory_allocated() == before, grads
+
+
+@needs_cpp
+def test_out_of_memory_inside_the_cpu_kernel_leaves_the_process_usable() -> None:
+    a, b = torch.randn(4096, 1, device="sim:1"), torch.randn(1, 4096, device="sim:1")
+    torch.sim.set_per_process_memory_fraction(0.001, 1)
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="sim:1|device 1"):
+            a @ b  # 64 MiB
+    finally:
+        torch.sim.set_per_process_memory_fraction(1.0, 1)
+    assert torch.equal((a @ b).cpu(), a.cpu() @ b.cpu())
 
 
 @needs_cpp
@@ -374,7 +468,7 @@ def test_without_the_library_the_python_kernels_serve() -> None:
         print(active_backend().host_op_kernels.native, (x * 2).tolist(),
               native_hostops.counts())
     """, env=child_env(TORCHPORT_NATIVE="0"))
-    assert out.split() == ["False", "[0.0,", "2.0,", "4.0,", "6.0]", "(0,", "0)"]
+    assert out.split() == ["False", "[0.0,", "2.0,", "4.0,", "6.0]", "(0,", "0,", "0)"]
 
 
 # Copies (torchport's own copy_, served the same way): (name, fn(make) -> the written

@@ -26,6 +26,7 @@
 // Built with the other native_*.cpp by torchport/native.py; enabled by
 // torchport_allocator_enable().
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -39,6 +40,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -455,6 +457,12 @@ struct CachingAllocator {
     stat(false, SEGMENT, 1);
     stat(false, RESERVED_BYTES, static_cast<int64_t>(nbytes));
     return hand_out(b, nbytes);
+  }
+
+  // Is `ptr` a block this allocator handed out and still holds?
+  bool owns(uint64_t ptr) {
+    Locked l(*this);
+    return active.count(ptr) != 0;
   }
 
   // ---- freeing ------------------------------------------------------------------------
@@ -1287,6 +1295,107 @@ void resize_device_storage(const c10::Storage& storage, size_t newsize) {
     auto ptr = reinterpret_cast<uint64_t>(gone.get());
     python("release", [&] { return release(device, ptr); });
   }
+}
+
+
+// ---- results of host-op kernels in device memory ----------------------------------------
+// A host-op kernel (native_hostops.cpp) runs PyTorch's CPU kernel on CPU tensors over device
+// memory; the CPU kernel makes its new results with the CPU allocator. While a thread runs
+// such a kernel for device d (`HostResultsIn`), the CPU allocator's allocations in that
+// thread are blocks of d's caching allocator on the current stream, so a new result is
+// device memory already (`host_result_on_device` makes it the device's without a copy).
+// Every other allocation, in every other thread, is the wrapped allocator's own.
+namespace {
+thread_local int results_device = -1;
+constexpr int kResultDevices = 64;
+c10::Allocator* host_base = nullptr;
+
+void free_result(int device, void* p) {
+  if (!caching_on.load()) return;  // the process is ending: the runtime is gone
+  try {
+    caching_of(device).free(reinterpret_cast<uint64_t>(p));
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "Exception ignored in torchport's device allocator: %s\n",
+                 e.what_without_backtrace());
+  }
+}
+
+// One deleter per device (a DataPtr's context is its address, as raw_allocate requires).
+template <size_t... D>
+constexpr std::array<c10::DeleterFnPtr, sizeof...(D)> result_deleters_for(
+    std::index_sequence<D...>) {
+  return {{[](void* p) { free_result(static_cast<int>(D), p); }...}};
+}
+constexpr auto result_deleters = result_deleters_for(std::make_index_sequence<kResultDevices>{});
+
+// raw_allocate's memory returns through raw_deleter(): a device block or the host's.
+void raw_free(void* p) {
+  if (p != nullptr && caching_on.load()) {
+    auto& v = caching();
+    for (size_t d = 0; d < v.size(); ++d)
+      if (v[d]->owns(reinterpret_cast<uint64_t>(p))) return free_result(static_cast<int>(d), p);
+  }
+  host_base->raw_deleter()(p);
+}
+
+struct HostResultsAllocator final : public c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    const int d = results_device;
+    if (d < 0 || n == 0 || !caching_on.load()) return host_base->allocate(n);
+    results_device = -1;  // the caching allocator's own host allocations (a new segment)
+    struct Restore {
+      int d;
+      ~Restore() { results_device = d; }
+    } restore{d};
+    auto device = static_cast<c10::DeviceIndex>(d);
+    Block* b = caching_of(d).malloc(n, current_stream_id(device));
+    void* p = reinterpret_cast<void*>(b->ptr);
+    return {p, p, result_deleters[d], c10::Device(c10::kCPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &raw_free; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    host_base->copy_data(dest, src, count);
+  }
+};
+}  // namespace
+
+bool host_results_install() {
+  static HostResultsAllocator wrapper;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    host_base = c10::GetCPUAllocator();
+    c10::SetCPUAllocator(&wrapper, /*priority=*/0);
+  });
+  return c10::GetCPUAllocator() == &wrapper;  // another one may outrank it
+}
+
+HostResultsIn::HostResultsIn(int device)
+    : saved_(results_device) {
+  results_device = device < kResultDevices ? device : -1;
+}
+HostResultsIn::~HostResultsIn() { results_device = saved_; }
+
+at::Tensor host_result_on_device(const at::Tensor& cpu, int device) {
+  if (!cpu.has_storage() || device < 0 || device >= kResultDevices) return {};
+  c10::StorageImpl* st = cpu.storage().unsafeGetStorageImpl();
+  // ours, and nothing but this result holds it (a CPU kernel may keep its own tensors)
+  if (st->data_ptr().get_deleter() != result_deleters[device] ||
+      cpu.storage().use_count() != 1)
+    return {};
+  const auto nbytes = static_cast<uint64_t>(st->nbytes());
+  c10::DataPtr taken = st->set_data_ptr(c10::DataPtr(nullptr, c10::Device(c10::kCPU)));
+  void* p = taken.release_context();  // the block is ours now: no deleter runs
+  c10::DataPtr data(p, new Allocation{reinterpret_cast<uint64_t>(p), device}, &free_cached,
+                    c10::Device(kDevice, static_cast<c10::DeviceIndex>(device)));
+  auto storage = c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), static_cast<int64_t>(nbytes), std::move(data),
+      allocator(), /*resizable=*/true);
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(std::move(storage)), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+      cpu.dtype());
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(cpu.sizes(), cpu.strides(),
+                                                 cpu.storage_offset());
+  return t;
 }
 
 }  // namespace torchport

@@ -6,15 +6,18 @@
 //
 // A call is served here when every tensor argument (also in lists) is a plain strided
 // tensor of one device of the backend (0-dim CPU tensors, such as Python numbers, pass as
-// they are outside lists), and a functional op's first tensor is not large (an activation
-// of a large batch: its results are large too, which the Python kernel computes into new
-// device blocks directly; here a new result is computed in host memory, then copied or
-// adopted). The CPU kernel sees one CPU tensor per device tensor
+// they are outside lists). The CPU kernel sees one CPU tensor per device tensor
 // and one CPU storage per device storage (its overlap checks see what the CPU's see);
 // written arguments are the device tensors' own memory; a result that is an argument is
-// that argument, a view of an argument's memory is a device view, a new result is copied
-// into a new block of the C++ caching allocator on the current stream (a large one, or an
-// unusual one, goes to the Python `result` function, which adopts or converts it).
+// that argument, a view of an argument's memory is a device view, and a new result is a
+// block of the C++ caching allocator already: while the CPU kernel runs, this thread's CPU
+// allocations are the device's blocks on the current stream (HostResultsIn,
+// native_allocator.cpp), and the block moves to a device storage without a copy. A result
+// made otherwise (a CPU kernel's own tensor, a dtype the device refuses) is copied into a
+// new block, or goes to the Python `result` function, which adopts or converts it. Where
+// the CPU allocator's wrapper cannot serve, a functional op whose first tensor is large
+// (an activation of a large batch) is handed to the Python kernel, which computes into
+// new device blocks directly.
 // torchport's own `copy_` is served so too, with the CPU tensor of a copy between the host
 // and the device passed to the CPU kernel as it is (and returned as it is), and its own
 // `_to_copy` (to the CPU, to the device from the CPU, a dtype on one device).
@@ -58,10 +61,12 @@ constexpr auto kDevice = c10::DeviceType::PrivateUse1;
 PyObject* python_result = nullptr;
 uint64_t functional_input_max = 0;  // bytes: a larger first input takes the Python kernel
 uint64_t copy_max = 0;              // bytes: larger new results go to `result`
+bool results_in_blocks = false;     // the CPU kernels' new tensors are device blocks
 int visible = 0;
 std::bitset<256> refused;  // dtypes the device refuses: their new results go to `result`
 std::atomic<int64_t> served{0};
 std::atomic<int64_t> handed{0};
+std::atomic<int64_t> moved{0};  // new results copied or converted after the CPU kernel
 std::mutex registering;
 std::unique_ptr<torch::Library> registered;
 std::vector<std::string> registered_names;
@@ -119,7 +124,7 @@ class HostOp final : public c10::OperatorKernel {
     if ((index >= 0 && d != index) || d < 0 || d >= visible ||
         t.layout() != c10::Layout::Strided || t.is_conj() || t.is_neg() ||
         t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
-        (functional_ && index < 0 &&
+        (functional_ && index < 0 && !results_in_blocks &&
          static_cast<uint64_t>(t.numel()) * t.itemsize() > functional_input_max))
       return false;
     index = d;
@@ -159,7 +164,9 @@ class HostOp final : public c10::OperatorKernel {
       return python(op, stack);
 
     // 2. CPU tensors over the device tensors' memory: one per tensor, one storage per storage.
-    c10::SmallVector<std::pair<c10::TensorImpl*, at::Tensor>, 6> tensors;  // device -> CPU
+    // device -> CPU; holding the device tensors: an argument only the stack held (a
+    // temporary of a composite op) keeps its memory until the CPU kernel is done with it
+    c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 6> tensors;
     c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 6> storages;
     c10::SmallVector<c10::IValue, 8> originals;  // what an op writing its arguments was given
     if (!functional_ || host) originals.assign((*stack).begin() + first, (*stack).end());
@@ -186,8 +193,10 @@ class HostOp final : public c10::OperatorKernel {
       }
     }
 
-    // 3. The CPU kernel.
+    // 3. The CPU kernel (its new tensors in blocks of the device; a copy with the host
+    // allocates the host's).
     try {
+      torchport::HostResultsIn results(host || !results_in_blocks ? -1 : index);
       op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
     } catch (const c10::Error& e) {
       // an out= argument the CPU kernel must grow: nothing computed yet, the Python kernel
@@ -202,8 +211,9 @@ class HostOp final : public c10::OperatorKernel {
       const c10::AliasInfo* info = schema.arguments()[i].alias_info();
       if (info == nullptr || !info->isWrite() || !originals[i].isTensor()) continue;
       const at::Tensor& dev = originals[i].toTensor();
-      for (auto& [impl, cpu] : tensors) {
-        if (impl != dev.unsafeGetTensorImpl()) continue;
+      c10::TensorImpl* impl = dev.unsafeGetTensorImpl();
+      for (auto& [held, cpu] : tensors) {
+        if (held.unsafeGetTensorImpl() != impl) continue;
         if (cpu.sizes() != dev.sizes() || cpu.strides() != dev.strides() ||
             cpu.storage_offset() != dev.storage_offset())
           impl->set_sizes_and_strides(cpu.sizes(), cpu.strides(), cpu.storage_offset());
@@ -265,11 +275,14 @@ class HostOp final : public c10::OperatorKernel {
     if ((!from_device || to.type() != kDevice) &&
         torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0)
       return python(op, stack);
-    c10::SmallVector<std::pair<c10::TensorImpl*, at::Tensor>, 6> tensors;
+    c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 6> tensors;
     c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 6> storages;
     if (from_device) (*stack)[first] = c10::IValue(cpu_alias(self, tensors, storages));
     (*stack)[first + 3] = c10::IValue(c10::Device(c10::DeviceType::CPU));
-    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+    {
+      torchport::HostResultsIn results(to.type() == kDevice && results_in_blocks ? index : -1);
+      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+    }
     if (to.type() == kDevice) {
       at::Tensor cpu = stack->back().toTensor();
       tensors.clear();
@@ -288,11 +301,11 @@ class HostOp final : public c10::OperatorKernel {
   }
 
   static at::Tensor cpu_alias(const at::Tensor& t,
-                              c10::SmallVectorImpl<std::pair<c10::TensorImpl*, at::Tensor>>& tensors,
+                              c10::SmallVectorImpl<std::pair<at::Tensor, at::Tensor>>& tensors,
                               c10::SmallVectorImpl<std::pair<c10::StorageImpl*, c10::Storage>>& storages) {
     c10::TensorImpl* impl = t.unsafeGetTensorImpl();
     for (auto& [dev, cpu] : tensors)
-      if (dev == impl) return cpu;
+      if (dev.unsafeGetTensorImpl() == impl) return cpu;
     c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
     c10::Storage storage;
     for (auto& [dev, cpu] : storages)
@@ -307,19 +320,18 @@ class HostOp final : public c10::OperatorKernel {
     at::Tensor cpu = at::detail::make_tensor<c10::TensorImpl>(
         std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
     cpu.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
-    tensors.emplace_back(impl, cpu);
+    tensors.emplace_back(t, cpu);
     return cpu;
   }
 
   // A result of the CPU kernel as the device's: an argument itself, a view of an argument's
   // memory, or a new tensor copied (or handed to `result`).
   static at::Tensor on_device(const at::Tensor& cpu, int index,
-                              const c10::SmallVectorImpl<std::pair<c10::TensorImpl*, at::Tensor>>& tensors,
+                              const c10::SmallVectorImpl<std::pair<at::Tensor, at::Tensor>>& tensors,
                               const c10::SmallVectorImpl<std::pair<c10::StorageImpl*, c10::Storage>>& storages) {
     c10::TensorImpl* impl = cpu.unsafeGetTensorImpl();
     for (auto& [dev, alias] : tensors)
-      if (alias.unsafeGetTensorImpl() == impl)
-        return at::Tensor(c10::intrusive_ptr<c10::TensorImpl>::reclaim_copy(dev));
+      if (alias.unsafeGetTensorImpl() == impl) return dev;
     if (cpu.has_storage()) {
       c10::StorageImpl* st = cpu.storage().unsafeGetStorageImpl();
       for (size_t i = 0; i < storages.size(); ++i) {
@@ -335,10 +347,15 @@ class HostOp final : public c10::OperatorKernel {
       }
     }
     const uint64_t nbytes = static_cast<uint64_t>(cpu.numel()) * cpu.itemsize();
-    if (cpu.layout() == c10::Layout::Strided && !cpu.is_quantized() && !cpu._is_zerotensor() &&
-        !refused[static_cast<size_t>(cpu.scalar_type())] &&
-        !cpu.is_conj() && !cpu.is_neg() && nbytes <= copy_max &&
-        cpu.is_non_overlapping_and_dense()) {
+    const bool plain = cpu.layout() == c10::Layout::Strided && !cpu.is_quantized() &&
+                       !cpu._is_zerotensor() && !refused[static_cast<size_t>(cpu.scalar_type())] &&
+                       !cpu.is_conj() && !cpu.is_neg();
+    if (plain) {  // computed into a block of the device already
+      at::Tensor taken = torchport::host_result_on_device(cpu, index);
+      if (taken.defined()) return taken;
+    }
+    moved.fetch_add(1, std::memory_order_relaxed);
+    if (plain && nbytes <= copy_max && cpu.is_non_overlapping_and_dense()) {
       at::Tensor out = torchport::caching_new_tensor(
           index, nbytes, cpu.scalar_type(), cpu.sizes(), cpu.strides(),
           torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)));
@@ -437,6 +454,7 @@ extern "C" int torchport_native_hostops_enable(PyObject* kernels, PyObject* resu
   visible = devices;
   functional_input_max = static_cast<uint64_t>(input_max);
   copy_max = static_cast<uint64_t>(max_copy);
+  results_in_blocks = torchport::host_results_install();
   try {
     if (!registered) {
       registered = std::make_unique<torch::Library>(
@@ -478,9 +496,11 @@ extern "C" void torchport_native_hostops_disable() {
   registered_names.clear();
 }
 
-// Calls served in C++ and calls handed to the Python kernels, since the process started.
+// Calls served in C++, calls handed to the Python kernels, and new results copied or
+// converted after the CPU kernel made them in host memory, since the process started.
 extern "C" void torchport_native_hostops_counts(int64_t* out) {
   out[0] = served.load();
   out[1] = handed.load();
+  out[2] = moved.load();
 }
 #endif

@@ -16,6 +16,23 @@ int64_t caching_current_stream(c10::DeviceIndex device);
 at::Tensor caching_new_tensor(int device, uint64_t nbytes, c10::ScalarType scalar,
                               c10::IntArrayRef sizes, c10::IntArrayRef strides, int64_t stream);
 void resize_device_storage(const c10::Storage& storage, size_t newsize);
+// The CPU allocator wrapped once so that a thread running a host-op kernel for a device
+// allocates that device's blocks (false where another CPU allocator outranks the wrapper).
+bool host_results_install();
+// While alive, this thread's CPU allocations are blocks of `device` (-1: the host's).
+class HostResultsIn {
+ public:
+  explicit HostResultsIn(int device);
+  ~HostResultsIn();
+  HostResultsIn(const HostResultsIn&) = delete;
+  HostResultsIn& operator=(const HostResultsIn&) = delete;
+
+ private:
+  int saved_;
+};
+// A CPU kernel's new result made under HostResultsIn(device), as a device tensor over the
+// same block (no copy); undefined where its memory is not such a block held by it alone.
+at::Tensor host_result_on_device(const at::Tensor& cpu, int device);
 // native_guard.cpp
 c10::DeviceIndex guard_device_count();
 c10::DeviceIndex guard_current_device();

@@ -34,9 +34,10 @@ from torchport.ops.plan import plan_for
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
 
-#: A functional op whose first tensor is larger takes the Python kernel, which computes
-#: into new device blocks directly: its results are likely as large (an activation of a
-#: large batch), and C++ computes a new result in host memory, then copies it (up to
+#: Where the CPU allocator's wrapper cannot serve (another CPU allocator outranks it), a
+#: functional op whose first tensor is larger takes the Python kernel, which computes into
+#: new device blocks directly: its results are likely as large (an activation of a large
+#: batch), and C++ then computes a new result in host memory, copies it (up to
 #: ``ADOPT_MIN_BYTES``) or has the runtime adopt it.
 FUNCTIONAL_INPUT_MAX = 1 << 20
 
@@ -208,14 +209,15 @@ def _result_function(backend: DeviceBackend) -> Callable[[torch.Tensor, int], to
     return result
 
 
-def counts() -> tuple[int, int]:
-    """(calls served in C++, calls handed to the Python kernels) in this process."""
+def counts() -> tuple[int, int, int]:
+    """(calls served in C++, calls handed to the Python kernels, new results copied or
+    converted after the CPU kernel made them in host memory) in this process."""
     cpp = native.loaded()
     if cpp is None or not hasattr(cpp, "torchport_native_hostops_counts"):
-        return (0, 0)
-    out = (ctypes.c_int64 * 2)()
+        return (0, 0, 0)
+    out = (ctypes.c_int64 * 3)()
     cpp.torchport_native_hostops_counts(out)
-    return (out[0], out[1])
+    return (out[0], out[1], out[2])
 
 
 def install(backend: DeviceBackend) -> None:
