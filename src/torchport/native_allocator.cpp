@@ -775,17 +775,22 @@ CachingAllocator& caching_of(int device) {
   return *v[device];
 }
 
+// A deleter returns block `ptr` of `device` (no-op once the process is ending: the
+// runtime is gone); a deleter cannot throw: reported as Python reports an exception in
+// __del__.
+void free_block(int device, uint64_t ptr) {
+  if (!caching_on.load()) return;
+  try {
+    caching_of(device).free(ptr);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "Exception ignored in torchport's device allocator: %s\n",
+                 e.what_without_backtrace());
+  }
+}
+
 void free_cached(void* ctx) {
   auto* a = static_cast<Allocation*>(ctx);
-  if (caching_on.load()) {
-    try {
-      caching_of(a->device).free(a->ptr);
-    } catch (const c10::Error& e) {
-      // a deleter cannot throw: reported as Python reports an exception in __del__
-      std::fprintf(stderr, "Exception ignored in torchport's device allocator: %s\n",
-                   e.what_without_backtrace());
-    }
-  }
+  free_block(a->device, a->ptr);
   delete a;
 }
 
@@ -795,12 +800,16 @@ int64_t current_stream_id(c10::DeviceIndex device) {
       .id();
 }
 
+// The DataPtr of a device storage holding block `ptr` of `device`: its deleter returns it.
+c10::DataPtr block_data_ptr(uint64_t ptr, int device) {
+  return {reinterpret_cast<void*>(ptr), new Allocation{ptr, device}, &free_cached,
+          c10::Device(kDevice, static_cast<c10::DeviceIndex>(device))};
+}
+
 c10::DataPtr cached_data_ptr(int device, uint64_t nbytes, int64_t stream) {
   c10::Device where(kDevice, static_cast<c10::DeviceIndex>(device));
   if (nbytes == 0) return {nullptr, nullptr, &free_cached, where};
-  Block* b = caching_of(device).malloc(nbytes, stream);
-  auto* ctx = new Allocation{b->ptr, device};
-  return {reinterpret_cast<void*>(b->ptr), ctx, &free_cached, where};
+  return block_data_ptr(caching_of(device).malloc(nbytes, stream)->ptr, device);
 }
 
 thread_local std::string caching_error;
@@ -1243,15 +1252,15 @@ int64_t caching_current_stream(c10::DeviceIndex device) { return current_stream_
 
 namespace {
 // A device tensor over `data` (`nbytes`), its storage resizable by the device allocator.
-at::Tensor tensor_over(c10::DataPtr data, uint64_t nbytes, c10::ScalarType scalar,
-                       c10::IntArrayRef sizes, c10::IntArrayRef strides) {
+at::Tensor tensor_over(c10::DataPtr data, uint64_t nbytes, caffe2::TypeMeta dtype,
+                       c10::IntArrayRef sizes, c10::IntArrayRef strides, int64_t offset = 0) {
   auto storage = c10::make_intrusive<c10::StorageImpl>(
       c10::StorageImpl::use_byte_size_t(), static_cast<int64_t>(nbytes), std::move(data),
       allocator(), /*resizable=*/true);
   at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
       c10::Storage(std::move(storage)), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-      c10::scalarTypeToTypeMeta(scalar));
-  t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides);
+      dtype);
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
   return t;
 }
 }  // namespace
@@ -1259,7 +1268,8 @@ at::Tensor tensor_over(c10::DataPtr data, uint64_t nbytes, c10::ScalarType scala
 at::Tensor caching_new_tensor(int device, uint64_t nbytes, c10::ScalarType scalar,
                               c10::IntArrayRef sizes, c10::IntArrayRef strides,
                               int64_t stream) {
-  return tensor_over(cached_data_ptr(device, nbytes, stream), nbytes, scalar, sizes, strides);
+  return tensor_over(cached_data_ptr(device, nbytes, stream), nbytes,
+                     c10::scalarTypeToTypeMeta(scalar), sizes, strides);
 }
 
 // UntypedStorage.resize_ of a device storage: a new block of `newsize` bytes on the current
@@ -1297,7 +1307,6 @@ void resize_device_storage(const c10::Storage& storage, size_t newsize) {
   }
 }
 
-
 // ---- results of host-op kernels in device memory ----------------------------------------
 // A host-op kernel (native_hostops.cpp) runs PyTorch's CPU kernel on CPU tensors over device
 // memory; the CPU kernel makes its new results with the CPU allocator. While a thread runs
@@ -1310,15 +1319,7 @@ thread_local int results_device = -1;
 constexpr int kResultDevices = 64;
 c10::Allocator* host_base = nullptr;
 
-void free_result(int device, void* p) {
-  if (!caching_on.load()) return;  // the process is ending: the runtime is gone
-  try {
-    caching_of(device).free(reinterpret_cast<uint64_t>(p));
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "Exception ignored in torchport's device allocator: %s\n",
-                 e.what_without_backtrace());
-  }
-}
+void free_result(int device, void* p) { free_block(device, reinterpret_cast<uint64_t>(p)); }
 
 // One deleter per device (a DataPtr's context is its address, as raw_allocate requires).
 template <size_t... D>
@@ -1382,20 +1383,10 @@ at::Tensor host_result_on_device(const at::Tensor& cpu, int device) {
   if (st->data_ptr().get_deleter() != result_deleters[device] ||
       cpu.storage().use_count() != 1)
     return {};
-  const auto nbytes = static_cast<uint64_t>(st->nbytes());
   c10::DataPtr taken = st->set_data_ptr(c10::DataPtr(nullptr, c10::Device(c10::kCPU)));
-  void* p = taken.release_context();  // the block is ours now: no deleter runs
-  c10::DataPtr data(p, new Allocation{reinterpret_cast<uint64_t>(p), device}, &free_cached,
-                    c10::Device(kDevice, static_cast<c10::DeviceIndex>(device)));
-  auto storage = c10::make_intrusive<c10::StorageImpl>(
-      c10::StorageImpl::use_byte_size_t(), static_cast<int64_t>(nbytes), std::move(data),
-      allocator(), /*resizable=*/true);
-  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
-      c10::Storage(std::move(storage)), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-      cpu.dtype());
-  t.unsafeGetTensorImpl()->set_sizes_and_strides(cpu.sizes(), cpu.strides(),
-                                                 cpu.storage_offset());
-  return t;
+  auto p = reinterpret_cast<uint64_t>(taken.release_context());  // ours now: no deleter runs
+  return tensor_over(block_data_ptr(p, device), st->nbytes(), cpu.dtype(), cpu.sizes(),
+                     cpu.strides(), cpu.storage_offset());
 }
 
 }  // namespace torchport
@@ -1464,9 +1455,8 @@ extern "C" PyObject* torchport_caching_adopted_tensor(int device, uint64_t ptr, 
   at::Tensor t;
   int ok = caching_guarded([&] {
     caching_of(device).adopt(ptr, nbytes, stream);
-    c10::DataPtr data(reinterpret_cast<void*>(ptr), new Allocation{ptr, device}, &free_cached,
-                      c10::Device(kDevice, static_cast<c10::DeviceIndex>(device)));
-    t = torchport::tensor_over(std::move(data), nbytes, scalar, sizes, strides);
+    t = torchport::tensor_over(block_data_ptr(ptr, device), nbytes,
+                               c10::scalarTypeToTypeMeta(scalar), sizes, strides);
   });
   if (!ok) Py_RETURN_NONE;
   return THPVariable_Wrap(std::move(t));
