@@ -228,8 +228,7 @@ def test_lists_in_place_and_optimizers() -> None:
 def test_out_of_another_shape() -> None:
     x, w = _inputs()["x"], _inputs()["w"]
     dx, dw = x.to("sim"), w.to("sim")
-    # growing: the CPU kernel cannot grow host memory it does not own: the Python kernel
-    # resizes the device tensor
+    # growing: the CPU kernel grows the device tensor's storage (into a device block)
     with calls() as grow:
         out = torch.empty(0, device="sim")
         torch.mm(dx, dw.t(), out=out)
@@ -246,7 +245,116 @@ def test_out_of_another_shape() -> None:
     _same(dev_out, cpu_out)
     assert [str(w.message) for w in dw_] == [str(w.message) for w in cw]
     if _K.native:
-        assert grow.handed == 1
+        assert (grow.served, grow.handed, grow.moved) == (1, 0, 0)
+
+
+_GROWN = [  # a non-empty out= the CPU kernel must grow (PyTorch resizes it, with a warning)
+    ("add", lambda a, out: torch.add(a, 1, out=out)),
+    ("arange", lambda a, out: torch.arange(float(a.numel()), out=out)),
+    ("cat", lambda a, out: torch.cat([a, a], out=out)),
+    ("sum", lambda a, out: torch.sum(a.view(-1, 10), 1, out=out)),
+    ("mm", lambda a, out: torch.mm(a[:40000].view(200, 200), a[:40000].view(200, 200), out=out)),
+]
+
+
+@pytest.mark.parametrize("kernels", ["as served", "python"])
+@pytest.mark.parametrize("name,fn", _GROWN, ids=[n for n, _ in _GROWN])
+def test_a_grown_out_never_writes_past_its_storage(name, fn, kernels) -> None:
+    # the CPU kernel sees the out='s memory as its storage, not the device memory after it
+    a = torch.randn(100_000)
+    out = torch.ones(3, device="sim")
+    after = [torch.randn(1000, device="sim") for _ in range(8)]  # blocks near the out's
+    kept = [t.cpu() for t in after]
+    with warnings.catch_warnings(record=True) as dev_warnings:
+        warnings.simplefilter("always")
+        if kernels == "python":
+            with python_host_kernels():
+                r = fn(a.to("sim"), out)
+        else:
+            r = fn(a.to("sim"), out)
+    with warnings.catch_warnings(record=True) as cpu_warnings:
+        warnings.simplefilter("always")
+        expect = fn(a, torch.ones(3))
+    assert r is out
+    _same(out, expect)
+    assert all(torch.equal(t.cpu(), k) for t, k in zip(after, kept, strict=True))
+    assert [str(w.message) for w in dev_warnings] == [str(w.message) for w in cpu_warnings]
+
+
+@needs_cpp
+@pytest.mark.parametrize("name,fn", [
+    ("mm", lambda a, out: torch.mm(a, a.t(), out=out)),
+    ("add", lambda a, out: torch.add(a, 1, out=out)),
+    ("cat", lambda a, out: torch.cat([a, a], out=out)),
+    ("arange", lambda a, out: torch.arange(5.0, 500.0, out=out)),
+], ids=["mm", "add", "cat", "arange"])
+def test_an_out_the_cpu_kernel_grows_takes_a_device_block(name, fn) -> None:
+    # as on CUDA: the storage grows in place (every tensor on it sees the new memory), the
+    # old block returns, and nothing is copied or handed to Python
+    a = torch.randn(40, 30)
+    da = a.to("sim")
+    out = torch.ones(3, device="sim")
+    sharing = torch.empty(0, device="sim").set_(out.untyped_storage())
+    storage = out.untyped_storage()
+    before = torch.sim.memory_allocated()
+    with calls() as c:
+        r = fn(da, out)
+    expect = fn(a, torch.ones(3))
+    assert (c.served, c.handed, c.moved) == (1, 0, 0)
+    assert r is out
+    _same(out, expect)
+    assert out.untyped_storage()._cdata == storage._cdata
+    assert sharing.data_ptr() == out.data_ptr() and sharing.shape == (3,)
+    assert sharing.untyped_storage().nbytes() >= expect.numel() * 4
+    block = _B.allocators[0].active[out.data_ptr()]
+    assert torch.sim.memory_allocated() - before == block.size - 512  # the old block returned
+    del r, out, sharing, storage
+    assert torch.sim.memory_allocated() == before - 512
+
+
+@needs_cpp
+def test_resize_runs_in_cpp_as_on_the_cpu() -> None:
+    x = torch.arange(12.0).reshape(3, 4)
+    dx = x.to("sim")
+    view = dx[0]
+    with calls() as c:
+        dx.resize_(5, 4)  # grows: the first 12 values kept, every view on the storage moves
+        dx.resize_(2, 3, 4, 4, memory_format=torch.channels_last)
+        dx.resize_(2, 2)  # shrinks: the storage stays
+    x.resize_(5, 4)
+    x.resize_(2, 3, 4, 4, memory_format=torch.channels_last)
+    x.resize_(2, 2)
+    assert (c.served, c.handed) == (3, 0)
+    assert (dx.shape, dx.stride()) == (x.shape, x.stride())
+    assert torch.equal(dx.cpu(), x)
+    assert view.data_ptr() == dx.data_ptr() and torch.equal(view.cpu(), torch.arange(4.0))
+    assert dx.untyped_storage().nbytes() == x.untyped_storage().nbytes()
+    # PyTorch's deterministic mode fills the new memory (NaN), as on the CPU and CUDA
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        y, dy = torch.ones(2), torch.ones(2, device="sim")
+        y.resize_(6)
+        dy.resize_(6)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    _same(dy, y)
+
+
+@needs_cpp
+def test_out_of_memory_growing_an_out_leaves_it_intact() -> None:
+    out = torch.full((4,), 7.0, device="sim:1")
+    torch.sim.set_per_process_memory_fraction(0.001, 1)
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="sim:1|device 1"):
+            torch.arange(float(1 << 24), out=out)  # 64 MiB
+        with pytest.raises(torch.OutOfMemoryError, match="sim:1|device 1"):
+            out.resize_(1 << 24)
+    finally:
+        torch.sim.set_per_process_memory_fraction(1.0, 1)
+    assert out.shape == (4,) and torch.equal(out.cpu(), torch.full((4,), 7.0))
+    torch.arange(10.0, out=out)
+    assert torch.equal(out.cpu(), torch.arange(10.0))
 
 
 def test_overlap_errors_are_the_cpus() -> None:

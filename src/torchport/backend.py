@@ -21,7 +21,6 @@ from torchport.allocator import ADOPT_MIN_BYTES, DeviceAllocator, NativeAllocato
 from torchport.contracts import BackendError
 from torchport.libraries import keep_past_exit
 from torchport.runtime import Runtime
-from torchport.storage import resize_storage
 
 _ACTIVE: Backend | None = None
 _CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -317,7 +316,7 @@ class Backend:
         """Grow a device storage to at least ``nbytes`` in place, as a tensor's ``resize_``
         or ``set_`` past the storage's end does on CUDA."""
         if nbytes > storage.nbytes():
-            resize_storage(self, storage, nbytes)
+            storage.resize_(nbytes)  # the C++ hooks' resize, or torchport's in Python
 
     def resize_device_tensor(self, t: torch.Tensor, size, stride) -> None:
         """``resize_`` semantics: grow the storage when needed, keeping its bytes -- in

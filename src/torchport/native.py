@@ -286,6 +286,20 @@ def python_function(name: str, argtypes: list[Any], restype: Any) -> Any:
     return fn
 
 
+_GROWABLE: list[Any] = []  # [function or None], looked up once
+
+
+def growable_host_storage(ptr: int, nbytes: int) -> torch.UntypedStorage | None:
+    """A CPU storage over ``nbytes`` of host memory at ``ptr`` (which the caller keeps
+    alive) that a CPU kernel may grow: growing moves it to new host memory, and nothing
+    past ``nbytes`` is written. ``None`` without the library."""
+    if not _GROWABLE:
+        _GROWABLE.append(python_function("torchport_growable_host_storage",
+                                          [ctypes.c_uint64, ctypes.c_uint64], ctypes.py_object))
+    fn = _GROWABLE[0]
+    return None if fn is None else fn(ptr, nbytes)
+
+
 def _python_api() -> ctypes.PyDLL | None:
     """The generators' functions (:func:`python_function`); ``None`` without them."""
     if python_function("torchport_generators_adopt", [ctypes.py_object], ctypes.c_int) is None:

@@ -30,6 +30,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -1272,6 +1273,20 @@ at::Tensor caching_new_tensor(int device, uint64_t nbytes, c10::ScalarType scala
                      c10::scalarTypeToTypeMeta(scalar), sizes, strides);
 }
 
+namespace {
+// `storage` (of `device`) holds `fresh` (`newsize` bytes) from now on; its old block returns:
+// a block of ours as its DataPtr dies, one a Python-made storage held through Python.
+void replace_block(const c10::Storage& storage, c10::DataPtr fresh, size_t newsize, int device) {
+  c10::DataPtr gone = storage.set_data_ptr(std::move(fresh));
+  storage.set_nbytes(newsize);
+  ReleaseBlock release = release_block_cb.load();
+  if (gone.get() != nullptr && gone.get_deleter() != &free_cached && release != nullptr) {
+    auto ptr = reinterpret_cast<uint64_t>(gone.get());
+    python("release", [&] { return release(device, ptr); });
+  }
+}
+}  // namespace
+
 // UntypedStorage.resize_ of a device storage: a new block of `newsize` bytes on the current
 // stream of the storage's device, the bytes both sizes hold copied by the runtime (the
 // device allocator's copy_data), the old block returned -- every tensor on the storage sees
@@ -1297,14 +1312,7 @@ void resize_device_storage(const c10::Storage& storage, size_t newsize) {
       return callbacks.copy(reinterpret_cast<uint64_t>(fresh.get()),
                             reinterpret_cast<uint64_t>(from), kept);
     });
-  c10::DataPtr gone = storage.set_data_ptr(std::move(fresh));
-  storage.set_nbytes(newsize);
-  // a block of ours returns as `gone` dies; one a Python-made storage held, through Python
-  ReleaseBlock release = release_block_cb.load();
-  if (gone.get() != nullptr && gone.get_deleter() != &free_cached && release != nullptr) {
-    auto ptr = reinterpret_cast<uint64_t>(gone.get());
-    python("release", [&] { return release(device, ptr); });
-  }
+  replace_block(storage, std::move(fresh), newsize, device);
 }
 
 // ---- results of host-op kernels in device memory ----------------------------------------
@@ -1387,6 +1395,23 @@ at::Tensor host_result_on_device(const at::Tensor& cpu, int device) {
   auto p = reinterpret_cast<uint64_t>(taken.release_context());  // ours now: no deleter runs
   return tensor_over(block_data_ptr(p, device), st->nbytes(), cpu.dtype(), cpu.sizes(),
                      cpu.strides(), cpu.storage_offset());
+}
+
+void host_storage_grown(c10::StorageImpl* cpu, const c10::Storage& dev, int device) {
+  const size_t n = cpu->nbytes();
+  void* p = cpu->data_ptr().get();
+  c10::DataPtr fresh;
+  if (p == nullptr || n == 0) {
+    fresh = c10::DataPtr(nullptr, c10::Device(kDevice, static_cast<c10::DeviceIndex>(device)));
+  } else if (device < kResultDevices && cpu->data_ptr().get_deleter() == result_deleters[device]) {
+    (void)cpu->set_data_ptr(c10::DataPtr(p, c10::Device(c10::kCPU))).release_context();  // ours
+    fresh = block_data_ptr(reinterpret_cast<uint64_t>(p), device);
+  } else {  // host memory (another CPU allocator served the kernel): copied into a block
+    fresh = cached_data_ptr(device, n, current_stream_id(static_cast<c10::DeviceIndex>(device)));
+    std::memcpy(fresh.get(), p, n);
+    cpu->set_data_ptr(c10::DataPtr(fresh.get(), c10::Device(c10::kCPU)));
+  }
+  replace_block(dev, std::move(fresh), n, device);
 }
 
 }  // namespace torchport

@@ -12,19 +12,20 @@
 // that argument, a view of an argument's memory is a device view, and a new result is a
 // block of the C++ caching allocator already: while the CPU kernel runs, this thread's CPU
 // allocations are the device's blocks on the current stream (HostResultsIn,
-// native_allocator.cpp), and the block moves to a device storage without a copy. A result
-// made otherwise (a CPU kernel's own tensor, a dtype the device refuses) is copied into a
-// new block, or goes to the Python `result` function, which adopts or converts it. Where
-// the CPU allocator's wrapper cannot serve, a functional op whose first tensor is large
-// (an activation of a large batch) is handed to the Python kernel, which computes into
-// new device blocks directly.
+// native_allocator.cpp), and the block moves to a device storage without a copy. An out=
+// argument the CPU kernel grows (resize_ itself too) grows into such a block, which the
+// device storage then takes in place, as CUDA's resize does. A result made otherwise (a CPU
+// kernel's own tensor, a dtype the device refuses) is copied into a new block, or goes to
+// the Python `result` function, which adopts or converts it. Where the CPU allocator's
+// wrapper cannot serve, a functional op whose first tensor is large (an activation of a
+// large batch) is handed to the Python kernel, which computes into new device blocks.
 // torchport's own `copy_` is served so too, with the CPU tensor of a copy between the host
 // and the device passed to the CPU kernel as it is (and returned as it is), and its own
 // `_to_copy` (to the CPU, to the device from the CPU, a dtype on one device).
 // Anything else -- another device, a CPU tensor with dimensions (but a copy's), a conjugate
-// or negative view, an out= argument the CPU kernel must grow, a copy with the host while a
-// side stream is current -- is handed to the op's Python kernel, so that results and errors
-// stay the Python ones.
+// or negative view, a copy with the host while a side stream is current, an out= argument
+// to grow where the CPU allocator's wrapper cannot serve -- is handed to the op's Python
+// kernel, so that results and errors stay the Python ones.
 // Switched by torchport/ops/native_hostops.py like the view and empty kernels.
 #if __has_include(<Python.h>)
 #include <ATen/core/Tensor.h>
@@ -34,6 +35,8 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Layout.h>
+#include <c10/core/CPUAllocator.h>
+#include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/tensor_memoryformats.h>
@@ -157,7 +160,10 @@ class HostOp final : public c10::OperatorKernel {
         return python(op, stack);
       }
     }
-    if (index < 0 || !torchport::caching_serves()) return python(op, stack);
+    // (once the interpreter exits, the allocator serves no more blocks: an op that makes
+    // no tensor, Tensor.item in a finaliser, still runs here)
+    if (index < 0 || (!torchport::caching_serves() && makes_tensors(schema)))
+      return python(op, stack);
     // A blocking copy with the host waits for the device's current stream: the Python
     // kernel orders it so where a side stream is current.
     if (host && torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0)
@@ -170,43 +176,54 @@ class HostOp final : public c10::OperatorKernel {
     c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 6> storages;
     c10::SmallVector<c10::IValue, 8> originals;  // what an op writing its arguments was given
     if (!functional_ || host) originals.assign((*stack).begin() + first, (*stack).end());
+    // the CPU kernel may grow the storages of an op writing its arguments (an out= it
+    // resizes): into blocks of the device, which the device storages then take
+    const bool grow = !functional_ && !host && results_in_blocks;
     for (size_t i = 0; i < nargs; ++i) {
       c10::IValue& v = (*stack)[first + i];
       if (v.isTensor()) {
         const at::Tensor& t = v.toTensor();
         if (t.defined() && t.device().type() == kDevice)
-          v = c10::IValue(cpu_alias(t, tensors, storages));
+          v = c10::IValue(cpu_alias(t, tensors, storages, grow));
       } else if (v.isTensorList()) {
         c10::List<at::Tensor> mapped;
         mapped.reserve(v.toTensorList().size());
         for (const at::Tensor& t : v.toTensorList())
-          mapped.push_back(t.defined() ? cpu_alias(t, tensors, storages) : t);
+          mapped.push_back(t.defined() ? cpu_alias(t, tensors, storages, grow) : t);
         v = c10::IValue(std::move(mapped));
       } else if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
         c10::impl::GenericList mapped(v.toList().elementType());
         mapped.reserve(v.toList().size());
         for (const c10::IValue& e : v.toListRef())
           mapped.push_back(e.isTensor() && e.toTensor().defined()
-                               ? c10::IValue(cpu_alias(e.toTensor(), tensors, storages))
+                               ? c10::IValue(cpu_alias(e.toTensor(), tensors, storages, grow))
                                : e);
         v = c10::IValue(std::move(mapped));
       }
     }
 
     // 3. The CPU kernel (its new tensors in blocks of the device; a copy with the host
-    // allocates the host's).
+    // allocates the host's). Where it raises, the device tensors are as they were: a block
+    // it grew a storage into returns as the CPU storage dies.
     try {
       torchport::HostResultsIn results(host || !results_in_blocks ? -1 : index);
       op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
     } catch (const c10::Error& e) {
-      // an out= argument the CPU kernel must grow: nothing computed yet, the Python kernel
-      // resizes the device tensor
-      if (functional_ || std::strstr(e.what(), "not resizable") == nullptr) throw;
+      // an out= argument to grow where the CPU storages cannot grow: nothing computed yet,
+      // the Python kernel resizes the device tensor
+      if (grow || functional_ || std::strstr(e.what(), "not resizable") == nullptr) throw;
       restore(stack, first, originals);
       return python(op, stack);
     }
 
-    // 4. Written arguments whose layout the CPU kernel changed (an out= it shrank).
+    // 4. Storages the CPU kernel grew, then written arguments whose layout it changed (an
+    // out= it resized).
+    if (grow)
+      for (auto& [dev, cpu] : storages)
+        if (cpu.unsafeGetStorageImpl()->data_ptr().get() != dev->data_ptr().get())
+          torchport::host_storage_grown(
+              cpu.unsafeGetStorageImpl(),
+              c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(dev)), index);
     for (size_t i = 0; i < originals.size(); ++i) {
       const c10::AliasInfo* info = schema.arguments()[i].alias_info();
       if (info == nullptr || !info->isWrite() || !originals[i].isTensor()) continue;
@@ -214,6 +231,12 @@ class HostOp final : public c10::OperatorKernel {
       c10::TensorImpl* impl = dev.unsafeGetTensorImpl();
       for (auto& [held, cpu] : tensors) {
         if (held.unsafeGetTensorImpl() != impl) continue;
+        TORCH_CHECK(cpu.storage().unsafeGetStorageImpl() ==
+                        mapped_storage(held.storage().unsafeGetStorageImpl(), storages),
+                    "torchport: the CPU kernel of ", schema.name(), " gave its written "
+                    "argument '", schema.arguments()[i].name(), "' another storage, which "
+                    "the device tensor cannot follow; run it with TORCHPORT_NATIVE=0 and "
+                    "report it");
         if (cpu.sizes() != dev.sizes() || cpu.strides() != dev.strides() ||
             cpu.storage_offset() != dev.storage_offset())
           impl->set_sizes_and_strides(cpu.sizes(), cpu.strides(), cpu.storage_offset());
@@ -292,6 +315,16 @@ class HostOp final : public c10::OperatorKernel {
     served.fetch_add(1, std::memory_order_relaxed);
   }
 
+  static bool makes_tensors(const c10::FunctionSchema& schema) {
+    for (const c10::Argument& r : schema.returns())
+      if (r.type()->kind() != c10::TypeKind::NumberType &&
+          r.type()->kind() != c10::TypeKind::IntType &&
+          r.type()->kind() != c10::TypeKind::FloatType &&
+          r.type()->kind() != c10::TypeKind::BoolType)
+        return true;
+    return false;
+  }
+
   // Is `cpu` a CPU tensor the caller passed (the host side of a copy, returned as it is)?
   static bool given(const at::Tensor& cpu, const c10::SmallVectorImpl<c10::IValue>& originals) {
     for (const c10::IValue& v : originals)
@@ -300,9 +333,21 @@ class HostOp final : public c10::OperatorKernel {
     return false;
   }
 
+  // The CPU storage standing for device storage `st` (null: none).
+  static c10::StorageImpl* mapped_storage(
+      c10::StorageImpl* st,
+      const c10::SmallVectorImpl<std::pair<c10::StorageImpl*, c10::Storage>>& storages) {
+    for (auto& [dev, cpu] : storages)
+      if (dev == st) return cpu.unsafeGetStorageImpl();
+    return nullptr;
+  }
+
+  // `t`'s CPU tensor, over a CPU storage of exactly its storage's bytes (`grow`: one the CPU
+  // kernel may grow, through the CPU allocator, where the device storage may grow).
   static at::Tensor cpu_alias(const at::Tensor& t,
                               c10::SmallVectorImpl<std::pair<at::Tensor, at::Tensor>>& tensors,
-                              c10::SmallVectorImpl<std::pair<c10::StorageImpl*, c10::Storage>>& storages) {
+                              c10::SmallVectorImpl<std::pair<c10::StorageImpl*, c10::Storage>>& storages,
+                              bool grow = false) {
     c10::TensorImpl* impl = t.unsafeGetTensorImpl();
     for (auto& [dev, cpu] : tensors)
       if (dev.unsafeGetTensorImpl() == impl) return cpu;
@@ -311,10 +356,11 @@ class HostOp final : public c10::OperatorKernel {
     for (auto& [dev, cpu] : storages)
       if (dev == st) storage = cpu;
     if (!storage) {
+      const bool resizable = grow && st->resizable();
       storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
           c10::StorageImpl::use_byte_size_t(), st->nbytes(),
           c10::DataPtr(const_cast<void*>(st->data_ptr().get()), c10::Device(c10::kCPU)),
-          /*allocator=*/nullptr, /*resizable=*/false));
+          resizable ? c10::GetCPUAllocator() : nullptr, resizable));
       storages.emplace_back(st, storage);
     }
     at::Tensor cpu = at::detail::make_tensor<c10::TensorImpl>(
@@ -487,6 +533,21 @@ extern "C" int torchport_native_hostops_enable(PyObject* kernels, PyObject* resu
     return 0;
   }
   return 1;
+}
+
+// A CPU storage over `nbytes` at `ptr` (memory the caller keeps alive) that a CPU kernel may
+// grow: growing moves it to new host memory, and nothing past `nbytes` is written. The
+// Python host kernels' out= arguments (torchport/ops/hostexec.py). NULL with a Python error.
+extern "C" PyObject* torchport_growable_host_storage(uint64_t ptr, uint64_t nbytes) {
+  try {
+    return THPStorage_Wrap(c10::Storage(c10::make_intrusive<c10::StorageImpl>(
+        c10::StorageImpl::use_byte_size_t(), nbytes,
+        c10::DataPtr(reinterpret_cast<void*>(ptr), c10::Device(c10::kCPU)),
+        c10::GetCPUAllocator(), /*resizable=*/true)));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
 }
 
 // Removes them all (the dispatcher then finds the Python kernels once registered).

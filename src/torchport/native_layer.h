@@ -33,6 +33,10 @@ class HostResultsIn {
 // A CPU kernel's new result made under HostResultsIn(device), as a device tensor over the
 // same block (no copy); undefined where its memory is not such a block held by it alone.
 at::Tensor host_result_on_device(const at::Tensor& cpu, int device);
+// The CPU storage over device storage `dev` that a host-op kernel's CPU kernel grew under
+// HostResultsIn(device) (an out= it resized): `dev` takes its new block in place (every
+// tensor on `dev` sees it), the old block returns; `cpu` still points at the memory.
+void host_storage_grown(c10::StorageImpl* cpu, const c10::Storage& dev, int device);
 // native_guard.cpp
 c10::DeviceIndex guard_device_count();
 c10::DeviceIndex guard_current_device();

@@ -7,7 +7,9 @@ host views). Given a way to see device tensors as CPU tensors it:
 * maps device tensors (also inside lists) to CPU tensors, factory ``device=`` to CPU;
 * runs the op (random ops on the device's generator, never the CPU one);
 * makes ``out=`` and in-place arguments receive the result in the tensor the caller
-  passed (resized when the CPU kernel resized its copy);
+  passed (resized when the CPU kernel resized its copy); an ``out=`` argument's CPU
+  tensor ends where its device storage ends, so a CPU kernel growing it cannot write
+  into other device memory;
 * returns new results as device tensors on the op's device.
 """
 
@@ -135,7 +137,8 @@ class HostCall:
     ``zero_copy`` says whether ``to_cpu`` aliases device memory (then in-place
     writes land directly); otherwise written arguments are copied back."""
 
-    __slots__ = ("backend", "op", "plan", "index", "to_cpu", "zero_copy", "views", "seen")
+    __slots__ = ("backend", "op", "plan", "index", "to_cpu", "zero_copy", "views", "seen",
+                 "bounded", "copies")
 
     def __init__(self, backend: DeviceBackend, op: Any, plan: OpPlan, index: int | None,
                  to_cpu: Callable[[Tensor], Tensor], zero_copy: bool) -> None:
@@ -149,6 +152,10 @@ class HostCall:
         # One CPU tensor per device tensor: the CPU kernel sees an argument passed twice
         # (``out=`` that is also an input) as one tensor, and checks it as CUDA's does.
         self.seen: dict[int, Tensor] = {}
+        # device storage address -> the CPU storage of exactly its bytes, for the storages
+        # of out= arguments: every argument on one sees it (the CPU's overlap checks)
+        self.bounded: dict[int, tuple[torch.UntypedStorage, int]] | None = None
+        self.copies: set[int] = set()  # device tensors whose CPU tensors are copies
 
     def _map(self, v: Any) -> Any:
         if isinstance(v, Tensor):
@@ -163,7 +170,13 @@ class HostCall:
                 # to read: where it is also an input, the same stand-in serves.
                 c = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
             else:
-                c = self.to_cpu(v)
+                b = self.bounded.get(v.untyped_storage().data_ptr()) if self.bounded \
+                    else None
+                if b is None:
+                    c = self.to_cpu(v)
+                else:
+                    c = torch.empty(0, dtype=v.dtype).set_(b[0], v.storage_offset(), v.shape,
+                                                           v.stride())
                 # Raw-memory views drop the lazy conjugate/negative bits: put them back.
                 if v.is_conj():
                     c = c.conj()
@@ -181,17 +194,77 @@ class HostCall:
         return v
 
     def run(self, args: tuple, kwargs: dict) -> Any:
-        plan = self.plan
-        cargs = [self._map(a) for a in args]
-        ckw = {k: self._map(v) for k, v in kwargs.items()}
-        if plan.has_device_arg and "pin_memory" in ckw:
-            ckw["pin_memory"] = None
-        if plan.random:
-            result = self._run_random(args, kwargs, cargs, ckw)
-        else:
-            result = self.op(*cargs, **ckw)
+        if self.plan.out_args and self.zero_copy:
+            self._bound_outs(args, kwargs)
+        cargs, ckw = self._map_all(args, kwargs)
+        try:
+            result = self._call(args, kwargs, cargs, ckw)
+        except RuntimeError as e:
+            if not self.bounded or "not resizable" not in str(e):
+                raise
+            cargs, ckw, result = self._grow_copies(args, kwargs)
+        if self.bounded:
+            self._note_copies()
         self._write_back(args, kwargs, cargs, ckw)
         return self._results(result, args, kwargs)
+
+    def _map_all(self, args: tuple, kwargs: dict) -> tuple[list, dict]:
+        cargs = [self._map(a) for a in args]
+        ckw = {k: self._map(v) for k, v in kwargs.items()}
+        if self.plan.has_device_arg and "pin_memory" in ckw:
+            ckw["pin_memory"] = None
+        return cargs, ckw
+
+    def _call(self, args: tuple, kwargs: dict, cargs: list, ckw: dict) -> Any:
+        if self.plan.random:
+            return self._run_random(args, kwargs, cargs, ckw)
+        return self.op(*cargs, **ckw)
+
+    def _bound_outs(self, args: tuple, kwargs: dict) -> None:
+        """CPU storages of exactly the bytes of the out= arguments' device storages (a view
+        of device memory may reach past them): a CPU kernel that must grow an out= grows
+        it into host memory (with the C++ library; else it finds it not resizable and the
+        call runs again on copies) instead of writing into the memory of other tensors."""
+        bounded: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for name in self.plan.out_args:
+            i = self.plan.arg_names.index(name)
+            v = kwargs[name] if name in kwargs else args[i] if i < len(args) else None
+            for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                if not isinstance(t, Tensor) or t.device.type != self.backend.name \
+                        or t.numel() == 0:
+                    continue
+                dev = t.untyped_storage()
+                if dev.data_ptr() in bounded:
+                    continue
+                cpu = self.to_cpu(t)
+                whole = cpu.untyped_storage()
+                start = cpu.data_ptr() - t.storage_offset() * t.element_size() \
+                    - whole.data_ptr()
+                n = dev.nbytes()
+                if 0 <= start and start + n <= whole.nbytes():
+                    at = whole.data_ptr() + start
+                    st = native.growable_host_storage(at, n)
+                    bounded[dev.data_ptr()] = (whole[start:start + n] if st is None else st, at)
+        self.bounded = bounded or None
+
+    def _note_copies(self) -> None:
+        """The device tensors whose CPU tensors' storage the CPU kernel moved (grew into new
+        host memory) or that were copies from the start: their values are written back."""
+        moved = {k for k, (st, at) in self.bounded.items() if st.data_ptr() != at}
+        if moved:
+            self.copies = {id(d) for d, _ in self.views
+                           if d.numel() and d.untyped_storage().data_ptr() in moved}
+
+    def _grow_copies(self, args: tuple, kwargs: dict) -> tuple[list, dict, Any]:
+        """Without the C++ library: the call again, with the out= arguments' storages
+        copied to resizable host memory for the CPU kernel to grow (the warnings the first
+        run gave before it stopped, PyTorch's own about resizing an out=, come twice)."""
+        assert self.bounded is not None
+        self.bounded = {k: (st.clone(), at) for k, (st, at) in self.bounded.items()}
+        self.views.clear()
+        self.seen.clear()
+        cargs, ckw = self._map_all(args, kwargs)
+        return cargs, ckw, self._call(args, kwargs, cargs, ckw)
 
     def _run_random(self, args: tuple, kwargs: dict, cargs: list, ckw: dict) -> Any:
         if self.plan.has_generator_arg:
@@ -263,7 +336,7 @@ class HostCall:
             return
         if not same_layout:
             self.backend.resize_device_tensor(dev, cpu.shape, cpu.stride())
-        elif self.zero_copy and dev.numel() > 0:
+        elif self.zero_copy and dev.numel() > 0 and id(dev) not in self.copies:
             return  # the CPU kernel already wrote device memory
         self.backend.write_tensor(dev, cpu)
 

@@ -42,8 +42,10 @@ if TYPE_CHECKING:
 FUNCTIONAL_INPUT_MAX = 1 << 20
 
 #: torchport's core kernels served the same way (with CPU tensors of any size: the copies
-#: between the host and the device; ``_to_copy`` by a kernel of its own).
-CORE = frozenset({"copy_", "_to_copy"})
+#: between the host and the device; ``_to_copy`` by a kernel of its own; ``resize_``, whose
+#: CPU kernel grows the storage into a device block that the device storage takes;
+#: ``Tensor.item``, read without a Python object, also by finalisers at exit).
+CORE = frozenset({"copy_", "_to_copy", "resize_", "_local_scalar_dense"})
 
 _ARG_TYPES = frozenset({
     "Tensor", "Tensor?", "number", "number?", "int", "int?", "bool", "bool?", "float",

@@ -28,6 +28,7 @@ class OpPlan:
     arg_names: tuple[str, ...]
     kwarg_only: frozenset[str]
     write_args: tuple[str, ...]  # arguments the op mutates
+    out_args: tuple[str, ...]  # its out= arguments (written and keyword-only, as in ATen)
     return_alias: tuple[str | None, ...]  # for each return, the argument it is (or None)
     is_view: bool  # returns alias an input without writing it
     is_inplace_or_out: bool
@@ -78,6 +79,7 @@ def _make_plan(op: torch._ops.OpOverload) -> OpPlan:
         arg_names=names,
         kwarg_only=frozenset(kwarg_only),
         write_args=tuple(write_args),
+        out_args=tuple(a for a in write_args if a in kwarg_only),
         return_alias=tuple(ret_alias),
         is_view=is_view,
         is_inplace_or_out=bool(write_args),
