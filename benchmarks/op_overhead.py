@@ -70,7 +70,9 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
         "to('cpu')": lambda: a.to("cpu", copy=True),
         "to(half)": lambda: a.to(torch.half),
         "item": lambda: s.item(),
-        # out= the op grows: arange's starts empty; resize_ past the storage's end
+        # factories whose CPU kernel is PyTorch's composite (arange's out= starts empty
+        # and grows); resize_ past the storage's end
+        "full": lambda: torch.full((8, 8), 2.0, device=device),
         "arange": lambda: torch.arange(64, device=device),
         "resize_ (grow)": lambda: torch.empty(0, device=device).resize_(64),
     }

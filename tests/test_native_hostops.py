@@ -6,9 +6,13 @@ asynchronous sim, TORCHPORT_NATIVE=0)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import sys
 import threading
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -38,6 +42,21 @@ class calls:
         end = native_hostops.counts()
         self.served, self.handed, self.moved = (e - s for e, s in zip(end, self._start,
                                                                        strict=True))
+
+
+@contextlib.contextmanager
+def torchport_frames() -> Iterator[list[str]]:
+    """Within: the names of torchport's Python functions called (in this thread)."""
+    frames: list[str] = []
+
+    def note(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and "/torchport/" in frame.f_code.co_filename:
+            frames.append(frame.f_code.co_qualname)
+    sys.setprofile(note)
+    try:
+        yield frames
+    finally:
+        sys.setprofile(None)
 
 
 def _same(dev: object, cpu: object) -> None:
@@ -310,6 +329,39 @@ def test_an_out_the_cpu_kernel_grows_takes_a_device_block(name, fn) -> None:
     assert torch.sim.memory_allocated() - before == block.size - 512  # the old block returned
     del r, out, sharing, storage
     assert torch.sim.memory_allocated() == before - 512
+
+
+_FACTORIES = [  # PyTorch's composite kernels, on the device they name or their input is on
+    ("full", lambda d: torch.full((3, 4), 2.5, device=d)),
+    ("arange", lambda d: torch.arange(2, 40, 3, device=d)),
+    ("zeros_like", lambda d: torch.zeros_like(torch.ones(2, 3, device=d))),
+    ("new_ones int", lambda d: torch.ones(2, device=d).new_ones((4,), dtype=torch.int32)),
+    ("full_like channels_last", lambda d: torch.full_like(
+        torch.ones(2, 3, 4, 4, device=d), 7.0, memory_format=torch.channels_last)),
+    ("scalar_tensor", lambda d: torch.scalar_tensor(3.0, device=d)),
+]
+
+
+@needs_cpp
+@pytest.mark.parametrize("name,fn", _FACTORIES, ids=[n for n, _ in _FACTORIES])
+def test_composite_factories_run_in_cpp(name, fn) -> None:
+    fn("sim:1")  # (a new segment of the pool comes from the Python runtime)
+    with calls() as c, torchport_frames() as frames:
+        r = fn("sim:1")
+    assert c.handed == 0 and c.served >= 1
+    assert frames == [], frames  # no Python of torchport's on the way
+    assert r.device == torch.device("sim:1")
+    _same(r, fn("cpu"))
+
+
+@needs_cpp
+def test_a_pinned_factory_call_is_handed_to_python() -> None:
+    with calls() as c:
+        native = _outcome(lambda: torch.full((3,), 1.0, device="sim", pin_memory=True))
+    with python_host_kernels():
+        python = _outcome(lambda: torch.full((3,), 1.0, device="sim", pin_memory=True))
+    assert native[0] == python[0] == "ok" and torch.equal(native[1], python[1])
+    assert c.handed == 1
 
 
 @needs_cpp

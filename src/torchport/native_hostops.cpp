@@ -21,7 +21,8 @@
 // large batch) is handed to the Python kernel, which computes into new device blocks.
 // torchport's own `copy_` is served so too, with the CPU tensor of a copy between the host
 // and the device passed to the CPU kernel as it is (and returned as it is), and its own
-// `_to_copy` (to the CPU, to the device from the CPU, a dtype on one device).
+// `_to_copy` (to the CPU, to the device from the CPU, a dtype on one device), and the
+// factories whose CPU kernel is PyTorch's composite one, which runs for the device too.
 // Anything else -- another device, a CPU tensor with dimensions (but a copy's), a conjugate
 // or negative view, a copy with the host while a side stream is current, an out= argument
 // to grow where the CPU allocator's wrapper cannot serve -- is handed to the op's Python
@@ -103,8 +104,12 @@ py::object argument_object(const c10::Argument& arg, const c10::IValue& v) {
 
 class HostOp final : public c10::OperatorKernel {
  public:
-  HostOp(PyObject* python, bool functional, bool cpu_tensors, bool to_copy)
-      : python_(python), functional_(functional), cpu_tensors_(cpu_tensors), to_copy_(to_copy) {
+  HostOp(PyObject* python, bool functional, bool cpu_tensors, bool to_copy, bool composite)
+      : python_(python),
+        functional_(functional),
+        cpu_tensors_(cpu_tensors),
+        to_copy_(to_copy),
+        composite_(composite) {
     Py_INCREF(python_);  // kept for the process, as the Python registration keeps it
   }
 
@@ -136,6 +141,7 @@ class HostOp final : public c10::OperatorKernel {
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
     if (to_copy_) return to_copy(op, stack);
+    if (composite_) return composite(op, stack);
     const auto& schema = op.schema();
     const size_t nargs = schema.arguments().size();
     const size_t first = stack->size() - nargs;
@@ -325,6 +331,23 @@ class HostOp final : public c10::OperatorKernel {
     return false;
   }
 
+  // A factory whose CPU kernel is PyTorch's composite one (full, arange, zeros_like): that
+  // kernel, as for the CPU; it makes its tensor on the device its arguments name (the
+  // device's empty) and fills it there (these host-op kernels). Pinned memory, and calls
+  // once the interpreter exits, take the Python kernel.
+  void composite(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+    const auto& arguments = op.schema().arguments();
+    const size_t first = stack->size() - arguments.size();
+    if (!torchport::caching_serves()) return python(op, stack);
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      const c10::IValue& v = (*stack)[first + i];
+      if (arguments[i].name() == "pin_memory" && v.isBool() && v.toBool())
+        return python(op, stack);
+    }
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+    served.fetch_add(1, std::memory_order_relaxed);
+  }
+
   // Is `cpu` a CPU tensor the caller passed (the host side of a copy, returned as it is)?
   static bool given(const at::Tensor& cpu, const c10::SmallVectorImpl<c10::IValue>& originals) {
     for (const c10::IValue& v : originals)
@@ -473,12 +496,13 @@ class HostOp final : public c10::OperatorKernel {
   bool functional_;
   bool cpu_tensors_;
   bool to_copy_;
+  bool composite_;
 };
 
 }  // namespace
 
 // Serve the ops in `kernels` (a dict: overload name -> (Python kernel, functional flag, CPU
-// tensors of any size pass))
+// tensors of any size pass, a composite factory))
 // from C++, with `result` for the results not copied here (and those of the dtypes in
 // `refuse`, a list of torch.dtype, which it refuses), `devices` visible devices, functional
 // inputs up to `input_max` bytes and copies up to `copy_max` bytes: 1; 0 with a Python
@@ -512,10 +536,11 @@ extern "C" int torchport_native_hostops_enable(PyObject* kernels, PyObject* resu
     Py_ssize_t pos = 0;
     while (PyDict_Next(kernels, &pos, &key, &value)) {
       const char* name = PyUnicode_AsUTF8(key);
-      if (!name || !PyTuple_Check(value) || PyTuple_GET_SIZE(value) != 3 ||
+      if (!name || !PyTuple_Check(value) || PyTuple_GET_SIZE(value) != 4 ||
           !PyCallable_Check(PyTuple_GET_ITEM(value, 0))) {
         if (!PyErr_Occurred())
-          PyErr_SetString(PyExc_TypeError, "expected name -> (kernel, functional, cpu_tensors)");
+          PyErr_SetString(PyExc_TypeError,
+                          "expected name -> (kernel, functional, cpu_tensors, composite)");
         return 0;
       }
       bool done = false;
@@ -525,7 +550,8 @@ extern "C" int torchport_native_hostops_enable(PyObject* kernels, PyObject* resu
                                  PyTuple_GET_ITEM(value, 0),
                                  PyObject_IsTrue(PyTuple_GET_ITEM(value, 1)) == 1,
                                  PyObject_IsTrue(PyTuple_GET_ITEM(value, 2)) == 1,
-                                 std::strcmp(name, "_to_copy") == 0)));
+                                 std::strcmp(name, "_to_copy") == 0,
+                                 PyObject_IsTrue(PyTuple_GET_ITEM(value, 3)) == 1)));
       registered_names.emplace_back(name);
     }
   } catch (const std::exception& e) {

@@ -11,7 +11,8 @@ grow) it hands to the op's Python kernel, so results and errors stay the Python 
 
 Served so: the functional, in-place and ``out=`` ops whose schema holds only tensors,
 tensor lists, numbers, strings, dtypes and memory formats (no device, generator or
-layout), that draw no random numbers and change no tensor's metadata. As with the view and
+layout), that draw no random numbers and change no tensor's metadata; and the factories
+whose CPU kernel is PyTorch's composite one (``full``, ``arange``), which C++ runs. As with the view and
 empty kernels, never both are registered: where the library is missing, the memory is not
 host memory at the device address, the runtime is asynchronous, and while
 ``fallback.SLOW`` is set (op statistics, forced fallback, tools intercepting ops), the
@@ -86,8 +87,8 @@ class HostOpKernels:
 
     def __init__(self, backend: DeviceBackend) -> None:
         self.backend = backend
-        # name -> (Python kernel, functional, CPU tensors pass as they are)
-        self.python: dict[str, tuple[Callable[..., Any], bool, bool]] = {}
+        # name -> (Python kernel, functional, CPU tensors pass as they are, composite factory)
+        self.python: dict[str, tuple[Callable[..., Any], bool, bool, bool]] = {}
         self._registered: torch.library.Library | None = None  # the Python ones, while serving
         self._kept: set[str] = set()  # served by their Python kernel whatever serves the rest
         self._kept_registered: torch.library.Library | None = None
@@ -95,11 +96,14 @@ class HostOpKernels:
         self._held = 0  # python_only() depth
 
     def add(self, name: str, op: torch._ops.OpOverload, kernel: Callable[..., Any], *,
-            cpu_tensors: bool = False) -> None:
+            cpu_tensors: bool = False, composite: bool = False) -> None:
         """``op``'s Python host kernel, registered as ``name`` (by whichever set serves);
         ``cpu_tensors``: C++ also serves calls with CPU tensors of any size (a copy
-        between the host and the device), which it passes to the CPU kernel as they are."""
-        self.python[name] = (kernel, not plan_for(op).write_args, cpu_tensors)
+        between the host and the device), which it passes to the CPU kernel as they are;
+        ``composite``: a factory whose CPU kernel is PyTorch's composite one (``full``,
+        ``arange``, ``zeros_like``), which C++ runs for the device as the CPU does (a call
+        asking for pinned memory takes the Python kernel)."""
+        self.python[name] = (kernel, not plan_for(op).write_args, cpu_tensors, composite)
         if self.native:
             if name in self._kept:
                 self._keep_registered({name: self.python[name]})
@@ -137,7 +141,7 @@ class HostOpKernels:
             [ctypes.py_object, ctypes.py_object, ctypes.py_object, ctypes.c_int, ctypes.c_int64,
              ctypes.c_int64], ctypes.c_int)
 
-    def _enable(self, kernels: dict[str, tuple[Callable[..., Any], bool, bool]]) -> bool:
+    def _enable(self, kernels: dict[str, tuple[Callable[..., Any], bool, bool, bool]]) -> bool:
         from torchport.allocator import ADOPT_MIN_BYTES
 
         enable = self._library()
@@ -153,13 +157,13 @@ class HostOpKernels:
         self._keep_registered({n: k for n, k in kernels.items() if n in self._kept})
         return True
 
-    def _keep_registered(self, kernels: dict[str, tuple[Callable[..., Any], bool, bool]]) -> None:
+    def _keep_registered(self, kernels: dict[str, tuple[Callable[..., Any], bool, bool, bool]]) -> None:
         """Register the kept ops' Python kernels beside the C++ ones."""
         if not kernels:
             return
         if self._kept_registered is None:
             self._kept_registered = keep_past_exit(torch.library.Library("aten", "IMPL"))
-        for name, (kernel, _, _) in kernels.items():
+        for name, (kernel, *_) in kernels.items():
             self._kept_registered.impl(name, kernel, "PrivateUse1")
 
     def _drop_native(self) -> None:
@@ -197,7 +201,7 @@ class HostOpKernels:
         self._drop_native()
         if self._registered is None:
             self._registered = keep_past_exit(torch.library.Library("aten", "IMPL"))
-            for name, (kernel, _, _) in self.python.items():
+            for name, (kernel, *_) in self.python.items():
                 self._registered.impl(name, kernel, "PrivateUse1")
 
 

@@ -239,6 +239,8 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                 backend.view_kernels.add(oname, fn)  # or PyTorch's C++ kernels serve
             elif d.kind == "host" and d.dtypes is None and native_hostops.servable(op):
                 backend.host_op_kernels.add(oname, op, fn)  # or the C++ host-op kernel serves
+            elif d.kind == "host" and d.dtypes is None and hostkernels.schema.factory(op):
+                backend.host_op_kernels.add(oname, op, fn, composite=True)  # (likewise)
             else:
                 if oname in native_views.OPS:  # the vendor's own view kernel serves
                     backend.view_kernels.give_way()
