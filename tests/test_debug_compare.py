@@ -176,12 +176,15 @@ def test_tensor_diff_rules():
 
 
 def test_a_binary_manifest_is_bad_input(dumps, tmp_path):
-    (tmp_path / "manifest.jsonl").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe binary")
+    bad = tmp_path / ("a-long-directory-name-" * 4)  # the message keeps its path whole
+    bad.mkdir()
+    (bad / "manifest.jsonl").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe binary")
     with pytest.raises(DumpFormatError, match="not a text manifest"):
-        debug.compare_dumps(tmp_path, dumps / "cpu")
+        debug.compare_dumps(bad, dumps / "cpu")
     torchport.cli._load()
-    r = CliRunner().invoke(torchport.cli.app, ["compare-dumps", str(tmp_path), str(dumps / "cpu")])
+    r = CliRunner().invoke(torchport.cli.app, ["compare-dumps", str(bad), str(dumps / "cpu")])
     assert r.exit_code == 2 and "not a text manifest" in r.output, r.output
+    assert str(bad / "manifest.jsonl") in r.output, r.output
 
 
 def test_a_truncated_tensor_file_is_not_no_divergence(dumps, tmp_path):

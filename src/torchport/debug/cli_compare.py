@@ -34,12 +34,13 @@ def register(app: typer.Typer) -> None:
         con = Console()
         if report is not None and report.suffix.lower() not in (".md", ".markdown", ".html",
                                                                  ".htm"):
-            con.print(f"[red]error:[/red] --report must end in .md or .html, got {report}")
+            con.print(f"[red]error:[/red] --report must end in .md or .html, got {report}",
+                      soft_wrap=True)
             raise typer.Exit(2)
         try:
             result = compare_dumps(dir_a, dir_b, rtol=rtol, atol=atol, nested=nested)
         except DumpFormatError as e:
-            con.print(f"[red]error:[/red] {e}")
+            con.print(f"[red]error:[/red] {e}", soft_wrap=True)  # paths kept whole
             raise typer.Exit(2) from None
         con.print(result.table(max_rows=max_rows))
         con.print(result.summary(), style="bold red" if not result.ok else "green")
@@ -47,7 +48,7 @@ def register(app: typer.Typer) -> None:
             try:
                 result.write_report(report)
             except OSError as e:
-                con.print(f"[red]error:[/red] cannot write {report}: {e}")
+                con.print(f"[red]error:[/red] cannot write {report}: {e}", soft_wrap=True)
                 raise typer.Exit(2) from None
             con.print(f"report written to {report}")
         raise typer.Exit(0 if result.ok else 1 if result.divergent else 2)

@@ -247,7 +247,8 @@ class CoverageResult:
         if self.stopped_at:
             con.print(f"[yellow]static trace {self.stopped_at}[/]")
         if self.error:
-            con.print(f"[red]script failed (exit {self.exit_code}):[/] {self.error}")
+            con.print(f"[red]script failed (exit {self.exit_code}):[/] {self.error}",
+                      soft_wrap=True)
         elif not self.device_ops:
             con.print(f"[yellow]{self.no_device_ops_text()}[/]")
 

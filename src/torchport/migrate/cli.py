@@ -122,7 +122,7 @@ def migrate_command(
     if script_args and not chosen:
         errors.print(
             f"[bold red]error:[/] unexpected arguments {' '.join(script_args)!r} "
-            "(script arguments need --analyse-script FILE before --)"
+            "(script arguments need --analyse-script FILE before --)", soft_wrap=True
         )
         raise typer.Exit(2)
     try:
@@ -152,10 +152,10 @@ def migrate_command(
 
                 result.report_files = write_reports(result, report, analyses)
     except (MigrationError, BackendSpecError) as exc:
-        errors.print(f"[bold red]error:[/] {exc}")
+        errors.print(f"[bold red]error:[/] {exc}", soft_wrap=True)  # paths kept whole
         raise typer.Exit(2) from None
     except Exception as exc:
-        errors.print(f"[bold red]internal error:[/] {type(exc).__name__}: {exc}")
+        errors.print(f"[bold red]internal error:[/] {type(exc).__name__}: {exc}", soft_wrap=True)
         raise typer.Exit(1) from None
     _print_result(console, result)
     if wanted and any(not a.ok for a in analyses):
