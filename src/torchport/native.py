@@ -41,6 +41,7 @@ limitations page lists what each loses); ``torchport info`` names the layer in u
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shlex
@@ -286,17 +287,17 @@ def python_function(name: str, argtypes: list[Any], restype: Any) -> Any:
     return fn
 
 
-_GROWABLE: list[Any] = []  # [function or None], looked up once
+@functools.cache
+def _growable() -> Any:
+    return python_function("torchport_growable_host_storage",
+                           [ctypes.c_uint64, ctypes.c_uint64], ctypes.py_object)
 
 
 def growable_host_storage(ptr: int, nbytes: int) -> torch.UntypedStorage | None:
     """A CPU storage over ``nbytes`` of host memory at ``ptr`` (which the caller keeps
     alive) that a CPU kernel may grow: growing moves it to new host memory, and nothing
     past ``nbytes`` is written. ``None`` without the library."""
-    if not _GROWABLE:
-        _GROWABLE.append(python_function("torchport_growable_host_storage",
-                                          [ctypes.c_uint64, ctypes.c_uint64], ctypes.py_object))
-    fn = _GROWABLE[0]
+    fn = _growable()
     return None if fn is None else fn(ptr, nbytes)
 
 

@@ -31,12 +31,12 @@
 #if __has_include(<Python.h>)
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Layout.h>
-#include <c10/core/CPUAllocator.h>
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
@@ -321,6 +321,7 @@ class HostOp final : public c10::OperatorKernel {
     served.fetch_add(1, std::memory_order_relaxed);
   }
 
+  // Does the op return a tensor (anything but numbers: Tensor.item does not)?
   static bool makes_tensors(const c10::FunctionSchema& schema) {
     for (const c10::Argument& r : schema.returns())
       if (r.type()->kind() != c10::TypeKind::NumberType &&

@@ -248,8 +248,8 @@ class HostCall:
         self.bounded = bounded or None
 
     def _note_copies(self) -> None:
-        """The device tensors whose CPU tensors' storage the CPU kernel moved (grew into new
-        host memory) or that were copies from the start: their values are written back."""
+        """The device tensors whose CPU tensors' storage is no longer their memory (the CPU
+        kernel grew it into host memory, or a second run used copies): written back."""
         moved = {k for k, (st, at) in self.bounded.items() if st.data_ptr() != at}
         if moved:
             self.copies = {id(d) for d, _ in self.views

@@ -5,15 +5,15 @@ chip's views of device memory. Where the host reads device memory at the device 
 itself and the runtime is synchronous (the sim by default, a unified-memory device),
 ``native_hostops.cpp`` (part of :mod:`torchport.native`) does the same from C++ for an
 op's common calls: tensors of one device, CPU tensors over the same memory, the CPU
-kernel, new results copied into blocks of the C++ caching allocator. Its uncommon calls
-(another device, conjugate views, a large first input of a functional op, an ``out=`` to
-grow) it hands to the op's Python kernel, so results and errors stay the Python ones.
+kernel, new results (and ``out=`` arguments it grows) in blocks of the C++ caching
+allocator. Its uncommon calls (another device, conjugate views, CPU tensors with
+dimensions) it hands to the op's Python kernel, so results and errors stay the Python ones.
 
 Served so: the functional, in-place and ``out=`` ops whose schema holds only tensors,
 tensor lists, numbers, strings, dtypes and memory formats (no device, generator or
 layout), that draw no random numbers and change no tensor's metadata; and the factories
-whose CPU kernel is PyTorch's composite one (``full``, ``arange``), which C++ runs. As with the view and
-empty kernels, never both are registered: where the library is missing, the memory is not
+whose CPU kernel is PyTorch's composite one (``full``, ``arange``), which C++ runs. As
+with the view and empty kernels, never both are registered: where the library is missing, the memory is not
 host memory at the device address, the runtime is asynchronous, and while
 ``fallback.SLOW`` is set (op statistics, forced fallback, tools intercepting ops), the
 Python kernels serve.
@@ -47,6 +47,10 @@ FUNCTIONAL_INPUT_MAX = 1 << 20
 #: CPU kernel grows the storage into a device block that the device storage takes;
 #: ``Tensor.item``, read without a Python object, also by finalisers at exit).
 CORE = frozenset({"copy_", "_to_copy", "resize_", "_local_scalar_dense"})
+
+#: What C++ is given per op: (Python kernel, functional, CPU tensors pass as they are,
+#: composite factory).
+Entry = tuple[Callable[..., Any], bool, bool, bool]
 
 _ARG_TYPES = frozenset({
     "Tensor", "Tensor?", "number", "number?", "int", "int?", "bool", "bool?", "float",
@@ -87,8 +91,7 @@ class HostOpKernels:
 
     def __init__(self, backend: DeviceBackend) -> None:
         self.backend = backend
-        # name -> (Python kernel, functional, CPU tensors pass as they are, composite factory)
-        self.python: dict[str, tuple[Callable[..., Any], bool, bool, bool]] = {}
+        self.python: dict[str, Entry] = {}
         self._registered: torch.library.Library | None = None  # the Python ones, while serving
         self._kept: set[str] = set()  # served by their Python kernel whatever serves the rest
         self._kept_registered: torch.library.Library | None = None
@@ -141,7 +144,7 @@ class HostOpKernels:
             [ctypes.py_object, ctypes.py_object, ctypes.py_object, ctypes.c_int, ctypes.c_int64,
              ctypes.c_int64], ctypes.c_int)
 
-    def _enable(self, kernels: dict[str, tuple[Callable[..., Any], bool, bool, bool]]) -> bool:
+    def _enable(self, kernels: dict[str, Entry]) -> bool:
         from torchport.allocator import ADOPT_MIN_BYTES
 
         enable = self._library()
@@ -157,7 +160,7 @@ class HostOpKernels:
         self._keep_registered({n: k for n, k in kernels.items() if n in self._kept})
         return True
 
-    def _keep_registered(self, kernels: dict[str, tuple[Callable[..., Any], bool, bool, bool]]) -> None:
+    def _keep_registered(self, kernels: dict[str, Entry]) -> None:
         """Register the kept ops' Python kernels beside the C++ ones."""
         if not kernels:
             return
