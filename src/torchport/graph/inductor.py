@@ -67,6 +67,7 @@ class KernelLauncher:
         self.direct = not self.asynchronous and backend.host_address_is_device_address
         self._views = hostviews.for_to_cpu(views, backend.devices)
         self._empty = torch.empty_strided
+        self._devices = backend.devices  # made once: a torch.device costs more than the buffer
         if self.direct:
             self.launch = _call  # type: ignore[method-assign]
 
@@ -77,7 +78,7 @@ class KernelLauncher:
 
     def empty_strided(self, size: tuple, stride: tuple, dtype: torch.dtype, index: int) -> Tensor:
         """A buffer of the program on device ``index`` (torchport's allocator, current stream)."""
-        return self._empty(size, stride, dtype=dtype, device=torch.device(self.name, index))
+        return self._empty(size, stride, dtype=dtype, device=self._devices[index])
 
     def launch(self, index: int, name: str, kernel: Callable[..., Any], *args: Any) -> None:
         """Run ``kernel`` on the chip's views of ``args`` in order on the current stream of
