@@ -144,3 +144,19 @@ def test_importing_a_feature_module_changes_no_device_module():
         "print(all(hasattr(torch.sim, n) for n in ('Stream', 'Event', 'amp',"
         " 'init_device_from_env')), 'torch.sim.amp' in sys.modules)\n")
     assert out.split() == ["True", "0", "True", "False", "1", "True", "True"], out
+
+
+def test_two_hooks_on_one_module_import_both_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the ocl backend and torchport's dynamo feature both wait for dynamo's trace_rules
+    from torchport import lazy
+
+    (tmp_path / "tp_lazy_probe.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[str] = []
+    lazy.when_imported("tp_lazy_probe", lambda m: seen.append(f"first {m.VALUE}"))
+    lazy.when_imported("tp_lazy_probe", lambda m: seen.append(f"second {m.VALUE}"))
+    import tp_lazy_probe  # noqa: F401
+
+    assert seen == ["first 1", "second 1"]
+    lazy.when_imported("tp_lazy_probe", lambda m: seen.append("later"))  # already imported
+    assert seen[-1] == "later"

@@ -37,7 +37,7 @@ class _RunAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     removes itself from ``sys.meta_path`` first, leaving it as it was."""
 
     def __init__(self, module: str, fn: Callable[[types.ModuleType], None]) -> None:
-        self.module, self.fn = module, fn
+        self.module, self.fns = module, [fn]
         self.loader: Any = None
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
@@ -57,7 +57,8 @@ class _RunAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         module.__spec__.loader = self.loader
         self.loader.exec_module(module)
-        self.fn(module)
+        for fn in self.fns:
+            fn(module)
 
 
 def when_imported(module: str, fn: Callable[[types.ModuleType], None]) -> None:
@@ -66,5 +67,9 @@ def when_imported(module: str, fn: Callable[[types.ModuleType], None]) -> None:
     loaded = sys.modules.get(module)
     if loaded is not None:
         fn(loaded)
-    else:
-        sys.meta_path.insert(0, _RunAfterImport(module, fn))
+        return
+    for finder in sys.meta_path:  # one finder per module: the import reaches only the first
+        if isinstance(finder, _RunAfterImport) and finder.module == module:
+            finder.fns.append(fn)
+            return
+    sys.meta_path.insert(0, _RunAfterImport(module, fn))

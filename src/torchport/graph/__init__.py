@@ -2,7 +2,8 @@
 exported programs.
 
 * :func:`enable_inductor` (:mod:`torchport.graph.inductor`): ``torch.compile(model)``
-  with its default compiler, inductor's C++ kernels running on device memory.
+  with its default compiler: inductor's C++ kernels running on device memory, or the
+  vendor's own inductor ``Scheduling`` writing the kernels in its language.
 * :func:`register_graph_compiler` (:mod:`torchport.graph.compilers`): a vendor's compiler
   receives the forward and backward ATen graphs of ``torch.compile(model,
   backend="<name>")``, whole or only the regions of the ops it supports (the rest runs

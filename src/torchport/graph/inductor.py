@@ -1,5 +1,7 @@
-"""``torch.compile``'s default compiler (inductor) on a device whose kernels can run as
-host code: inductor's C++/OpenMP codegen over device memory.
+"""``torch.compile``'s default compiler (inductor) on a device: inductor's C++/OpenMP
+codegen over device memory (``codegen="host"``), or the vendor's own inductor
+``Scheduling`` (``codegen=<class>``: the OpenCL backend's ``OpenCLScheduling``), with
+everything else -- registration, allocation, cache key -- from torchport.
 
 A device whose memory the host can address (the sim; unified-memory chips) can run the
 C++ kernels inductor writes for the CPU, given pointers into its memory. This module
@@ -26,6 +28,7 @@ rest.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import weakref
 from collections.abc import Callable
@@ -43,9 +46,13 @@ Tensor = torch.Tensor
 _COMPILABLE: dict[str, Any] = {}
 #: device name -> its launcher (what generated programs call at run time), made on first use
 _LAUNCHERS: dict[str, KernelLauncher] = {}
-#: backend -> the views its compiled kernels get (declared by enable_inductor)
-_DECLARED: weakref.WeakKeyDictionary[Any, Callable[[Tensor], Tensor]] = \
+#: backend -> the views its compiled kernels get (declared by enable_inductor; ``None``: the
+#: vendor's own scheduling generates the kernels)
+_DECLARED: weakref.WeakKeyDictionary[Any, Callable[[Tensor], Tensor] | None] = \
     weakref.WeakKeyDictionary()
+#: device name -> the vendor's own inductor ``Scheduling`` (enable_inductor(codegen=...)): the
+#: class, or ``"module:Class"`` imported on first use
+_OWN: dict[str, type | str] = {}
 CODEGEN_VERSION = "1"
 
 
@@ -57,23 +64,28 @@ class KernelLauncher:
     device tensors themselves (synchronous runtime, device addresses are host
     addresses)."""
 
-    def __init__(self, backend: DeviceBackend, views: Callable[[Tensor], Tensor]) -> None:
+    def __init__(self, backend: DeviceBackend,
+                 views: Callable[[Tensor], Tensor] | None) -> None:
         from torchport.ops import hostviews
 
         self.backend = backend
         self.name = backend.name
         rt = backend.runtime
         self.asynchronous = bool(rt.asynchronous)
+        self.own = _OWN.get(self.name)
         self.direct = not self.asynchronous and backend.host_address_is_device_address
-        self._views = hostviews.for_to_cpu(views, backend.devices)
+        self._views = None if views is None else hostviews.for_to_cpu(views, backend.devices)
         self._empty = torch.empty_strided
         self._devices = backend.devices  # made once: a torch.device costs more than the buffer
-        if self.direct:
+        if self.direct or self.own is not None:
             self.launch = _call  # type: ignore[method-assign]
 
     @property
     def mode(self) -> str:
-        """How kernels are launched: ``direct``, ``views`` or ``queued``."""
+        """How kernels are launched: ``direct``, ``views`` or ``queued`` (host codegen), or
+        ``own:<module.Scheduling>`` (the vendor's kernels launch themselves)."""
+        if self.own is not None:
+            return f"own:{_qualified(self.own)}"
         return "direct" if self.direct else "queued" if self.asynchronous else "views"
 
     def empty_strided(self, size: tuple, stride: tuple, dtype: torch.dtype, index: int) -> Tensor:
@@ -83,6 +95,7 @@ class KernelLauncher:
     def launch(self, index: int, name: str, kernel: Callable[..., Any], *args: Any) -> None:
         """Run ``kernel`` on the chip's views of ``args`` in order on the current stream of
         device ``index``."""
+        assert self._views is not None
         entries, add = self._views.entries, self._views.add
         mapped = []
         for a in args:
@@ -123,7 +136,7 @@ def launcher(name: str) -> KernelLauncher:
                        f"{name!r}; register its backend first (import torchport.{name})")
 
 
-def enable_inductor(backend: DeviceBackend, codegen: str = "host",
+def enable_inductor(backend: DeviceBackend, codegen: str | type = "host",
                     views: Callable[[Tensor], Tensor] | None = None) -> None:
     """Let ``torch.compile`` (inductor) compile graphs whose tensors are on ``backend``'s
     device; call it before or after ``backend.register()``.
@@ -131,18 +144,39 @@ def enable_inductor(backend: DeviceBackend, codegen: str = "host",
     ``codegen="host"``: inductor's C++ kernels run on the device's memory through
     ``views`` (a device tensor -> a CPU tensor over the same memory: the function the
     backend's host-op kernels use; ``backend.host_view`` by default, which needs a
-    host-addressable runtime). Inductor takes the device when it sets its backends up
-    (it asks ``torch.<device>`` for the classes), or at once if it already has."""
-    if codegen != "host":
+    host-addressable runtime).
+
+    ``codegen=<a Scheduling class>`` or ``"module:Class"`` (imported when inductor first
+    makes one: a backend can declare it without importing inductor): the vendor's own
+    inductor code generator (a ``torch._inductor.codegen.simd.SIMDScheduling`` subclass,
+    as the OpenCL backend's ``OpenCLScheduling``) writes the kernels; its kernels' ``call_kernel`` writes a call
+    the generated program makes as it is (the kernel object enqueues itself on the
+    current stream). torchport still supplies the rest: registration before PyTorch's
+    PrivateUse1 route, buffers on their own device index through its allocator, the
+    device's part of the cache key (which covers the scheduling's module source), and
+    dynamo's device interface and skip list. ``views`` is not used then.
+
+    Inductor takes the device when it sets its backends up (it asks ``torch.<device>``
+    for the classes), or at once if it already has."""
+    if isinstance(codegen, type) or ":" in codegen:
+        if views is not None:
+            raise ValueError(f"enable_inductor({backend.name!r}): views= is for codegen='host'; "
+                             f"a vendor's own Scheduling reads device memory itself")
+        _OWN[backend.name] = codegen
+        _DECLARED[backend] = None
+    elif codegen != "host":
         raise ValueError(f"enable_inductor: unknown codegen {codegen!r}; 'host' runs inductor's "
-                         f"C++ kernels on device memory (a vendor's own Scheduling and wrapper: "
-                         f"torch._inductor.codegen.common.register_backend_for_device)")
-    if views is None:
-        if not backend.runtime.host_addressable:
-            raise ValueError(f"enable_inductor({backend.name!r}): the runtime's memory is not "
-                             f"host-addressable; pass views= (how kernels see device memory)")
-        views = backend.host_view
-    _DECLARED[backend] = views
+                         f"C++ kernels on device memory, or pass the vendor's own inductor "
+                         f"Scheduling class (a SIMDScheduling subclass)")
+    else:
+        if views is None:
+            if not backend.runtime.host_addressable:
+                raise ValueError(f"enable_inductor({backend.name!r}): the runtime's memory is "
+                                 f"not host-addressable; pass views= (how kernels see device "
+                                 f"memory) or a Scheduling class of your own as codegen=")
+            views = backend.host_view
+        _OWN.pop(backend.name, None)
+        _DECLARED[backend] = views
     module = getattr(backend, "device_module", None)
     if module is not None:  # registered already
         on_register(backend, module)
@@ -159,7 +193,8 @@ def on_register(backend: DeviceBackend, module: Any) -> None:
     name = backend.name
     _COMPILABLE[name] = backend
     _LAUNCHERS.pop(name, None)
-    cpu_checks.install_fake_rules(name)
+    if name not in _OWN:  # inductor's CPU answers are for the C++ codegen only
+        cpu_checks.install_fake_rules(name)
     lazy.when_imported(_INDUCTOR_COMMON, lambda common: _register(name, common))
 
 
@@ -173,22 +208,43 @@ def _register(name: str, common: Any) -> None:
     generators cannot be imported yet (they import it): the classes given stand for them
     and load them on first use."""
     common.register_backend_for_device(
-        name, _scheduling_class(), _lazy_wrapper(name, _wrapper_class),
+        name, _scheduling_class(_OWN.get(name)), _lazy_wrapper(name, _wrapper_class),
         _lazy_wrapper(name, _unsupported_wrapper), _lazy_wrapper(name, _unsupported_wrapper),
         device_custom_pass=cache_key(name))
     common.register_device_op_overrides(name, _op_overrides(name, common))
 
 
-def _scheduling_class() -> type:
+def _scheduling_class(own: type | str | None = None) -> type:
+    """The scheduling inductor makes for the device: the vendor's own (a class, or one
+    imported when first made) or inductor's C++ one."""
+    if isinstance(own, type):
+        return own
+
     class HostScheduling:
         """Inductor's C++ scheduling (``CppScheduling``), imported when first made."""
 
         def __new__(cls, scheduler: Any) -> Any:  # type: ignore[misc]
+            if own is not None:
+                return _resolve(own)(scheduler)
             from torch._inductor.codegen.cpp import CppScheduling
 
             return CppScheduling(scheduler)
 
     return HostScheduling
+
+
+def _resolve(own: type | str) -> type:
+    """The class ``own`` names (``"module:Class"``)."""
+    if isinstance(own, type):
+        return own
+    module, _, attr = own.partition(":")
+    import importlib
+
+    return getattr(importlib.import_module(module), attr)
+
+
+def _qualified(own: type | str) -> str:
+    return own if isinstance(own, str) else f"{own.__module__}:{own.__qualname__}"
 
 
 class _Lazy(type):
@@ -234,17 +290,23 @@ class _CacheKeyBase:
     def __call__(self, gm: torch.fx.GraphModule) -> None:
         from torchport.graph import cpu_checks
 
-        cpu_checks.install(self.name)
+        if self.name not in _OWN:
+            cpu_checks.install(self.name)
 
     def uuid(self) -> str:
         from torchport.graph import cpu_checks
 
-        # asked before a graph is traced for the compile caches: the answers must be there
-        cpu_checks.install(self.name)
+        own = _OWN.get(self.name)
+        if own is None:
+            # asked before a graph is traced for the compile caches: the answers must be there
+            cpu_checks.install(self.name)
         h = hashlib.sha256(f"torchport-{CODEGEN_VERSION}:{self.name}:{self.mode}".encode())
         here = os.path.dirname(os.path.abspath(__file__))
-        for src in ("inductor.py", "cpu_checks.py"):  # the code this key covers
-            with open(os.path.join(here, src), "rb") as f:
+        sources = [os.path.join(here, src) for src in ("inductor.py", "cpu_checks.py")]
+        if own is not None:  # the vendor's code generator: a change of it is a new key
+            sources.append(inspect.getfile(_resolve(own)))
+        for src in sources:  # the code this key covers
+            with open(src, "rb") as f:
                 h.update(f.read())
         return h.hexdigest()
 
@@ -328,6 +390,9 @@ def _wrapper_class(name: str) -> type:
             if triton or device.type != name:
                 return super()._generate_kernel_call_helper(
                     kernel_name, call_args, device=device, triton=triton, **kwargs)
+            if name in _OWN:  # the vendor's kernel object enqueues itself
+                self.writeline(self.wrap_kernel_call(kernel_name, call_args))
+                return None
             # the same code in every launch mode: the launcher decides when the program runs
             args = ", ".join([str(device.index or 0), repr(kernel_name), kernel_name, *call_args])
             self.writeline(f"launch_{name}({args}){self.ending}")

@@ -44,6 +44,7 @@ except ImportError as e:
         "torchport.opencl needs pyopencl and an OpenCL driver: pip install 'torchport[opencl]' "
         "(pyopencl and PoCL, a CPU driver) or install your GPU's OpenCL driver") from e
 
+from torchport.backends.opencl import graph  # noqa: E402
 from torchport.backends.opencl.kernels import make_kernels  # noqa: E402
 from torchport.backends.opencl.runtime import OpenCLRuntime  # noqa: E402
 
@@ -57,7 +58,9 @@ def make_backend(rt: OpenCLRuntime | None = None) -> _backend.Backend:
             f"{settings.raw('TORCHPORT_OPENCL_PLATFORM', 'unset')}, TORCHPORT_OPENCL_DEVICES="
             f"{settings.raw('TORCHPORT_OPENCL_DEVICES', 'unset')}); install a driver, e.g. "
             "pip install pocl-binary-distribution, or fix the selection")
-    return _backend.Backend("ocl", rt, [make_kernels(rt)])
+    made = _backend.Backend("ocl", rt, [make_kernels(rt)])
+    graph.enable(made)  # torch.compile: inductor with the backend's OpenCL code generator
+    return made
 
 
 if _backend._ACTIVE is not None and _backend._ACTIVE.name == "ocl":
