@@ -15,6 +15,7 @@ softmax) and a tiled GEMM. Programs are built once per source and device, on fir
 from __future__ import annotations
 
 import math
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,8 +64,37 @@ _PHILOX = """inline float philox_uniform(ulong i, uint k0, uint k1) {
 """
 
 
+# OpenCL C scalar parameter types -> the numpy type pyopencl packs the argument as
+_PARAM = {"long": np.int64, "ulong": np.uint64, "int": np.int32, "uint": np.uint32,
+          "short": np.int16, "ushort": np.uint16, "char": np.int8, "uchar": np.uint8,
+          "float": np.float32, "double": np.float64}
+_SIGNATURE = re.compile(r"__kernel\s+void\s+\w+\s*\(([^)]*)\)")
+
+
+def scalar_arg_dtypes(source: str) -> list[Any] | None:
+    """Per parameter of ``source``'s kernel the numpy type of a scalar, ``None`` for a
+    pointer: with them set, pyopencl packs arguments directly (a numpy scalar otherwise
+    goes through its generic buffer path, several microseconds per argument). ``None``
+    when a parameter type is not one of :data:`_PARAM`."""
+    found = _SIGNATURE.search(source)
+    if found is None:
+        return None
+    dtypes: list[Any] = []
+    for param in found.group(1).split(","):
+        if "*" in param:
+            dtypes.append(None)
+            continue
+        words = param.split()
+        if len(words) != 2 or words[0] not in _PARAM:
+            return None
+        dtypes.append(_PARAM[words[0]])
+    return dtypes
+
+
 class Programs:
-    """Built programs per (device, source): compiled on first use, then reused."""
+    """Built programs per (device, source): compiled on first use, then reused. A kernel's
+    scalar parameter types are declared to pyopencl once (:func:`scalar_arg_dtypes`), so
+    scalar arguments may be Python numbers or numpy scalars."""
 
     def __init__(self, runtime: OpenCLRuntime) -> None:
         self.runtime = runtime
@@ -84,7 +114,11 @@ class Programs:
             if "report_index(" in source:
                 head += REPORT_INDEX
             program = cl.Program(self.runtime.contexts[index], head + source).build(_OPTIONS)
-            k = self.kernels[(index, source)] = program.all_kernels()[0]
+            k = program.all_kernels()[0]
+            dtypes = scalar_arg_dtypes(source)
+            if dtypes is not None and len(dtypes) == k.num_args:
+                k.set_scalar_arg_dtypes(dtypes)
+            self.kernels[(index, source)] = k
         return k
 
     def run(self, index: int, queue: cl.CommandQueue, source: str, size: Sequence[int],
