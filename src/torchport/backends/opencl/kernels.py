@@ -206,6 +206,55 @@ def _positions(rank: int, count: int) -> list[str]:
             for d in reversed(range(rank))]
 
 
+def _broadcast_strides(t: torch.Tensor, shape: Sequence[int]) -> list[int]:
+    """``t``'s strides broadcast to ``shape`` (``t.expand(shape).stride()`` without making
+    the view; the meta kernel that shaped the output checked the shapes)."""
+    lead = len(shape) - t.dim()
+    own, sizes = t.stride(), t.shape
+    if lead < 0 or any(n != 1 and n != shape[d + lead] for d, n in enumerate(sizes)):
+        return list(t.expand(shape).stride())  # raises expand's error
+    return [0 if d < lead or (sizes[d - lead] == 1 and shape[d] != 1) else own[d - lead]
+            for d in range(len(shape))]
+
+
+def _elementwise_source(out_dtype: torch.dtype, ops: Sequence[Operand],
+                        computes: Sequence[torch.dtype], rank: int, expr: str,
+                        scalars: Sequence[torch.dtype], at: Sequence[str | None], pre: str,
+                        checked: int | None) -> str:
+    """OpenCL C of :meth:`Launcher.elementwise`: one work-item per output element; the
+    parameters are ``n``, the sizes, per tensor (output first) its buffer, byte offset and
+    strides, the scalar operands, the ``scalars``, and for a ``checked`` input the
+    extent and the error word's arguments."""
+    count = 1 + sum(o.tensor is not None for o in ops)
+    params = ["long n"] + [f"long z{d}" for d in range(rank)]
+    body = ["long i = get_global_id(0);", "if (i >= n) return;", "long r = i;"]
+    for k in range(count):
+        params += [f"__global char* p{k}", f"ulong o{k}"] + [f"long t{k}_{d}" for d in range(rank)]
+        body.append(f"long q{k} = 0;")
+    body += _positions(rank, count)
+    k = 1
+    for j, (o, ct) in enumerate(zip(ops, computes, strict=True)):
+        if o.tensor is not None:
+            where = at[j] if j < len(at) and at[j] is not None else f"q{k}"
+            where = where.replace("QSELF", f"q{k}")
+            body.append(f"{_ctype(ct)} a{j} = ({_ctype(ct)})"
+                        f"{_load(o.dtype, f'p{k} + o{k}', where)};")
+            if checked == j:
+                body.append(f"if (a{j} < 0 || a{j} >= ext) "
+                            f"{{ report_index(err, eop, edim, a{j}, ext); return; }}")
+            k += 1
+        else:
+            params.append(f"{_ctype(ct)} a{j}")
+    for j, dt in enumerate(scalars):
+        params.append(f"{_ctype(dt)} s{j}")
+    if checked is not None:
+        params += ["long ext", "__global long* err", "long eop", "long edim"]
+    if pre:
+        body.append(pre)
+    body.append(_store(out_dtype, "p0 + o0", "q0", expr))
+    return f"__kernel void elementwise({', '.join(params)}) {{\n  " + "\n  ".join(body) + "\n}\n"
+
+
 class Launcher:
     """Builds and enqueues the generated kernels for one runtime."""
 
@@ -213,6 +262,7 @@ class Launcher:
         self.runtime = runtime
         self.programs = Programs(runtime)
         self.placeholders: dict[int, cl.Buffer] = {}
+        self.sources: dict[tuple, str] = {}  # generated source per kernel signature
 
     def _where(self, t: torch.Tensor) -> tuple[int, cl.CommandQueue]:
         index = torchport.device_index(t)
@@ -225,7 +275,7 @@ class Launcher:
                                                      cl.mem_flags.READ_WRITE, 256)
             return [self.placeholders[index], np.uint64(0)]
         buf, off = self.runtime.locate(index, torchport.device_address(t))
-        return [buf, np.uint64(off)]
+        return [buf, off]
 
     def index_error(self, t: torch.Tensor, op: str, dim: int) -> list[Any]:
         """The arguments ``__global long* err, long eop, long edim`` of a kernel on ``t``'s
@@ -259,50 +309,37 @@ class Launcher:
         if out.numel() == 0:
             return out
         ops = [_operand(v) for v in inputs]
-        computes = [compute] * len(ops) if isinstance(compute, torch.dtype) else list(compute)
+        computes = (compute,) * len(ops) if isinstance(compute, torch.dtype) else tuple(compute)
         index, queue = self._where(out)
-        tensors = [out] + [o.tensor.expand(out.shape) for o in ops if o.tensor is not None]
+        shape = out.shape
+        tensors = [out] + [o.tensor for o in ops if o.tensor is not None]
+        device = out.device
+        strides = [list(out.stride())]
         for t in tensors[1:]:
-            if t.device != out.device:
+            if t.device != device:
                 raise Decline("operands on two devices")
-        sizes, strides = _coalesce(list(out.shape), [list(t.stride()) for t in tensors])
-        rank = len(sizes)
-        params = ["long n"] + [f"long z{d}" for d in range(rank)]
-        args: list[Any] = [np.int64(out.numel())] + [np.int64(s) for s in sizes]
-        body = ["long i = get_global_id(0);", "if (i >= n) return;", "long r = i;"]
-        names = [f"p{k}" for k in range(len(tensors))]
-        for k, (t, st) in enumerate(zip(tensors, strides, strict=True)):
-            params += [f"__global char* p{k}", f"ulong o{k}"] + [f"long t{k}_{d}" for d in range(rank)]
-            args += self._buffer(index, t) + [np.int64(s) for s in st]
-            body.append(f"long q{k} = 0;")
-        body += _positions(rank, len(tensors))
-        k = 1
-        for j, (o, ct) in enumerate(zip(ops, computes, strict=True)):
-            if o.tensor is not None:
-                where = at[j] if j < len(at) and at[j] is not None else f"q{k}"
-                where = where.replace("QSELF", f"q{k}")
-                body.append(f"{_ctype(ct)} a{j} = ({_ctype(ct)})"
-                            f"{_load(o.dtype, f'{names[k]} + o{k}', where)};")
-                if index_check is not None and index_check[0] == j:
-                    body.append(f"if (a{j} < 0 || a{j} >= ext) "
-                                f"{{ report_index(err, eop, edim, a{j}, ext); return; }}")
-                k += 1
-            else:
-                params.append(f"{_ctype(ct)} a{j}")
+            strides.append(_broadcast_strides(t, shape))
+        sizes, strides = _coalesce(list(shape), strides)
+        key = ("elementwise", expr, computes, tuple((o.dtype, o.tensor is None) for o in ops),
+               out.dtype, len(sizes), tuple(dt for dt, _ in scalars), tuple(at), pre,
+               None if index_check is None else index_check[0])
+        source = self.sources.get(key)
+        if source is None:
+            source = self.sources[key] = _elementwise_source(
+                out.dtype, ops, computes, len(sizes), expr, [dt for dt, _ in scalars], at, pre,
+                None if index_check is None else index_check[0])
+        args: list[Any] = [out.numel(), *sizes]
+        for t, st in zip(tensors, strides, strict=True):
+            args += self._buffer(index, t)
+            args += st
+        for o, ct in zip(ops, computes, strict=True):
+            if o.tensor is None:
                 args.append(_scalar(ct, o.value))
-        for j, (dt, v) in enumerate(scalars):
-            params.append(f"{_ctype(dt)} s{j}")
+        for dt, v in scalars:
             args.append(_scalar(dt, v))
         if index_check is not None:
-            params += ["long ext", "__global long* err", "long eop", "long edim"]
-            args += [np.int64(index_check[1])] + self.index_error(out, index_check[2],
-                                                                  index_check[3])
-        if pre:
-            body.append(pre)
-        body.append(_store(out.dtype, "p0 + o0", "q0", expr))
-        source = (f"__kernel void elementwise({', '.join(params)}) {{\n  "
-                  + "\n  ".join(body) + "\n}\n")
-        self.programs.run(index, queue, source, [out.numel()], args)
+            args += [index_check[1]] + self.index_error(out, index_check[2], index_check[3])
+        self.programs.run(index, queue, source, [args[0]], args)
         if index_check is not None:
             self.after_index_kernel(out)
         return out
@@ -438,8 +475,27 @@ def make_kernels(runtime: OpenCLRuntime) -> KernelSet:
     dtypes = DTYPES if all(runtime.fp64) else DTYPES - {torch.float64}
     floats = [d for d in FLOATS if d in dtypes]
 
+    promoted: dict[tuple, torch.dtype] = {}
+    plain = (bool, int, float, complex, type(None))
+
     def promote(kind: PROMOTE, *args: Any) -> torch.dtype:
-        return elementwise_dtypes(*args, type_promotion_kind=kind)[0]
+        """The computation dtype ``elementwise_dtypes`` gives, cached by what it reads: each
+        tensor's dtype and whether it has dimensions, each number's type, the default dtype."""
+        key: tuple | None = (kind, torch.get_default_dtype())
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                key += (a.dtype, a.dim() == 0)
+            elif type(a) in plain:
+                key += (type(a),)
+            else:  # SymInt and the like: not cached
+                key = None
+                break
+        hit = promoted.get(key) if key is not None else None
+        if hit is None:
+            hit = elementwise_dtypes(*args, type_promotion_kind=kind)[0]
+            if key is not None:
+                promoted[key] = hit
+        return hit
 
     def isfloat(dt: torch.dtype) -> bool:
         return dt.is_floating_point
