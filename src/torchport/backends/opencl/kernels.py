@@ -255,6 +255,37 @@ def _elementwise_source(out_dtype: torch.dtype, ops: Sequence[Operand],
     return f"__kernel void elementwise({', '.join(params)}) {{\n  " + "\n  ".join(body) + "\n}\n"
 
 
+def _rows_source(outs: int, inputs: Sequence[torch.dtype], kept: int, reduced: int,
+                 body: str, extra: Sequence[str]) -> str:
+    """OpenCL C of :meth:`Launcher.rows`: parameters ``n``, ``m``, the kept and the reduced
+    sizes, per tensor (outputs, then inputs) its buffer, byte offset and strides over the
+    kept dims, per input its strides over the reduced dims, then ``extra``."""
+    count = outs + len(inputs)
+    params = ["long n", "long m"] + [f"long z{d}" for d in range(kept)] \
+        + [f"long y{d}" for d in range(reduced)]
+    code = ["long i = get_global_id(0);", "if (i >= n) return;", "long r = i;"]
+    for k in range(count):
+        params += [f"__global char* p{k}", f"ulong o{k}"] + [f"long t{k}_{d}" for d in range(kept)]
+        code.append(f"long q{k} = 0;")
+    for j in range(len(inputs)):
+        params += [f"long u{outs + j}_{d}" for d in range(reduced)]
+    code += _positions(kept, count)
+    macros = []
+    for j, dtype in enumerate(inputs):
+        k = outs + j
+        macros.append(f"inline long inner{k}(long j{''.join(f', long y{d}, long u{d}' for d in range(reduced))}) "
+                      + ("{ return j * u0; }" if reduced == 1 else  # j < y0: no division
+                         "{ long q = 0; " + " ".join(f"q += (j % y{d}) * u{d}; j /= y{d};"
+                                                      for d in reversed(range(reduced)))
+                         + " return q; }"))
+        call = f"inner{k}(j{''.join(f', y{d}, u{k}_{d}' for d in range(reduced))})"
+        code.append(f"#define IN{j}(j) ({_load(dtype, f'p{k} + o{k}', f'q{k} + {call}')})")
+    params += extra
+    code.append(body)
+    return "\n".join(macros) + f"\n__kernel void rows({', '.join(params)}) {{\n  " \
+        + "\n  ".join(code) + "\n}\n"
+
+
 class Launcher:
     """Builds and enqueues the generated kernels for one runtime."""
 
@@ -363,37 +394,20 @@ class Launcher:
         ksz, kst = _coalesce(kept_sizes, [list(s) for s in out_kept]
                              + [[t.stride(d) for d in kept] for t in inputs])
         rsz, rst = _coalesce(red_sizes, [[t.stride(d) for d in reduced] for t in inputs])
-        params = ["long n", "long m"] + [f"long z{d}" for d in range(len(ksz))] \
-            + [f"long y{d}" for d in range(len(rsz))]
-        args: list[Any] = [np.int64(n), np.int64(m)] + [np.int64(s) for s in ksz + rsz]
-        code = ["long i = get_global_id(0);", "if (i >= n) return;", "long r = i;"]
-        tensors = list(outs) + list(inputs)
-        for k, t in enumerate(tensors):
-            params += [f"__global char* p{k}", f"ulong o{k}"] \
-                + [f"long t{k}_{d}" for d in range(len(ksz))]
-            args += self._buffer(index, t) + [np.int64(s) for s in kst[k]]
-            code.append(f"long q{k} = 0;")
-        for j in range(len(inputs)):
-            k = len(outs) + j
-            params += [f"long u{k}_{d}" for d in range(len(rsz))]
-            args += [np.int64(s) for s in rst[j]]
-        code += _positions(len(ksz), len(tensors))
-        macros = []
-        for j, t in enumerate(inputs):
-            k = len(outs) + j
-            macros.append(f"inline long inner{k}(long j{''.join(f', long y{d}, long u{d}' for d in range(len(rsz)))}) "
-                          + ("{ return j * u0; }" if len(rsz) == 1 else  # j < y0: no division
-                             "{ long q = 0; " + " ".join(f"q += (j % y{d}) * u{d}; j /= y{d};"
-                                                          for d in reversed(range(len(rsz))))
-                             + " return q; }"))
-            call = f"inner{k}(j{''.join(f', y{d}, u{k}_{d}' for d in range(len(rsz)))})"
-            code.append(f"#define IN{j}(j) ({_load(t.dtype, f'p{k} + o{k}', f'q{k} + {call}')})")
-        for decl, value in extra:
-            params.append(decl)
-            args.append(value)
-        code.append(body)
-        source = "\n".join(macros) + f"\n__kernel void rows({', '.join(params)}) {{\n  " \
-            + "\n  ".join(code) + "\n}\n"
+        key = ("rows", body, len(outs), tuple(t.dtype for t in inputs), len(ksz), len(rsz),
+               tuple(decl for decl, _ in extra))
+        source = self.sources.get(key)
+        if source is None:
+            source = self.sources[key] = _rows_source(len(outs), [t.dtype for t in inputs],
+                                                      len(ksz), len(rsz), body,
+                                                      [decl for decl, _ in extra])
+        args: list[Any] = [n, m, *ksz, *rsz]
+        for k, t in enumerate([*outs, *inputs]):
+            args += self._buffer(index, t)
+            args += kst[k]
+        for st in rst:
+            args += st
+        args += [value for _, value in extra]
         self.programs.run(index, queue, source, [n], args)
 
     # ---- hand-written kernels over contiguous or explicitly strided tensors ----
@@ -410,8 +424,10 @@ class Launcher:
     # ---- GEMM ----
     def gemm(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              bias: torch.Tensor | None = None, alpha: Any = 1, beta: Any = 1) -> torch.Tensor:
-        """``out = beta * bias + alpha * (a @ b)`` (batched when ``out`` is 3-d), tiled in
-        local memory; ``bias`` broadcast to ``out``."""
+        """``out = beta * bias + alpha * (a @ b)`` (batched when ``out`` is 3-d); ``bias``
+        broadcast to ``out``. Register-blocked (:func:`_gemm_source`): each work-item
+        computes :data:`GEMM_ROWS` rows of one column or of :data:`GEMM_WIDTHS` columns (a
+        vector, where ``b``'s rows are contiguous), summing over ``k`` in order."""
         if out.numel() == 0:
             return out
         dt = out.dtype
@@ -426,46 +442,96 @@ class Launcher:
         index, queue = self._where(out)
         batch, m, n = out.shape
         k = a.shape[-1]
-        ct = "float" if dt == torch.float16 else _CL[dt]  # float16 accumulates in float
-        tile = 16
-        params = ["long B", "long M", "long N", "long K", f"{ct} alpha", f"{ct} beta"]
-        args: list[Any] = [np.int64(batch), np.int64(m), np.int64(n), np.int64(k),
-                           _scalar(dt, alpha), _scalar(dt, beta if bias is not None else 0)]
-        for name, t in (("c", out), ("a", a), ("b", b)) + ((("e", bias),) if bias is not None else ()):
-            params += [f"__global char* {name}p", f"ulong {name}o"] + [f"long {name}s{d}" for d in range(3)]
-            args += self._buffer(index, t) + [np.int64(s) for s in t.stride()]
-        a_at = f"({ct}){_load(dt, 'ap + ao', 'z * as0 + (row) * as1 + (col) * as2')}"
-        b_at = f"({ct}){_load(dt, 'bp + bo', 'z * bs0 + (row) * bs1 + (col) * bs2')}"
-        value = "alpha * acc"
-        if bias is not None:
-            e_at = f"({ct}){_load(dt, 'ep + eo', 'z * es0 + gm * es1 + gn * es2')}"
-            value = f"(beta == 0 ? 0 : beta * {e_at}) + alpha * acc"
-        store = _store(dt, "cp + co", "z * cs0 + gm * cs1 + gn * cs2", value)
-        source = f"""
-__kernel void gemm({', '.join(params)}) {{
-  __local {ct} As[{tile}][{tile}];
-  __local {ct} Bs[{tile}][{tile}];
-  long z = get_global_id(2);
-  int lx = get_local_id(0), ly = get_local_id(1);
-  long gn = get_global_id(0), gm = get_global_id(1);
-  {ct} acc = 0;
-  for (long t0 = 0; t0 < K; t0 += {tile}) {{
-    long row = gm, col = t0 + lx;
-    As[ly][lx] = (row < M && col < K) ? {a_at} : 0;
-    row = t0 + ly; col = gn;
-    Bs[ly][lx] = (row < K && col < N) ? {b_at} : 0;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int kk = 0; kk < {tile}; kk++) acc += As[ly][kk] * Bs[kk][lx];
-    barrier(CLK_LOCAL_MEM_FENCE);
-  }}
-  if (gm < M && gn < N) {{
-    {store}
-  }}
-}}
-"""
-        up = lambda v: -(-v // tile) * tile  # noqa: E731
-        self.programs.run(index, queue, source, [up(n), up(m), batch], args, [tile, tile, 1])
+        if b.stride(2) != 1 and m > GEMM_ROWS and n % GEMM_WIDTHS[-1] == 0:
+            b = b.contiguous()  # a transposed weight: one copy, then vector loads of its rows
+        tensors = (out, a, b) + ((bias,) if bias is not None else ())
+        # unit strides are compiled in: the loads along them are contiguous (vectorizable)
+        units = tuple(tuple(s == 1 for s in t.stride()) for t in tensors)
+        item = 8 if dt in (torch.float64, torch.int64) else 4  # bytes of the computation type
+        width = next((w for w in GEMM_WIDTHS if units[2][2] and n % w == 0
+                      and w * item <= 64), 1)  # a vector of 64 bytes at most
+        key = ("gemm", dt, bias is not None, units, width, GEMM_ROWS)
+        source = self.sources.get(key)
+        if source is None:
+            source = self.sources[key] = _gemm_source(dt, bias is not None, units, width)
+        args: list[Any] = [batch, m, n, k, _scalar(dt, alpha),
+                           _scalar(dt, beta if bias is not None else 0)]
+        for t in tensors:
+            args += self._buffer(index, t)
+            args += t.stride()
+        columns = n // width if width > 1 else n
+        local = min(GEMM_LOCAL, 1 << max(columns - 1, 0).bit_length())
+        size = [-(-columns // local) * local, -(-m // GEMM_ROWS), batch]
+        self.programs.run(index, queue, source, size, args, [local, 1, 1])
         return out
+
+
+# rows of the output one GEMM work-item computes, the widths of the vector of columns it
+# computes (the first dividing the columns, where ``b``'s rows are contiguous; else one
+# column), work-items in a group
+GEMM_ROWS = 8
+GEMM_WIDTHS = (16, 8, 4)
+GEMM_LOCAL = 8
+
+
+def _gemm_source(dt: torch.dtype, bias: bool, units: Sequence[Sequence[bool]],
+                 width: int) -> str:
+    """OpenCL C of :meth:`Launcher.gemm`. Work-item ``(j, i, z)`` computes rows ``i * R ..
+    i * R + R - 1`` (``R`` = :data:`GEMM_ROWS`) of columns ``j * width .. j * width +
+    width - 1`` of batch ``z``: per ``k`` one element (``width`` 1) or a vector of ``b``'s row
+    and ``R`` elements of ``a``, the ``R`` accumulators in registers. Each output sums its
+    products over ``k`` in order, without fused multiply-adds (float16 in float), whatever
+    the width; rows past the end read the last row and store nothing. ``units``: per tensor
+    (out, a, b, bias) which strides are 1, compiled in."""
+    ct = "float" if dt == torch.float16 else _CL[dt]
+    vt = ct if width == 1 else f"{ct}{width}"
+    rows = GEMM_ROWS
+    names = ("c", "a", "b", "e")[: 3 + bias]
+    params = ["long B", "long M", "long N", "long K", f"{ct} alpha", f"{ct} beta"]
+    for name in names:
+        params += [f"__global char* {name}p", f"ulong {name}o"] + [f"long {name}s{d}" for d in range(3)]
+
+    def stride(name: str, d: int) -> str:
+        return "1" if units[names.index(name)][d] else f"{name}s{d}"
+
+    body = [f"long j0 = get_global_id(0) * {width}, i0 = get_global_id(1) * {rows}, "
+            "z = get_global_id(2);",
+            f"long ab = z * {stride('a', 0)};"]
+    if width == 1:  # a column past the end reads the last one
+        body.append(f"long bb = z * {stride('b', 0)} + (j0 < N ? j0 : N - 1) * {stride('b', 2)};")
+        b_at = f"({ct}){_load(dt, 'bp + bo', f'bb + k * {stride(chr(98), 1)}')}"
+    else:  # the width divides N
+        body.append(f"long bb = z * {stride('b', 0)} + j0;")
+        # loads of 32 bytes at most: wider vector returns change the ABI without AVX-512
+        chunk = min(width, 32 // (8 if ct in ("double", "long") else 4))
+        row = f"bb + k * {stride('b', 1)}"
+        fn, ptr = ((f"vload_half{chunk}", f"(__global const half*)(bp + bo) + {row}")
+                   if dt == torch.float16 else
+                   (f"vload{chunk}", f"(__global const {ct}*)(bp + bo) + {row}"))
+        parts = [f"{fn}({c}, {ptr})" for c in range(width // chunk)]
+        b_at = parts[0] if len(parts) == 1 else f"({vt})({', '.join(parts)})"
+    for r in range(rows):
+        body.append(f"long ar{r} = ab + (i0 + {r} < M ? i0 + {r} : M - 1) * {stride('a', 1)};")
+        body.append(f"{vt} acc{r} = 0;")
+    loop = [f"{vt} bv = {b_at};"]
+    for r in range(rows):
+        a_at = _load(dt, "ap + ao", f"ar{r} + k * {stride('a', 2)}")
+        loop.append(f"acc{r} += ({ct}){a_at} * bv;")
+    body.append("for (long k = 0; k < K; k++) {\n    " + "\n    ".join(loop) + "\n  }")
+    body.append("if (j0 >= N) return;")
+    for r in range(rows):
+        gm = f"(i0 + {r})"
+        stores = []
+        for c in range(width):
+            gn = f"(j0 + {c})"
+            acc = f"acc{r}" if width == 1 else f"acc{r}.s{c:x}"
+            value = f"alpha * {acc}"
+            if bias:
+                e_at = f"({ct}){_load(dt, 'ep + eo', f'z * es0 + {gm} * es1 + {gn} * es2')}"
+                value = f"(beta == 0 ? 0 : beta * {e_at}) + alpha * {acc}"
+            stores.append(_store(dt, "cp + co", f"z * cs0 + {gm} * cs1 + {gn} * cs2", value))
+        body.append(f"if ({gm} < M) {{ " + " ".join(stores) + " }")
+    return f"__kernel void gemm({', '.join(params)}) {{\n  " + "\n  ".join(body) + "\n}\n"
 
 
 def make_kernels(runtime: OpenCLRuntime) -> KernelSet:
