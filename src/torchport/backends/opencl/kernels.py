@@ -3,13 +3,17 @@ tensor's current stream (an in-order queue) with buffer arguments found through 
 runtime's segment table.
 
 Every kernel reads its operands where they are, strided (views, broadcast inputs with
-stride 0, storage offsets), so no kernel copies an input first. Three generators cover the
+stride 0, storage offsets), so no kernel copies an input first (but the GEMM's transposed
+right operand, copied once so that its rows load as vectors). Three generators cover the
 ops: elementwise (any number of inputs, broadcasting, type promotion as PyTorch's
 ``elementwise_dtypes`` says, the computation in PyTorch's "opmath" type), row kernels
 (one work-item per output element looping over the reduced dimensions: reductions,
-softmax) and a tiled GEMM. Programs are built once per source and device, on first use
-(PoCL and pyopencl keep built binaries on disk). What no kernel here handles raises
-:class:`~torchport.ops.Decline`: decompositions, then the CPU fallback, take it.
+softmax) and a register-blocked GEMM. Programs are built once per source and device, on
+first use (PoCL and pyopencl keep built binaries on disk); the generated source is kept per
+signature (op, dtypes, rank), so a warm call builds no string, and each kernel's scalar
+parameter types are declared to pyopencl once, so arguments are packed without numpy's
+generic path. What no kernel here handles raises :class:`~torchport.ops.Decline`:
+decompositions, then the CPU fallback, take it.
 """
 
 from __future__ import annotations
