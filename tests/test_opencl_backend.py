@@ -277,6 +277,34 @@ def test_gemm_and_softmax_with_their_backward(ocl):  # noqa: F811
     """)
 
 
+@pytest.mark.opencl_full
+def test_gemm_vector_widths_transposed_weights_and_ragged_rows(ocl):  # noqa: F811
+    ocl.run("""
+    # columns in vectors of 16, 8 and 4 (and one at a time), rows not a multiple of the
+    # rows per work-item, a transposed weight (copied, then read by rows), bias, batches
+    for m, k, n in ((13, 33, 48), (9, 7, 24), (21, 5, 12), (3, 17, 16), (11, 6, 10)):
+        a, w, c = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+        da, dw, dc = a.to("ocl"), w.to("ocl"), c.to("ocl")
+        close(da @ dw.t(), a @ w.t())
+        close(da @ dw.t().contiguous(), a @ w.t())
+        close(torch.addmm(dc, da, dw.t(), beta=0.5, alpha=2), torch.addmm(c, a, w.t(), beta=0.5, alpha=2))
+        close(torch.nn.functional.linear(da, dw, dc), torch.nn.functional.linear(a, w, c))
+        p, q = torch.randn(2, m, k), torch.randn(2, k, n)
+        close(torch.bmm(p.to("ocl"), q.to("ocl")), torch.bmm(p, q))
+        close(torch.baddbmm(dc, p.to("ocl"), q.to("ocl"), beta=0.25), torch.baddbmm(c, p, q, beta=0.25))
+        i, j = torch.randint(-9, 9, (m, k)), torch.randint(-9, 9, (k, n))
+        same(i.to("ocl") @ j.to("ocl"), i @ j)                       # int64: exact
+        same(i.to("ocl") @ j.t().contiguous().to("ocl").t(), i @ j)
+        h, g = torch.randn(m, k).half(), torch.randn(k, n).half()
+        close(h.to("ocl") @ g.to("ocl"), h @ g, rtol=1e-3, atol=1e-2)   # float16 sums in float
+        x = torch.randn(m, k, dtype=torch.float64)
+        y = torch.randn(k, n, dtype=torch.float64)
+        if ocl.runtime.fp64[0]:
+            close(x.to("ocl") @ y.to("ocl"), x @ y, rtol=1e-12, atol=1e-12)
+    native_only(lambda: (da @ dw.t(), torch.addmm(dc, da, dw.t())))
+    """)
+
+
 def test_same_device_copies_stay_on_the_device(ocl):  # noqa: F811
     ocl.run("""
     x, y = torch.randn(8, 6), torch.randn(8, 2)

@@ -47,9 +47,11 @@ def parse_visible_devices(text: str | None, count: int) -> list[int]:
     return out
 
 
-def check_layout(size: list[int], stride: list[int]) -> None:
+def check_layout(size: list[int], stride: list[int]) -> int:
     """The CPU's errors for sizes and strides no tensor can have, before any memory is
-    taken (DLPack's import would abort the process on them)."""
+    taken (DLPack's import would abort the process on them); returns the elements the
+    layout spans (``storage_nbytes`` for one-byte items), so that the caller need not
+    compute it again."""
     if any(d < 0 for d in size):
         neg = next(d for d in size if d < 0)
         raise RuntimeError(f"Trying to create tensor with negative dimension {neg}: {size}")
@@ -57,11 +59,12 @@ def check_layout(size: list[int], stride: list[int]) -> None:
         raise RuntimeError(f"dimensionality of sizes ({len(size)}) must match dimensionality "
                            f"of strides ({len(stride)})")
     if 0 in size:
-        return
+        return 0
     if any(st < 0 and d > 1 for d, st in zip(size, stride, strict=True)) \
-            or tensors.storage_nbytes(size, stride, 1) >= 1 << 63:
+            or (extent := tensors.storage_nbytes(size, stride, 1)) >= 1 << 63:
         raise RuntimeError(f"Storage size calculation overflowed with sizes={size} and "
                            f"strides={stride}")
+    return extent
 
 
 class Backend:
@@ -178,8 +181,7 @@ class Backend:
         self.check_dtype(dtype)
         index = self.index_of(device)
         size, stride = list(size), list(stride)
-        check_layout(size, stride)
-        nbytes = tensors.storage_nbytes(size, stride, dtype.itemsize)
+        nbytes = check_layout(size, stride) * dtype.itemsize
         return self._new_tensor(index, size, stride, dtype, nbytes)
 
     def _new_tensor(self, index: int, size, stride, dtype: torch.dtype,

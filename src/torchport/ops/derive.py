@@ -36,10 +36,18 @@ def _inputs(schema: Any) -> list[tuple[str, str]]:
             if not (a.alias_info is not None and a.alias_info.is_write)]
 
 
+_OUT_NAMES: dict[OpOverload, tuple[str, ...]] = {}
+
+
 def out_names(op: OpOverload) -> list[str]:
-    """Names of the written keyword-only arguments (``["out"]``, ``["values", "indices"]``)."""
-    return [a.name for a in op._schema.arguments
-            if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+    """Names of the written keyword-only arguments (``["out"]``, ``["values", "indices"]``);
+    read from the schema once per overload (the wrappers below ask on every call)."""
+    names = _OUT_NAMES.get(op)
+    if names is None:
+        names = _OUT_NAMES[op] = tuple(
+            a.name for a in op._schema.arguments
+            if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
+    return list(names)
 
 
 def is_out_overload(op: OpOverload) -> bool:
@@ -102,13 +110,14 @@ def _sig(v: Any) -> Any:
     return (type(v), v)  # 2 and 2.0 are equal keys, but promote differently
 
 
-def output_specs(op: OpOverload, args: tuple, kwargs: dict) -> list[Spec]:
+def output_specs(op: OpOverload, args: tuple, kwargs: dict, quiet: bool = False) -> list[Spec]:
     """Shape, strides and dtype of each result of ``op``, from its meta kernel.
 
     Many meta kernels are Python reference implementations costing a millisecond; a
     training loop repeats the same shapes every step, so results are cached by the
     arguments' metadata (never their values: a meta kernel sees none). Errors (shape
-    mismatches...) are raised each time, never cached."""
+    mismatches...) are raised each time, never cached. ``quiet``: the meta kernel's
+    warnings are dropped (only a miss runs it, so a hit pays nothing for that)."""
     key: tuple | None = (op, tuple(_sig(a) for a in args),
                          tuple((k, _sig(v)) for k, v in kwargs.items()))
     try:
@@ -117,7 +126,13 @@ def output_specs(op: OpOverload, args: tuple, kwargs: dict) -> list[Spec]:
         key, hit = None, None
     if hit is not None:
         return hit
-    specs = [(tuple(r.shape), r.stride(), r.dtype) for r in _meta_result(op, args, kwargs)]
+    if quiet:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results = _meta_result(op, args, kwargs)
+    else:
+        results = _meta_result(op, args, kwargs)
+    specs = [(tuple(r.shape), r.stride(), r.dtype) for r in results]
     if key is not None:
         if len(_SPECS) > 16384:
             _SPECS.clear()
@@ -125,18 +140,21 @@ def output_specs(op: OpOverload, args: tuple, kwargs: dict) -> list[Spec]:
     return specs
 
 
-def check_outs_not_inputs_to_resize(op: OpOverload, args: tuple, kwargs: dict) -> None:
+def check_outs_not_inputs_to_resize(op: OpOverload, args: tuple, kwargs: dict,
+                                    names: list[str] | None = None) -> None:
     """CPU's rule (TensorIterator's): an ``out=`` that is also an input of the call
     cannot be resized, its values would be gone before they are read. Nothing is
-    written when it raises."""
-    names = out_names(op)
+    written when it raises. ``names``: ``out_names(op)``, when the caller has them."""
+    names = out_names(op) if names is None else names
+    outs = [kwargs.get(n) for n in names]
+    if not any(o is v for v in args for o in outs) and not any(
+            o is v for k, v in kwargs.items() if k not in names for o in outs):
+        return  # no argument is an output: the common call, no list built
     inputs = [v for v in args if isinstance(v, Tensor)]
     inputs += [v for k, v in kwargs.items() if k not in names and isinstance(v, Tensor)]
     if not any(kwargs.get(n) is v for n in names for v in inputs):
         return
-    with warnings.catch_warnings():  # the meta kernel's resize warning: an error here
-        warnings.simplefilter("ignore")
-        specs = output_specs(op, args, kwargs)
+    specs = output_specs(op, args, kwargs, quiet=True)  # its resize warning: an error here
     for name, (shape, _, _) in zip(names, specs, strict=True):
         out = kwargs[name]
         if tuple(out.shape) != shape and any(out is v for v in inputs):
@@ -295,7 +313,7 @@ def out_kernel(backend: DeviceBackend, out_op: OpOverload, fn: Callable[..., Any
         check_overlap(out_op, args, kwargs, [kwargs[n] for n in names],
                       args if len(kwargs) == len(names)
                       else [*args, *(v for k, v in kwargs.items() if k not in names)])
-        check_outs_not_inputs_to_resize(out_op, args, kwargs)
+        check_outs_not_inputs_to_resize(out_op, args, kwargs, names)
         specs = output_specs(out_op, args, kwargs)
         for name, (shape, stride, _) in zip(names, specs, strict=True):
             out = kwargs[name]
@@ -329,9 +347,8 @@ def inplace_kernel(backend: DeviceBackend, op: OpOverload, out_op: OpOverload,
 
     def kernel(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         check_overlap(op, (self, *args), kwargs, [self], [*args, *kwargs.values()])
-        with warnings.catch_warnings():  # a mismatch is an error below, not a resize
-            warnings.simplefilter("ignore")
-            ((shape, _, _),) = output_specs(op, (self, *args), kwargs)  # PyTorch's checks
+        # PyTorch's checks; a mismatch is an error below, not the meta kernel's resize warning
+        ((shape, _, _),) = output_specs(op, (self, *args), kwargs, quiet=True)
         if shape != tuple(self.shape):
             raise RuntimeError(f"{op}: output with shape {list(self.shape)} doesn't match the "
                                f"broadcast shape {list(shape)}")

@@ -3,18 +3,23 @@ tensor's current stream (an in-order queue) with buffer arguments found through 
 runtime's segment table.
 
 Every kernel reads its operands where they are, strided (views, broadcast inputs with
-stride 0, storage offsets), so no kernel copies an input first. Three generators cover the
+stride 0, storage offsets), so no kernel copies an input first (but the GEMM's transposed
+right operand, copied once so that its rows load as vectors). Three generators cover the
 ops: elementwise (any number of inputs, broadcasting, type promotion as PyTorch's
 ``elementwise_dtypes`` says, the computation in PyTorch's "opmath" type), row kernels
 (one work-item per output element looping over the reduced dimensions: reductions,
-softmax) and a tiled GEMM. Programs are built once per source and device, on first use
-(PoCL and pyopencl keep built binaries on disk). What no kernel here handles raises
-:class:`~torchport.ops.Decline`: decompositions, then the CPU fallback, take it.
+softmax) and a register-blocked GEMM. Programs are built once per source and device, on
+first use (PoCL and pyopencl keep built binaries on disk); the generated source is kept per
+signature (op, dtypes, rank), so a warm call builds no string, and each kernel's scalar
+parameter types are declared to pyopencl once, so arguments are packed without numpy's
+generic path. What no kernel here handles raises :class:`~torchport.ops.Decline`:
+decompositions, then the CPU fallback, take it.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,8 +68,37 @@ _PHILOX = """inline float philox_uniform(ulong i, uint k0, uint k1) {
 """
 
 
+# OpenCL C scalar parameter types -> the numpy type pyopencl packs the argument as
+_PARAM = {"long": np.int64, "ulong": np.uint64, "int": np.int32, "uint": np.uint32,
+          "short": np.int16, "ushort": np.uint16, "char": np.int8, "uchar": np.uint8,
+          "float": np.float32, "double": np.float64}
+_SIGNATURE = re.compile(r"__kernel\s+void\s+\w+\s*\(([^)]*)\)")
+
+
+def scalar_arg_dtypes(source: str) -> list[Any] | None:
+    """Per parameter of ``source``'s kernel the numpy type of a scalar, ``None`` for a
+    pointer: with them set, pyopencl packs arguments directly (a numpy scalar otherwise
+    goes through its generic buffer path, several microseconds per argument). ``None``
+    when a parameter type is not one of :data:`_PARAM`."""
+    found = _SIGNATURE.search(source)
+    if found is None:
+        return None
+    dtypes: list[Any] = []
+    for param in found.group(1).split(","):
+        if "*" in param:
+            dtypes.append(None)
+            continue
+        words = param.split()
+        if len(words) != 2 or words[0] not in _PARAM:
+            return None
+        dtypes.append(_PARAM[words[0]])
+    return dtypes
+
+
 class Programs:
-    """Built programs per (device, source): compiled on first use, then reused."""
+    """Built programs per (device, source): compiled on first use, then reused. A kernel's
+    scalar parameter types are declared to pyopencl once (:func:`scalar_arg_dtypes`), so
+    scalar arguments may be Python numbers or numpy scalars."""
 
     def __init__(self, runtime: OpenCLRuntime) -> None:
         self.runtime = runtime
@@ -84,7 +118,11 @@ class Programs:
             if "report_index(" in source:
                 head += REPORT_INDEX
             program = cl.Program(self.runtime.contexts[index], head + source).build(_OPTIONS)
-            k = self.kernels[(index, source)] = program.all_kernels()[0]
+            k = program.all_kernels()[0]
+            dtypes = scalar_arg_dtypes(source)
+            if dtypes is not None and len(dtypes) == k.num_args:
+                k.set_scalar_arg_dtypes(dtypes)
+            self.kernels[(index, source)] = k
         return k
 
     def run(self, index: int, queue: cl.CommandQueue, source: str, size: Sequence[int],
@@ -172,6 +210,86 @@ def _positions(rank: int, count: int) -> list[str]:
             for d in reversed(range(rank))]
 
 
+def _broadcast_strides(t: torch.Tensor, shape: Sequence[int]) -> list[int]:
+    """``t``'s strides broadcast to ``shape`` (``t.expand(shape).stride()`` without making
+    the view; the meta kernel that shaped the output checked the shapes)."""
+    lead = len(shape) - t.dim()
+    own, sizes = t.stride(), t.shape
+    if lead < 0 or any(n != 1 and n != shape[d + lead] for d, n in enumerate(sizes)):
+        return list(t.expand(shape).stride())  # raises expand's error
+    return [0 if d < lead or (sizes[d - lead] == 1 and shape[d] != 1) else own[d - lead]
+            for d in range(len(shape))]
+
+
+def _elementwise_source(out_dtype: torch.dtype, ops: Sequence[Operand],
+                        computes: Sequence[torch.dtype], rank: int, expr: str,
+                        scalars: Sequence[torch.dtype], at: Sequence[str | None], pre: str,
+                        checked: int | None) -> str:
+    """OpenCL C of :meth:`Launcher.elementwise`: one work-item per output element; the
+    parameters are ``n``, the sizes, per tensor (output first) its buffer, byte offset and
+    strides, the scalar operands, the ``scalars``, and for a ``checked`` input the
+    extent and the error word's arguments."""
+    count = 1 + sum(o.tensor is not None for o in ops)
+    params = ["long n"] + [f"long z{d}" for d in range(rank)]
+    body = ["long i = get_global_id(0);", "if (i >= n) return;", "long r = i;"]
+    for k in range(count):
+        params += [f"__global char* p{k}", f"ulong o{k}"] + [f"long t{k}_{d}" for d in range(rank)]
+        body.append(f"long q{k} = 0;")
+    body += _positions(rank, count)
+    k = 1
+    for j, (o, ct) in enumerate(zip(ops, computes, strict=True)):
+        if o.tensor is not None:
+            where = at[j] if j < len(at) and at[j] is not None else f"q{k}"
+            where = where.replace("QSELF", f"q{k}")
+            body.append(f"{_ctype(ct)} a{j} = ({_ctype(ct)})"
+                        f"{_load(o.dtype, f'p{k} + o{k}', where)};")
+            if checked == j:
+                body.append(f"if (a{j} < 0 || a{j} >= ext) "
+                            f"{{ report_index(err, eop, edim, a{j}, ext); return; }}")
+            k += 1
+        else:
+            params.append(f"{_ctype(ct)} a{j}")
+    for j, dt in enumerate(scalars):
+        params.append(f"{_ctype(dt)} s{j}")
+    if checked is not None:
+        params += ["long ext", "__global long* err", "long eop", "long edim"]
+    if pre:
+        body.append(pre)
+    body.append(_store(out_dtype, "p0 + o0", "q0", expr))
+    return f"__kernel void elementwise({', '.join(params)}) {{\n  " + "\n  ".join(body) + "\n}\n"
+
+
+def _rows_source(outs: int, inputs: Sequence[torch.dtype], kept: int, reduced: int,
+                 body: str, extra: Sequence[str]) -> str:
+    """OpenCL C of :meth:`Launcher.rows`: parameters ``n``, ``m``, the kept and the reduced
+    sizes, per tensor (outputs, then inputs) its buffer, byte offset and strides over the
+    kept dims, per input its strides over the reduced dims, then ``extra``."""
+    count = outs + len(inputs)
+    params = ["long n", "long m"] + [f"long z{d}" for d in range(kept)] \
+        + [f"long y{d}" for d in range(reduced)]
+    code = ["long i = get_global_id(0);", "if (i >= n) return;", "long r = i;"]
+    for k in range(count):
+        params += [f"__global char* p{k}", f"ulong o{k}"] + [f"long t{k}_{d}" for d in range(kept)]
+        code.append(f"long q{k} = 0;")
+    for j in range(len(inputs)):
+        params += [f"long u{outs + j}_{d}" for d in range(reduced)]
+    code += _positions(kept, count)
+    macros = []
+    for j, dtype in enumerate(inputs):
+        k = outs + j
+        macros.append(f"inline long inner{k}(long j{''.join(f', long y{d}, long u{d}' for d in range(reduced))}) "
+                      + ("{ return j * u0; }" if reduced == 1 else  # j < y0: no division
+                         "{ long q = 0; " + " ".join(f"q += (j % y{d}) * u{d}; j /= y{d};"
+                                                      for d in reversed(range(reduced)))
+                         + " return q; }"))
+        call = f"inner{k}(j{''.join(f', y{d}, u{k}_{d}' for d in range(reduced))})"
+        code.append(f"#define IN{j}(j) ({_load(dtype, f'p{k} + o{k}', f'q{k} + {call}')})")
+    params += extra
+    code.append(body)
+    return "\n".join(macros) + f"\n__kernel void rows({', '.join(params)}) {{\n  " \
+        + "\n  ".join(code) + "\n}\n"
+
+
 class Launcher:
     """Builds and enqueues the generated kernels for one runtime."""
 
@@ -179,6 +297,7 @@ class Launcher:
         self.runtime = runtime
         self.programs = Programs(runtime)
         self.placeholders: dict[int, cl.Buffer] = {}
+        self.sources: dict[tuple, str] = {}  # generated source per kernel signature
 
     def _where(self, t: torch.Tensor) -> tuple[int, cl.CommandQueue]:
         index = torchport.device_index(t)
@@ -191,7 +310,7 @@ class Launcher:
                                                      cl.mem_flags.READ_WRITE, 256)
             return [self.placeholders[index], np.uint64(0)]
         buf, off = self.runtime.locate(index, torchport.device_address(t))
-        return [buf, np.uint64(off)]
+        return [buf, off]
 
     def index_error(self, t: torch.Tensor, op: str, dim: int) -> list[Any]:
         """The arguments ``__global long* err, long eop, long edim`` of a kernel on ``t``'s
@@ -225,50 +344,37 @@ class Launcher:
         if out.numel() == 0:
             return out
         ops = [_operand(v) for v in inputs]
-        computes = [compute] * len(ops) if isinstance(compute, torch.dtype) else list(compute)
+        computes = (compute,) * len(ops) if isinstance(compute, torch.dtype) else tuple(compute)
         index, queue = self._where(out)
-        tensors = [out] + [o.tensor.expand(out.shape) for o in ops if o.tensor is not None]
+        shape = out.shape
+        tensors = [out] + [o.tensor for o in ops if o.tensor is not None]
+        device = out.device
+        strides = [list(out.stride())]
         for t in tensors[1:]:
-            if t.device != out.device:
+            if t.device != device:
                 raise Decline("operands on two devices")
-        sizes, strides = _coalesce(list(out.shape), [list(t.stride()) for t in tensors])
-        rank = len(sizes)
-        params = ["long n"] + [f"long z{d}" for d in range(rank)]
-        args: list[Any] = [np.int64(out.numel())] + [np.int64(s) for s in sizes]
-        body = ["long i = get_global_id(0);", "if (i >= n) return;", "long r = i;"]
-        names = [f"p{k}" for k in range(len(tensors))]
-        for k, (t, st) in enumerate(zip(tensors, strides, strict=True)):
-            params += [f"__global char* p{k}", f"ulong o{k}"] + [f"long t{k}_{d}" for d in range(rank)]
-            args += self._buffer(index, t) + [np.int64(s) for s in st]
-            body.append(f"long q{k} = 0;")
-        body += _positions(rank, len(tensors))
-        k = 1
-        for j, (o, ct) in enumerate(zip(ops, computes, strict=True)):
-            if o.tensor is not None:
-                where = at[j] if j < len(at) and at[j] is not None else f"q{k}"
-                where = where.replace("QSELF", f"q{k}")
-                body.append(f"{_ctype(ct)} a{j} = ({_ctype(ct)})"
-                            f"{_load(o.dtype, f'{names[k]} + o{k}', where)};")
-                if index_check is not None and index_check[0] == j:
-                    body.append(f"if (a{j} < 0 || a{j} >= ext) "
-                                f"{{ report_index(err, eop, edim, a{j}, ext); return; }}")
-                k += 1
-            else:
-                params.append(f"{_ctype(ct)} a{j}")
+            strides.append(_broadcast_strides(t, shape))
+        sizes, strides = _coalesce(list(shape), strides)
+        key = ("elementwise", expr, computes, tuple((o.dtype, o.tensor is None) for o in ops),
+               out.dtype, len(sizes), tuple(dt for dt, _ in scalars), tuple(at), pre,
+               None if index_check is None else index_check[0])
+        source = self.sources.get(key)
+        if source is None:
+            source = self.sources[key] = _elementwise_source(
+                out.dtype, ops, computes, len(sizes), expr, [dt for dt, _ in scalars], at, pre,
+                None if index_check is None else index_check[0])
+        args: list[Any] = [out.numel(), *sizes]
+        for t, st in zip(tensors, strides, strict=True):
+            args += self._buffer(index, t)
+            args += st
+        for o, ct in zip(ops, computes, strict=True):
+            if o.tensor is None:
                 args.append(_scalar(ct, o.value))
-        for j, (dt, v) in enumerate(scalars):
-            params.append(f"{_ctype(dt)} s{j}")
+        for dt, v in scalars:
             args.append(_scalar(dt, v))
         if index_check is not None:
-            params += ["long ext", "__global long* err", "long eop", "long edim"]
-            args += [np.int64(index_check[1])] + self.index_error(out, index_check[2],
-                                                                  index_check[3])
-        if pre:
-            body.append(pre)
-        body.append(_store(out.dtype, "p0 + o0", "q0", expr))
-        source = (f"__kernel void elementwise({', '.join(params)}) {{\n  "
-                  + "\n  ".join(body) + "\n}\n")
-        self.programs.run(index, queue, source, [out.numel()], args)
+            args += [index_check[1]] + self.index_error(out, index_check[2], index_check[3])
+        self.programs.run(index, queue, source, [args[0]], args)
         if index_check is not None:
             self.after_index_kernel(out)
         return out
@@ -292,37 +398,20 @@ class Launcher:
         ksz, kst = _coalesce(kept_sizes, [list(s) for s in out_kept]
                              + [[t.stride(d) for d in kept] for t in inputs])
         rsz, rst = _coalesce(red_sizes, [[t.stride(d) for d in reduced] for t in inputs])
-        params = ["long n", "long m"] + [f"long z{d}" for d in range(len(ksz))] \
-            + [f"long y{d}" for d in range(len(rsz))]
-        args: list[Any] = [np.int64(n), np.int64(m)] + [np.int64(s) for s in ksz + rsz]
-        code = ["long i = get_global_id(0);", "if (i >= n) return;", "long r = i;"]
-        tensors = list(outs) + list(inputs)
-        for k, t in enumerate(tensors):
-            params += [f"__global char* p{k}", f"ulong o{k}"] \
-                + [f"long t{k}_{d}" for d in range(len(ksz))]
-            args += self._buffer(index, t) + [np.int64(s) for s in kst[k]]
-            code.append(f"long q{k} = 0;")
-        for j in range(len(inputs)):
-            k = len(outs) + j
-            params += [f"long u{k}_{d}" for d in range(len(rsz))]
-            args += [np.int64(s) for s in rst[j]]
-        code += _positions(len(ksz), len(tensors))
-        macros = []
-        for j, t in enumerate(inputs):
-            k = len(outs) + j
-            macros.append(f"inline long inner{k}(long j{''.join(f', long y{d}, long u{d}' for d in range(len(rsz)))}) "
-                          + ("{ return j * u0; }" if len(rsz) == 1 else  # j < y0: no division
-                             "{ long q = 0; " + " ".join(f"q += (j % y{d}) * u{d}; j /= y{d};"
-                                                          for d in reversed(range(len(rsz))))
-                             + " return q; }"))
-            call = f"inner{k}(j{''.join(f', y{d}, u{k}_{d}' for d in range(len(rsz)))})"
-            code.append(f"#define IN{j}(j) ({_load(t.dtype, f'p{k} + o{k}', f'q{k} + {call}')})")
-        for decl, value in extra:
-            params.append(decl)
-            args.append(value)
-        code.append(body)
-        source = "\n".join(macros) + f"\n__kernel void rows({', '.join(params)}) {{\n  " \
-            + "\n  ".join(code) + "\n}\n"
+        key = ("rows", body, len(outs), tuple(t.dtype for t in inputs), len(ksz), len(rsz),
+               tuple(decl for decl, _ in extra))
+        source = self.sources.get(key)
+        if source is None:
+            source = self.sources[key] = _rows_source(len(outs), [t.dtype for t in inputs],
+                                                      len(ksz), len(rsz), body,
+                                                      [decl for decl, _ in extra])
+        args: list[Any] = [n, m, *ksz, *rsz]
+        for k, t in enumerate([*outs, *inputs]):
+            args += self._buffer(index, t)
+            args += kst[k]
+        for st in rst:
+            args += st
+        args += [value for _, value in extra]
         self.programs.run(index, queue, source, [n], args)
 
     # ---- hand-written kernels over contiguous or explicitly strided tensors ----
@@ -339,8 +428,10 @@ class Launcher:
     # ---- GEMM ----
     def gemm(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              bias: torch.Tensor | None = None, alpha: Any = 1, beta: Any = 1) -> torch.Tensor:
-        """``out = beta * bias + alpha * (a @ b)`` (batched when ``out`` is 3-d), tiled in
-        local memory; ``bias`` broadcast to ``out``."""
+        """``out = beta * bias + alpha * (a @ b)`` (batched when ``out`` is 3-d); ``bias``
+        broadcast to ``out``. Register-blocked (:func:`_gemm_source`): each work-item
+        computes :data:`GEMM_ROWS` rows of one column or of :data:`GEMM_WIDTHS` columns (a
+        vector, where ``b``'s rows are contiguous), summing over ``k`` in order."""
         if out.numel() == 0:
             return out
         dt = out.dtype
@@ -355,46 +446,96 @@ class Launcher:
         index, queue = self._where(out)
         batch, m, n = out.shape
         k = a.shape[-1]
-        ct = "float" if dt == torch.float16 else _CL[dt]  # float16 accumulates in float
-        tile = 16
-        params = ["long B", "long M", "long N", "long K", f"{ct} alpha", f"{ct} beta"]
-        args: list[Any] = [np.int64(batch), np.int64(m), np.int64(n), np.int64(k),
-                           _scalar(dt, alpha), _scalar(dt, beta if bias is not None else 0)]
-        for name, t in (("c", out), ("a", a), ("b", b)) + ((("e", bias),) if bias is not None else ()):
-            params += [f"__global char* {name}p", f"ulong {name}o"] + [f"long {name}s{d}" for d in range(3)]
-            args += self._buffer(index, t) + [np.int64(s) for s in t.stride()]
-        a_at = f"({ct}){_load(dt, 'ap + ao', 'z * as0 + (row) * as1 + (col) * as2')}"
-        b_at = f"({ct}){_load(dt, 'bp + bo', 'z * bs0 + (row) * bs1 + (col) * bs2')}"
-        value = "alpha * acc"
-        if bias is not None:
-            e_at = f"({ct}){_load(dt, 'ep + eo', 'z * es0 + gm * es1 + gn * es2')}"
-            value = f"(beta == 0 ? 0 : beta * {e_at}) + alpha * acc"
-        store = _store(dt, "cp + co", "z * cs0 + gm * cs1 + gn * cs2", value)
-        source = f"""
-__kernel void gemm({', '.join(params)}) {{
-  __local {ct} As[{tile}][{tile}];
-  __local {ct} Bs[{tile}][{tile}];
-  long z = get_global_id(2);
-  int lx = get_local_id(0), ly = get_local_id(1);
-  long gn = get_global_id(0), gm = get_global_id(1);
-  {ct} acc = 0;
-  for (long t0 = 0; t0 < K; t0 += {tile}) {{
-    long row = gm, col = t0 + lx;
-    As[ly][lx] = (row < M && col < K) ? {a_at} : 0;
-    row = t0 + ly; col = gn;
-    Bs[ly][lx] = (row < K && col < N) ? {b_at} : 0;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int kk = 0; kk < {tile}; kk++) acc += As[ly][kk] * Bs[kk][lx];
-    barrier(CLK_LOCAL_MEM_FENCE);
-  }}
-  if (gm < M && gn < N) {{
-    {store}
-  }}
-}}
-"""
-        up = lambda v: -(-v // tile) * tile  # noqa: E731
-        self.programs.run(index, queue, source, [up(n), up(m), batch], args, [tile, tile, 1])
+        if b.stride(2) != 1 and m > GEMM_ROWS and n % GEMM_WIDTHS[-1] == 0:
+            b = b.contiguous()  # a transposed weight: one copy, then vector loads of its rows
+        tensors = (out, a, b) + ((bias,) if bias is not None else ())
+        # unit strides are compiled in: the loads along them are contiguous (vectorizable)
+        units = tuple(tuple(s == 1 for s in t.stride()) for t in tensors)
+        item = 8 if dt in (torch.float64, torch.int64) else 4  # bytes of the computation type
+        width = next((w for w in GEMM_WIDTHS if units[2][2] and n % w == 0
+                      and w * item <= 64), 1)  # a vector of 64 bytes at most
+        key = ("gemm", dt, bias is not None, units, width, GEMM_ROWS)
+        source = self.sources.get(key)
+        if source is None:
+            source = self.sources[key] = _gemm_source(dt, bias is not None, units, width)
+        args: list[Any] = [batch, m, n, k, _scalar(dt, alpha),
+                           _scalar(dt, beta if bias is not None else 0)]
+        for t in tensors:
+            args += self._buffer(index, t)
+            args += t.stride()
+        columns = n // width if width > 1 else n
+        local = min(GEMM_LOCAL, 1 << max(columns - 1, 0).bit_length())
+        size = [-(-columns // local) * local, -(-m // GEMM_ROWS), batch]
+        self.programs.run(index, queue, source, size, args, [local, 1, 1])
         return out
+
+
+# rows of the output one GEMM work-item computes, the widths of the vector of columns it
+# computes (the first dividing the columns, where ``b``'s rows are contiguous; else one
+# column), work-items in a group
+GEMM_ROWS = 8
+GEMM_WIDTHS = (16, 8, 4)
+GEMM_LOCAL = 8
+
+
+def _gemm_source(dt: torch.dtype, bias: bool, units: Sequence[Sequence[bool]],
+                 width: int) -> str:
+    """OpenCL C of :meth:`Launcher.gemm`. Work-item ``(j, i, z)`` computes rows ``i * R ..
+    i * R + R - 1`` (``R`` = :data:`GEMM_ROWS`) of columns ``j * width .. j * width +
+    width - 1`` of batch ``z``: per ``k`` one element (``width`` 1) or a vector of ``b``'s row
+    and ``R`` elements of ``a``, the ``R`` accumulators in registers. Each output sums its
+    products over ``k`` in order, without fused multiply-adds (float16 in float), whatever
+    the width; rows past the end read the last row and store nothing. ``units``: per tensor
+    (out, a, b, bias) which strides are 1, compiled in."""
+    ct = "float" if dt == torch.float16 else _CL[dt]
+    vt = ct if width == 1 else f"{ct}{width}"
+    rows = GEMM_ROWS
+    names = ("c", "a", "b", "e")[: 3 + bias]
+    params = ["long B", "long M", "long N", "long K", f"{ct} alpha", f"{ct} beta"]
+    for name in names:
+        params += [f"__global char* {name}p", f"ulong {name}o"] + [f"long {name}s{d}" for d in range(3)]
+
+    def stride(name: str, d: int) -> str:
+        return "1" if units[names.index(name)][d] else f"{name}s{d}"
+
+    body = [f"long j0 = get_global_id(0) * {width}, i0 = get_global_id(1) * {rows}, "
+            "z = get_global_id(2);",
+            f"long ab = z * {stride('a', 0)};"]
+    if width == 1:  # a column past the end reads the last one
+        body.append(f"long bb = z * {stride('b', 0)} + (j0 < N ? j0 : N - 1) * {stride('b', 2)};")
+        b_at = f"({ct}){_load(dt, 'bp + bo', f'bb + k * {stride(chr(98), 1)}')}"
+    else:  # the width divides N
+        body.append(f"long bb = z * {stride('b', 0)} + j0;")
+        # loads of 32 bytes at most: wider vector returns change the ABI without AVX-512
+        chunk = min(width, 32 // (8 if ct in ("double", "long") else 4))
+        row = f"bb + k * {stride('b', 1)}"
+        fn, ptr = ((f"vload_half{chunk}", f"(__global const half*)(bp + bo) + {row}")
+                   if dt == torch.float16 else
+                   (f"vload{chunk}", f"(__global const {ct}*)(bp + bo) + {row}"))
+        parts = [f"{fn}({c}, {ptr})" for c in range(width // chunk)]
+        b_at = parts[0] if len(parts) == 1 else f"({vt})({', '.join(parts)})"
+    for r in range(rows):
+        body.append(f"long ar{r} = ab + (i0 + {r} < M ? i0 + {r} : M - 1) * {stride('a', 1)};")
+        body.append(f"{vt} acc{r} = 0;")
+    loop = [f"{vt} bv = {b_at};"]
+    for r in range(rows):
+        a_at = _load(dt, "ap + ao", f"ar{r} + k * {stride('a', 2)}")
+        loop.append(f"acc{r} += ({ct}){a_at} * bv;")
+    body.append("for (long k = 0; k < K; k++) {\n    " + "\n    ".join(loop) + "\n  }")
+    body.append("if (j0 >= N) return;")
+    for r in range(rows):
+        gm = f"(i0 + {r})"
+        stores = []
+        for c in range(width):
+            gn = f"(j0 + {c})"
+            acc = f"acc{r}" if width == 1 else f"acc{r}.s{c:x}"
+            value = f"alpha * {acc}"
+            if bias:
+                e_at = f"({ct}){_load(dt, 'ep + eo', f'z * es0 + {gm} * es1 + {gn} * es2')}"
+                value = f"(beta == 0 ? 0 : beta * {e_at}) + alpha * {acc}"
+            stores.append(_store(dt, "cp + co", f"z * cs0 + {gm} * cs1 + {gn} * cs2", value))
+        body.append(f"if ({gm} < M) {{ " + " ".join(stores) + " }")
+    return f"__kernel void gemm({', '.join(params)}) {{\n  " + "\n  ".join(body) + "\n}\n"
 
 
 def make_kernels(runtime: OpenCLRuntime) -> KernelSet:
@@ -404,8 +545,27 @@ def make_kernels(runtime: OpenCLRuntime) -> KernelSet:
     dtypes = DTYPES if all(runtime.fp64) else DTYPES - {torch.float64}
     floats = [d for d in FLOATS if d in dtypes]
 
+    promoted: dict[tuple, torch.dtype] = {}
+    plain = (bool, int, float, complex, type(None))
+
     def promote(kind: PROMOTE, *args: Any) -> torch.dtype:
-        return elementwise_dtypes(*args, type_promotion_kind=kind)[0]
+        """The computation dtype ``elementwise_dtypes`` gives, cached by what it reads: each
+        tensor's dtype and whether it has dimensions, each number's type, the default dtype."""
+        key: tuple | None = (kind, torch.get_default_dtype())
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                key += (a.dtype, a.dim() == 0)
+            elif type(a) in plain:
+                key += (type(a),)
+            else:  # SymInt and the like: not cached
+                key = None
+                break
+        hit = promoted.get(key) if key is not None else None
+        if hit is None:
+            hit = elementwise_dtypes(*args, type_promotion_kind=kind)[0]
+            if key is not None:
+                promoted[key] = hit
+        return hit
 
     def isfloat(dt: torch.dtype) -> bool:
         return dt.is_floating_point
