@@ -28,6 +28,7 @@ rest.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import os
 import weakref
@@ -220,8 +221,9 @@ def _scheduling_class(own: type | str | None = None) -> type:
     if isinstance(own, type):
         return own
 
-    class HostScheduling:
-        """Inductor's C++ scheduling (``CppScheduling``), imported when first made."""
+    class DeviceScheduling:
+        """The vendor's scheduling named by a string, or inductor's C++ one
+        (``CppScheduling``), imported when first made."""
 
         def __new__(cls, scheduler: Any) -> Any:  # type: ignore[misc]
             if own is not None:
@@ -230,7 +232,7 @@ def _scheduling_class(own: type | str | None = None) -> type:
 
             return CppScheduling(scheduler)
 
-    return HostScheduling
+    return DeviceScheduling
 
 
 def _resolve(own: type | str) -> type:
@@ -238,8 +240,6 @@ def _resolve(own: type | str) -> type:
     if isinstance(own, type):
         return own
     module, _, attr = own.partition(":")
-    import importlib
-
     return getattr(importlib.import_module(module), attr)
 
 
