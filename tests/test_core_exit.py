@@ -24,6 +24,48 @@ on_cpu, on_sim = Holder("cpu"), Holder("sim")
 """
 
 
+_FINALIZERS_DIMLESS = """
+import weakref
+import torch, torchport.sim
+
+def show(where, t):
+    # whole-tensor reductions (no dim), large enough to be handed to the Python kernels
+    print(where, t.device.type, t.sum().item(), (t * 2).mean().item(), t.max().item(),
+          flush=True)
+
+class Holder:
+    def __init__(self, device):
+        self.t = torch.arange(90000.0, device=device).reshape(300, 300) / 1000
+
+    def __del__(self):
+        show("del", self.t)
+
+def gen(t):
+    try:
+        yield 1
+    finally:
+        show("finally", t)
+
+holders = [Holder("cpu"), Holder("sim")]
+gens = [gen(h.t) for h in holders]
+for g in gens:
+    next(g)
+for h in holders:
+    weakref.finalize(h, show, "finalize", h.t)
+"""
+
+
+def test_whole_tensor_reductions_in_finalizers_at_exit() -> None:
+    r = subprocess.run([sys.executable, "-c", _FINALIZERS_DIMLESS], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "TORCHPORT_FALLBACK_WARN": "0"})
+    assert r.returncode == 0, r.stderr
+    lines = [ln.split() for ln in r.stdout.splitlines() if ln.strip()]
+    assert not r.stderr.strip(), r.stderr
+    for where in ("del", "finally", "finalize"):
+        mine = {ln[1]: ln[2:] for ln in lines if ln[0] == where}
+        assert set(mine) == {"cpu", "sim"} and mine["cpu"] == mine["sim"], r.stdout
+
+
 def test_device_ops_in_finalizers_at_exit() -> None:
     r = subprocess.run([sys.executable, "-c", _FINALIZER], capture_output=True, text=True,
                        timeout=120, env={**os.environ, "TORCHPORT_FALLBACK_WARN": "0"})

@@ -301,6 +301,33 @@ def growable_host_storage(ptr: int, nbytes: int) -> torch.UntypedStorage | None:
     return None if fn is None else fn(ptr, nbytes)
 
 
+@functools.cache
+def _wrapper() -> Any:
+    return python_function("torchport_wrapped_number", [ctypes.py_object], ctypes.py_object)
+
+
+_COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64,
+               torch.float64: torch.complex128}
+
+
+def wrapped_number(value: bool | int | float | complex) -> torch.Tensor:
+    """A Python number as the 0-dim CPU tensor the dispatcher made of it before a boxed call
+    to Python turned it back into a number (``copysign(x, 2.0)``): a wrapped number, which
+    type promotion treats as a scalar. Without the library, a plain 0-dim tensor of the
+    dtype a scalar promotes as (the default dtype for a float): the same result dtype
+    unless every tensor operand is 0-dim."""
+    fn = _wrapper()
+    if fn is not None:
+        return fn(value)
+    if isinstance(value, bool):
+        return torch.tensor(value)
+    if isinstance(value, int):
+        return torch.tensor(value, dtype=torch.int64)
+    if isinstance(value, float):
+        return torch.tensor(value, dtype=torch.get_default_dtype())
+    return torch.tensor(value, dtype=_COMPLEX_OF[torch.get_default_dtype()])
+
+
 def _python_api() -> ctypes.PyDLL | None:
     """The generators' functions (:func:`python_function`); ``None`` without them."""
     if python_function("torchport_generators_adopt", [ctypes.py_object], ctypes.c_int) is None:

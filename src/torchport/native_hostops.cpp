@@ -29,6 +29,7 @@
 // kernel, so that results and errors stay the Python ones.
 // Switched by torchport/ops/native_hostops.py like the view and empty kernels.
 #if __has_include(<Python.h>)
+#include <ATen/ScalarOps.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/CPUAllocator.h>
@@ -151,7 +152,11 @@ class HostOp final : public c10::OperatorKernel {
     for (size_t i = 0; i < nargs; ++i) {
       const c10::IValue& v = (*stack)[first + i];
       if (v.isTensor()) {
-        if (!servable(v.toTensor(), /*cpu_scalar=*/true, index, host)) return python(op, stack);
+        // a 0-dim CPU tensor is an operand, never an output: CUDA raises for a written one
+        const auto* alias = schema.arguments()[i].alias_info();
+        if (!servable(v.toTensor(), /*cpu_scalar=*/alias == nullptr || !alias->isWrite(), index,
+                      host))
+          return python(op, stack);
       } else if (v.isTensorList()) {
         for (const at::Tensor& t : v.toTensorList())
           if (!servable(t, false, index, host)) return python(op, stack);
@@ -281,11 +286,13 @@ class HostOp final : public c10::OperatorKernel {
     const c10::IValue& pin = (*stack)[first + 4];
     if ((!layout.isNone() && layout.toLayout() != c10::Layout::Strided) ||
         (!pin.isNone() && pin.toBool()) || self.layout() != c10::Layout::Strided ||
-        self.is_conj() || self.is_neg() || self.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
-        !torchport::caching_serves())
+        self.is_conj() || self.is_neg() || self.unsafeGetTensorImpl()->has_symbolic_sizes_strides())
       return python(op, stack);
     const bool from_device = self.device().type() == kDevice;
     const c10::Device to = device.isNone() ? self.device() : device.toDevice();
+    // (once the interpreter exits, the allocator serves no more blocks; a copy to the host,
+    // `t.cpu()` in a finaliser, needs none)
+    if (to.type() == kDevice && !torchport::caching_serves()) return python(op, stack);
     int index = -1;
     if (to.type() == kDevice) {
       index = to.has_index() ? to.index() : torchport::guard_current_device();
@@ -571,6 +578,36 @@ extern "C" PyObject* torchport_growable_host_storage(uint64_t ptr, uint64_t nbyt
         c10::StorageImpl::use_byte_size_t(), nbytes,
         c10::DataPtr(reinterpret_cast<void*>(ptr), c10::Device(c10::kCPU)),
         c10::GetCPUAllocator(), /*resizable=*/true)));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+// A Python number as the 0-dim CPU tensor the dispatcher made of it (`x + 1`, `copysign(x,
+// 2.0)`): marked a wrapped number, so type promotion treats it as a scalar, as it did before
+// the boxed call to Python turned it back into a number. NULL with a Python error.
+extern "C" PyObject* torchport_wrapped_number(PyObject* value) {
+  try {
+    c10::Scalar s;
+    if (PyBool_Check(value)) {
+      s = c10::Scalar(value == Py_True);
+    } else if (PyLong_Check(value)) {
+      long long v = PyLong_AsLongLong(value);
+      if (v == -1 && PyErr_Occurred()) return nullptr;
+      s = c10::Scalar(static_cast<int64_t>(v));
+    } else if (PyFloat_Check(value)) {
+      s = c10::Scalar(PyFloat_AS_DOUBLE(value));
+    } else if (PyComplex_Check(value)) {
+      s = c10::Scalar(c10::complex<double>(PyComplex_RealAsDouble(value),
+                                           PyComplex_ImagAsDouble(value)));
+    } else {
+      PyErr_SetString(PyExc_TypeError, "expected a Python bool, int, float or complex");
+      return nullptr;
+    }
+    at::Tensor t = c10::scalar_to_tensor(s);
+    t.unsafeGetTensorImpl()->set_wrapped_number(true);
+    return THPVariable_Wrap(std::move(t));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;

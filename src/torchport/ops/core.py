@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import tensors
+from torchport import native, tensors
 from torchport.ops import hostviews
 from torchport.ops.declarations import Decline
 
@@ -272,6 +272,8 @@ def core_kernels(backend: DeviceBackend, overrides: dict[str, Callable[..., Any]
         return remember(key, backend.empty_strided(size, stride, dtype, device))
 
     def copy_(self, src, non_blocking=False):
+        if not isinstance(src, torch.Tensor):  # t.copy_(2.5): the dispatcher's wrapped number
+            src = native.wrapped_number(src)
         return copy_between(backend, self, src, non_blocking, vendor)
 
     def _copy_from(self, dst, non_blocking=False):

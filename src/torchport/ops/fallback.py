@@ -274,6 +274,9 @@ def _choose_path(backend: DeviceBackend, op: Any, name: str, args: tuple,
     if not forced:
         d = paths.decomposition_for(op, backend.name, args, kwargs, is_forced)
         if d is not None:
+            refused = paths.cpu_refusal(op, args, kwargs)
+            if refused is not None:  # the kernels refuse these dtypes: so does the device
+                raise type(refused)(*refused.args)
             return "decomposed", d, False
     return "fallback", None, forced
 
@@ -281,6 +284,9 @@ def _choose_path(backend: DeviceBackend, op: Any, name: str, args: tuple,
 def _run_path(backend: DeviceBackend, op: Any, name: str, args: tuple, kwargs: dict,
               d: Callable[..., Any] | None, forced: bool) -> Any:
     if d is not None:
+        plan = plan_for(op)
+        if plan.write_args:  # the decomposition would write a CPU out= (CUDA raises)
+            hostexec.op_device(backend, op, plan, args, kwargs)
         if not stats.ENABLED:
             return _run_decomposition(op, d, args, kwargs)
         t0 = time.perf_counter()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport import native, tensors
-from torchport.ops.plan import OpPlan, plan_for
+from torchport.ops.plan import OpPlan, numbers_as_tensors, plan_for
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -56,6 +56,10 @@ def op_device(backend: DeviceBackend, op: Any, plan: OpPlan, args: tuple, kwargs
                 _mismatch(found, d, plan)
         elif v.dim() > 0 and not plan.mixed_device_ok:
             _mismatch(found or torch.device(name), d, plan, name, args, kwargs)
+    if plan.write_args:  # a 0-dim CPU tensor is an operand, never an output (as on CUDA)
+        for v in _iter_tensors(*_written(plan, args, kwargs)):
+            if v.device.type != name:
+                _mismatch(found or torch.device(name), v.device, plan, name, args, kwargs)
     named = named_device(plan, args, kwargs)
     if named is not None:  # ``zeros_like(x, device="sim:1")``: there
         return backend.index_of(named) if named.type == name else None
@@ -99,6 +103,13 @@ def _mismatch(a: torch.device, b: torch.device, plan: OpPlan, name: str = "",
     raise DeviceMismatchError(
         f"Expected all tensors to be on the same device, but found at least two devices, "
         f"{a} and {b}! (in {plan.overload_name}; move them with .to({str(a)!r}))")
+
+
+def _written(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments ``op`` writes, as (positional, keyword) for :func:`_iter_tensors`."""
+    pos = tuple(args[i] for i, n in enumerate(plan.arg_names[:len(args)])
+                if n in plan.write_args)
+    return pos, {k: v for k, v in kwargs.items() if k in plan.write_args}
 
 
 def _iter_tensors(args: tuple, kwargs: dict):
@@ -209,7 +220,7 @@ class HostCall:
         return self._results(result, args, kwargs)
 
     def _map_all(self, args: tuple, kwargs: dict) -> tuple[list, dict]:
-        cargs = [self._map(a) for a in args]
+        cargs = [self._map(a) for a in numbers_as_tensors(self.plan, args)]
         ckw = {k: self._map(v) for k, v in kwargs.items()}
         if self.plan.has_device_arg and "pin_memory" in ckw:
             ckw["pin_memory"] = None

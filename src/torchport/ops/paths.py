@@ -8,11 +8,19 @@ by tracing the decomposition on meta tensors shaped like the first call's
 inputs and checking every op it dispatches: each must have a device kernel (and
 not be forced to fallback), or be a metadata-only view. Tracing failures
 (data-dependent decompositions) mean "no decomposition".
+
+A decomposition must also mean what the kernel means. Those that accept what ATen's
+kernels refuse would make the device compute where CUDA raises: a call whose dtypes the
+CPU kernel refuses (``logaddexp`` of integers, ``hardshrink`` of complex numbers) gets the
+CPU's error (:func:`cpu_refusal`, learnt once per dtype signature on 1-element stand-ins),
+and decompositions with other semantics than the kernel (:data:`NOT_EQUIVALENT`) are
+never taken.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +29,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from torchport.ops.plan import plan_for
+
+# Decompositions whose results differ from ATen's kernels for valid input (CUDA's and the
+# CPU's agree there): name -> why. Their ops take the device kernel or the CPU fallback.
+NOT_EQUIVALENT = {
+    "aten::index_fill": "negative indices: the kernels count them from the end, the "
+                        "decomposition (through index_copy) refuses them",
+    "aten::index_fill_": "as index_fill",
+}
 
 _UNDECIDED = object()
 _DECISIONS: dict[Any, Callable[..., Any] | None] = {}
@@ -101,6 +117,8 @@ def decomposition_for(op: Any, device_type: str, args: tuple, kwargs: dict,
     if d is not _UNDECIDED:
         return d  # type: ignore[return-value]
     fn = decomposition_table().get(op)
+    if op._schema.name in NOT_EQUIVALENT:
+        fn = None
     chosen = None
     if fn is not None:
         conv = _to_meta(device_type)
@@ -120,3 +138,51 @@ def decomposition_for(op: Any, device_type: str, args: tuple, kwargs: dict,
 def forget_decisions() -> None:
     """Decide again (after kernels or forced-fallback settings changed)."""
     _DECISIONS.clear()
+
+
+_REFUSALS: dict[tuple, BaseException | None] = {}
+
+
+def cpu_refusal(op: Any, args: tuple, kwargs: dict) -> BaseException | None:
+    """The error ATen's CPU kernel raises for the dtypes of this call, where it refuses
+    them but takes the same call in float32 (so the refusal is the dtype's, not the
+    shape's or a value's); ``None`` where it accepts them. Learnt once per overload and
+    dtype signature by running the CPU kernel on 1-element stand-ins (no random ops:
+    they would draw from the CPU's generator)."""
+    tensors = [v for v in _flat(args, kwargs) if isinstance(v, torch.Tensor)]
+    key = (op, *(t.dtype for t in tensors))
+    if key in _REFUSALS:
+        return _REFUSALS[key]
+    found = None
+    if tensors and not plan_for(op).random:
+        err = _probe(op, args, kwargs, None)
+        if err is not None and _probe(op, args, kwargs, torch.float32) is None:
+            found = err
+    _REFUSALS[key] = found
+    return found
+
+
+def _flat(args: tuple, kwargs: dict) -> list[Any]:
+    out: list[Any] = []
+    for v in (*args, *kwargs.values()):
+        out.extend(v if isinstance(v, (list, tuple)) else (v,))
+    return out
+
+
+def _probe(op: Any, args: tuple, kwargs: dict, dtype: torch.dtype | None) -> BaseException | None:
+    """The CPU kernel's error on CPU stand-ins of ``args`` (the same dims, each size 1,
+    zeros; every non-bool tensor in ``dtype`` when given), or ``None``."""
+    def stand_in(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            dt = v.dtype if dtype is None or v.dtype is torch.bool else dtype
+            return torch.zeros([min(n, 1) for n in v.shape], dtype=dt)
+        if isinstance(v, torch.device):
+            return torch.device("cpu")
+        return v
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            op(*tree_map(stand_in, args), **tree_map(stand_in, kwargs))
+    except Exception as e:  # noqa: BLE001 (the CPU kernel's own error is the answer)
+        return e
+    return None

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from torchport import native
+
 _PLANS: dict[object, OpPlan] = {}
 
 # Ops whose CUDA kernels accept CPU index tensors next to device tensors.
@@ -37,6 +39,9 @@ class OpPlan:
     random: bool
     mixed_device_ok: bool
     num_returns: int
+    # positions of single-Tensor arguments: there a boxed call to Python hands a kernel a
+    # Python number for a wrapped scalar (``x + 1``, ``copysign(x, 2.0)``)
+    number_slots: tuple[int, ...]
 
 
 def plan_for(op: torch._ops.OpOverload) -> OpPlan:
@@ -89,7 +94,21 @@ def _make_plan(op: torch._ops.OpOverload) -> OpPlan:
         mixed_device_ok=(schema.name + ("." + schema.overload_name
                                         if schema.overload_name else "")) in MIXED_DEVICE_OK,
         num_returns=len(schema.returns),
+        number_slots=tuple(i for i, a in enumerate(schema.arguments)
+                           if not a.kwarg_only and str(a.type) in ("Tensor", "Optional[Tensor]")),
     )
+
+
+def numbers_as_tensors(plan: OpPlan, args: tuple) -> tuple:
+    """``args`` with each Python number in a Tensor slot made the wrapped-number tensor
+    the dispatcher had made of it (a boxed call to Python turns it back into a number,
+    which an op's CPU kernel called from Python refuses where it wants a Tensor)."""
+    slots = plan.number_slots
+    if not slots or not any(i < len(args) and isinstance(args[i], (bool, int, float, complex))
+                            for i in slots):
+        return args
+    return tuple(native.wrapped_number(v) if i in slots and isinstance(
+        v, (bool, int, float, complex)) else v for i, v in enumerate(args))
 
 
 def bind(plan: OpPlan, args: tuple, kwargs: dict) -> dict[str, object]:

@@ -165,6 +165,19 @@ def install(backend: DeviceBackend) -> None:
     native_views.install(backend)
     native_factories.install(backend, factories)
     native_hostops.install(backend)
+    _cache_argument_classes()
+
+
+def _cache_argument_classes() -> None:
+    """PyTorch converts a Python argument of an op called from Python after looking its
+    SymInt/SymFloat/SymBool class up with an import, once, on first use; during the
+    interpreter's finalization that import fails. The device's Python kernels call ops so,
+    and the first such call may be in a finaliser at exit (``t.sum()`` in a ``__del__``):
+    one conversion of each kind now caches the classes."""
+    z = torch.zeros(1)
+    torch.ops.aten.sum.dim_IntList._op(z, [0], False)  # an int list, a bool
+    torch.ops.aten.add.Tensor._op(z, z, alpha=1.5)  # a float Scalar
+    torch.ops.aten.select.int._op(z, 0, 0)  # SymInts
 
 
 def overload_name(op: torch._ops.OpOverload) -> str:

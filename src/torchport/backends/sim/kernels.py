@@ -51,7 +51,7 @@ MODEL_OPS = [
     "_native_batch_norm_legit_no_training", "native_group_norm", "native_group_norm_backward",
     "_fused_rms_norm",
     # embedding, indexing, shape
-    "embedding", "embedding_dense_backward", "index_select", "index", "index_put",
+    "embedding", "embedding_dense_backward", "index_select", "index", "index_fill", "index_put",
     "index_put_", "_index_put_impl_", "index_add", "index_copy", "gather", "scatter",
     "scatter_add", "scatter_reduce", "masked_scatter", "masked_select", "nonzero", "cat",
     "constant_pad_nd", "reflection_pad2d", "replication_pad2d", "flip", "roll", "repeat",
@@ -114,6 +114,7 @@ EXACT_OPS = [
     "multilabel_margin_loss_backward", "_weight_norm_interface",
     "_weight_norm_interface_backward", "renorm", "trace", "special_entr", "special_i0e",
     "special_log_ndtr", "special_xlog1py", "xlogy", "sinc", "linspace", "_addmm_activation",
+    "softshrink", "softshrink_backward",
 ]
 
 

@@ -101,21 +101,31 @@ class _Worker:
     device stays usable. The host waits once :data:`MAX_QUEUED` launches are queued;
     ``abandon()`` drops what is queued (at interrupt and exit)."""
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, inline: bool = False) -> None:
         self.label = label
         self.q: queue.SimpleQueue[tuple[int, Callable[[], Any], str]] = queue.SimpleQueue()
         self.cv = threading.Condition()
         self.submitted = 0
         self.completed = 0
         self.abandoned = False
+        # at exit, after the queue drained: work runs in the caller (the interpreter no
+        # longer schedules this thread once it finalizes: a finaliser's op would wait forever)
+        self.inline = inline
         self.error: tuple[str, BaseException] | None = None
         self.thread = threading.Thread(target=self._loop, name=f"torchport-{label}", daemon=True)
-        self.thread.start()
+        if not inline:
+            self.thread.start()
 
     def submit(self, fn: Callable[[], Any], name: str, bounded: bool = False) -> int:
         """Queue ``fn``; a ``bounded`` launch first waits for room (kernels and copies,
         never markers: an event is recorded while the allocator's lock is held, and
         work that finishes frees memory under that lock)."""
+        if self.inline:
+            with self.cv:
+                self.submitted += 1
+                ticket = self.submitted
+            self._run(ticket, fn, name)
+            return ticket
         with self.cv:
             if bounded and self.submitted - self.completed >= MAX_QUEUED \
                     and threading.current_thread() is not self.thread:
@@ -127,17 +137,19 @@ class _Worker:
 
     def _loop(self) -> None:
         while True:
-            ticket, fn, name = self.q.get()
-            if not self.abandoned:
-                try:
-                    fn()
-                except BaseException as exc:  # reported at the next synchronising call
-                    with self.cv:
-                        if self.error is None:
-                            self.error = (name, exc)
-            with self.cv:
-                self.completed = ticket
-                self.cv.notify_all()
+            self._run(*self.q.get())
+
+    def _run(self, ticket: int, fn: Callable[[], Any], name: str) -> None:
+        if not self.abandoned:
+            try:
+                fn()
+            except BaseException as exc:  # reported at the next synchronising call
+                with self.cv:
+                    if self.error is None:
+                        self.error = (name, exc)
+        with self.cv:
+            self.completed = ticket
+            self.cv.notify_all()
 
     def abandon(self) -> None:
         """Drop the queued work: what runs now finishes, the rest is skipped."""
@@ -189,6 +201,7 @@ class SimRuntime(Runtime):
         self.asynchronous = settings.get("TORCHPORT_SIM_ASYNC") and \
             not settings.get("TORCHPORT_LAUNCH_BLOCKING")
         self._workers: dict[tuple[int, int], _Worker] = {}
+        self._inline = False
         if self.asynchronous:
             atexit.register(self._drain)
 
@@ -210,6 +223,9 @@ class SimRuntime(Runtime):
                 except KeyboardInterrupt:
                     for x in workers:
                         x.abandon()
+        self._inline = True  # finalisers' device ops from now on: run where they are called
+        for w in workers:
+            w.inline = True
         for w in workers:
             if w.error is not None:
                 name, exc = w.error
@@ -394,7 +410,7 @@ class SimRuntime(Runtime):
                 w = self._workers.get(key)
                 if w is None:
                     label = f"sim:{index} stream {key[1]}"
-                    w = self._workers[key] = _Worker(label)
+                    w = self._workers[key] = _Worker(label, inline=self._inline)
         return w
 
     def launch(self, index: int, stream: SimStream | None, fn: Callable[[], Any],

@@ -10,7 +10,7 @@ import torch
 from torchport.ops import fallback, hostviews, stats
 from torchport.ops.hostkernels import schema
 from torchport.ops.hostkernels.mapping import CPU_KS, Call, device_index, device_views, on_views
-from torchport.ops.plan import plan_for
+from torchport.ops.plan import numbers_as_tensors, plan_for
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -27,15 +27,15 @@ def inplace_kernel(backend: DeviceBackend, op: torch._ops.OpOverload,
     general = stats.noted(general, "general", trace)
     if backend.runtime.asynchronous:
         return lambda *args, **kwargs: general(args, kwargs)
-    returns_self = bool(plan_for(op).return_alias)
+    plan = plan_for(op)
+    returns_self = bool(plan.return_alias)
     boxed = op._handle.redispatch_boxed
-    unboxed = op._op
-    slots = schema.number_slots(op)
+    slots = plan.number_slots
     number_in_tensor_slot = schema.number_in_tensor_slot
 
     def body(args: tuple, cargs: list, kwargs: dict) -> Any:
         if number_in_tensor_slot(args, slots):
-            unboxed(*cargs, **kwargs)
+            boxed(CPU_KS, *numbers_as_tensors(plan, cargs), **kwargs)
         else:
             boxed(CPU_KS, *cargs, **kwargs)
         return args[0] if returns_self else None

@@ -18,6 +18,7 @@ from torchport.ops import derive, hostviews
 from torchport.ops.hostkernels import outputs, schema, trials
 from torchport.ops.hostkernels.layouts import LayoutCache
 from torchport.ops.hostkernels.mapping import CPU_KS
+from torchport.ops.plan import numbers_as_tensors, plan_for
 from torchport.tensors import storage_ptr
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ class IntoDevice:
             self.out_call = _copy_into
             self.out_copies = False
         self.cpu_call = op._op
-        self.number_slots = schema.number_slots(op)
+        self.plan = plan_for(op)
         # Used where a trial shows it reaches ``self.computes_with`` and no mode could see it.
         self.computes_with = self.out
         self.binding = schema.python_binding(self.out) \
@@ -140,9 +141,9 @@ class IntoDevice:
             layouts.put(key, False)
             return self.compute(index, args, cargs, kwargs)
         call = self.out_call
-        if schema.number_in_tensor_slot(args, self.number_slots):
-            out = self.out
-            call = lambda _ks, *a, **k: out._op(*a, **k)  # noqa: E731 (wraps the number)
+        if schema.number_in_tensor_slot(args, self.plan.number_slots):
+            boxed, plan = self.out_call, self.plan
+            call = lambda ks, *a, **k: boxed(ks, *numbers_as_tensors(plan, a), **k)  # noqa: E731
         layouts.put(key, False)  # until the trial below has passed (the functional may raise)
         trial = trials.layout_copies(cargs)
         scratch = [trials.patterned(s.size, s.stride, s.dtype) for s in specs]
@@ -201,7 +202,8 @@ class IntoDevice:
 
     def compute(self, index: int, args: tuple, cargs: list, kwargs: dict) -> Any:
         """The CPU kernel's own results, moved to device ``index``."""
-        return self._moved(self.cpu_call(*cargs, **kwargs), index, args, cargs)
+        return self._moved(self.cpu_call(*numbers_as_tensors(self.plan, cargs), **kwargs), index,
+                           args, cargs)
 
     def _moved(self, r: Any, index: int, args: tuple, cargs: list) -> Any:
         """The CPU kernel's results ``r`` (of ``cargs``, the chip's views of ``args``) on

@@ -85,15 +85,8 @@ def composite_view(op: torch._ops.OpOverload) -> bool:
         and isinstance(op._schema.arguments[0].type, torch.TensorType)
 
 
-def number_slots(op: torch._ops.OpOverload) -> list[int]:
-    """Positions of single-Tensor arguments: there the dispatcher hands a kernel a Python
-    number for a wrapped scalar (``x + 1``), which only an unboxed call converts back."""
-    return [i for i, a in enumerate(op._schema.arguments)
-            if not a.kwarg_only and str(a.type) in ("Tensor", "Optional[Tensor]")]
-
-
-def number_in_tensor_slot(args: tuple, slots: list[int]) -> bool:
-    """Does a call hand a Python number where :func:`number_slots` says a Tensor goes?"""
+def number_in_tensor_slot(args: tuple, slots: tuple[int, ...]) -> bool:
+    """Does a call hand a Python number where a Tensor goes (``OpPlan.number_slots``)?"""
     return any(i < len(args) and args[i] is not None and not isinstance(args[i], Tensor)
                for i in slots)
 

@@ -178,6 +178,8 @@ def specs_on_stand_ins(op: torch._ops.OpOverload, out: Callable[..., Any],
     except Exception:
         return REFUSED
     results = [got[0]] if isinstance(got[0], Tensor) else list(got[0])
+    if not all(isinstance(x, Tensor) for x in results):
+        return None  # an undefined output (a backward's unrequested gradient): no launch
     specs = [(tuple(x.shape), x.stride(), x.dtype) for x in results]
     outs = [patterned(list(sh), list(st), dt) for sh, st, dt in specs]
     okw.update(zip(out_names, outs, strict=True))
