@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-graph test-opencl conformance compiled-conformance examples stress bench lint clean
+.PHONY: demo test test-graph test-opencl conformance compiled-conformance examples stress fuzz bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -111,6 +111,18 @@ stress: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_reliability_async.py \
 		tests/test_reliability_allocator.py || rc=1; \
 	exit $$rc
+
+# The differential fuzzer (python -m torchport.tools.fuzz; docs/fuzzing.md): programs 0..N-1 of
+# seed SEED, random op programs run on the CPU and on sim in the three modes (worker
+# processes), compared step by step; a minimised repro script per class of difference in
+# reports/tmp/fuzz/ (copy new ones to tests/fuzz_corpus/). Known open bugs are reported as
+# such (src/torchport/tools/fuzz/known.py); fails on an unexplained difference. About 0.3 s
+# per program per mode on 2 cores: the defaults take about half an hour.
+SEED ?= 0
+N ?= 2000
+FUZZ_ARGS ?= --modes default,strict,async --jobs 2 --minimise --out reports/tmp/fuzz
+fuzz: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m torchport.tools.fuzz --seed $(SEED) --n $(N) $(FUZZ_ARGS)
 
 # Medians and ratios against native CPU in the same run (figures in docs/performance.md).
 bench: $(STAMP)
