@@ -16,7 +16,6 @@ import random
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -107,9 +106,8 @@ class Program:
                 f"(seed/program {self.name}, mode {mode}). Runs the program below on the CPU "
                 f"and on sim,\nthen compares them step by step; exits 1 listing the "
                 f"differences while any remain:\n\n    {env}python {{this file}}\n\nThe "
-                f"helpers are torchport.tools.fuzz.prelude, copied.\n\"\"\"\n")
-        body = Path(prelude.__file__).read_text()
-        body = body[body.index("from __future__"):]
+                f"helpers are torchport.tools.fuzz.prelude's, as the fuzzer's own.\n\"\"\"\n")
+        body = "from torchport.tools.fuzz.prelude import *  # noqa: F403 (check, mk, torch...)\n"
         main = textwrap.dedent("""
             if __name__ == "__main__":
                 import torchport.sim  # noqa: F401
