@@ -14,6 +14,10 @@ serve it:
   convolution kernel; PyTorch's own implementation raises. Here they run the CPU's
   ``convolution``/``convolution_backward`` through the CPU fallback (same kernel as
   ``nn.Conv*`` on the CPU, so bit for bit).
+* ``conj_physical_``: its only kernel is a composite calling the CPU/CUDA kernels'
+  ``DispatchStub`` on the device tensor ("missing kernel for sim"); here the ``out=``
+  overload with the tensor as its own output, which reaches the device's kernel (or the
+  CPU fallback).
 * ``_scaled_dot_product_fused_attention_overrideable`` and its backward: the fused
   attention a PrivateUse1 backend may route SDPA to; here computed by PyTorch's math
   path on the device, returning what the op's meta kernel promises.
@@ -193,6 +197,12 @@ def make_kernel_set(backend: DeviceBackend) -> KernelSet:
                     f"shaped out", UserWarning, stacklevel=2)
             out.resize_(r.shape)
         return out.copy_(r)
+
+    @ks.kernel("conj_physical_.default")
+    def conj_physical_(self: Tensor) -> Tensor:
+        if not self.is_complex():
+            return self  # the composite's own shortcut
+        return torch.ops.aten.conj_physical.out(self, out=self)
 
     @ks.kernel("convolution_overrideable.default")
     def convolution_overrideable(input: Tensor, weight: Tensor, bias: Tensor | None,  # noqa: A002
