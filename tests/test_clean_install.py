@@ -107,9 +107,13 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "__pycache__", "*.egg-info", "*.so"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
+    # the torch linked in stays: a pip constraint elsewhere (a machine's cap) must not
+    # make pip replace it, as it stays where a user installs the project beside their torch
+    pin = where / "constraints.txt"
+    pin.write_text(f"torch=={md.version('torch')}\n")
     r = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q",
-                        str(src)],
-                       capture_output=True, text=True, timeout=900, env=_env())
+                        str(src)], capture_output=True, text=True, timeout=900,
+                       env={**_env(), "PIP_CONSTRAINT": str(pin)})
     assert r.returncode == 0, r.stdout + r.stderr
     return env_dir
 
