@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-graph test-opencl conformance compiled-conformance examples stress fuzz bench lint clean
+.PHONY: demo test test-torch test-graph test-opencl conformance compiled-conformance examples stress fuzz bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -45,6 +45,50 @@ test: $(STAMP)
 	echo "== porting tools and torch.compile (default mode)"; cat $$logs/tools; \
 	echo "== TORCHPORT_SIM_STRICT=1"; cat $$logs/strict; \
 	echo "== TORCHPORT_SIM_ASYNC=1"; cat $$logs/async; rm -rf $$logs; exit $$rc
+
+# The suite's representative subset on another torch release (docs/compatibility.md):
+# make test-torch TORCH=2.14.1 (or 2.15.0; PY=python3.12 for another interpreter) builds
+# .venv-torch-$(TORCH) (torch==$(TORCH) first, from the registry's default build, a CUDA
+# one on Linux; the project and its test extra after it, under a constraint that keeps that
+# torch), then runs TORCH_TESTS in default sim memory and beside it TORCH_STRICT_TESTS (the
+# copies, fallback, op layer, guard and streams) with device-only memory, then the clean
+# install (tests/test_clean_install.py). About 10 minutes on 2 cores. The constraint file stands
+# in for the machine's pip constraint (PIP_CONSTRAINT) in that venv only, so a release the
+# machine's constraint caps (2.15.0 here) can be had.
+TORCH ?= 2.14.1
+TORCH_VENV ?= .venv-torch-$(TORCH)$(if $(filter python3.11,$(PY)),,-$(notdir $(PY)))
+TORCH_BIN := $(TORCH_VENV)/bin
+TORCH_PIP := PIP_CONSTRAINT=$(CURDIR)/$(TORCH_VENV)/constraints.txt $(TORCH_BIN)/python -m pip
+# The default stage less its longest modules that exercise torchport's own logic rather
+# than what a torch release changes (the OpInfo/layout conformance subsets, the threaded
+# reliability runs, FSDP2/SyncBatchNorm, the Hugging Face models); then the clean install.
+TORCH_TESTS ?= -m "not tools and not graph and not scripts and not opencl" tests \
+	--ignore=tests/conformance --ignore=tests/test_reliability_async.py \
+	--ignore=tests/test_reliability_allocator.py --ignore=tests/test_distributed_parallel.py \
+	--ignore=tests/test_models_hf.py
+TORCH_STRICT_TESTS ?= tests/test_core_copies.py tests/test_core_fallback.py \
+	tests/test_ops_layer.py tests/test_device_guard.py tests/test_streams.py
+$(TORCH_VENV)/.installed: pyproject.toml
+	test -x $(TORCH_BIN)/python || $(PY) -m venv $(TORCH_VENV)
+	echo "torch==$(TORCH)" > $(TORCH_VENV)/constraints.txt
+	$(TORCH_PIP) install -q --upgrade pip
+	$(TORCH_PIP) install -q torch==$(TORCH)
+	$(TORCH_PIP) install -q -e '.[test]'
+	$(TORCH_BIN)/python -c "import torch; assert torch.__version__.split('+')[0] == '$(TORCH)', torch.__version__"
+	$(TORCH_BIN)/python -c "from torchport import native; native.load()"
+	touch $@
+
+test-torch: $(TORCH_VENV)/.installed
+	$(TORCH_BIN)/python -c "import sys, torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'Python', sys.version.split()[0])"
+	log=$$(mktemp); rc=0; \
+	TORCHPORT_SIM_STRICT=1 OMP_NUM_THREADS=1 $(TORCH_BIN)/python -m pytest -q \
+		-p no:cacheprovider $(TORCH_STRICT_TESTS) > $$log 2>&1 & strict=$$!; \
+	OMP_NUM_THREADS=1 $(TORCH_BIN)/python -m pytest -q -p no:cacheprovider $(TORCH_TESTS) || rc=1; \
+	wait $$strict || rc=1; echo "== TORCHPORT_SIM_STRICT=1"; cat $$log; rm -f $$log; \
+	echo "== clean install"; \
+	OMP_NUM_THREADS=1 $(TORCH_BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/test_clean_install.py || rc=1; \
+	exit $$rc
 
 # The OpenCL backend's whole suite on PoCL (make test runs its representative subset: device
 # memory, copies, a model training, fallback, streams, errors; this adds the kernel sweeps,
@@ -141,4 +185,4 @@ lint: $(STAMP)
 	PYTHONPATH=src $(BIN)/lint-imports --no-cache
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) .venv-torch-* build *.egg-info src/*.egg-info

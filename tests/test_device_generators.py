@@ -177,6 +177,22 @@ def test_default_generators_are_the_device_state() -> None:
 
 
 @needs_cpp
+@pytest.mark.skipif(not hasattr(torch.accelerator, "random"),
+                    reason="torch.accelerator.random came with torch 2.14")
+def test_accelerator_random_reads_the_device_generators() -> None:
+    r = torch.accelerator.random  # the C++ hooks' default generators answer it
+    torch.sim.manual_seed_all(5)
+    torch.sim.default_generators[1].manual_seed(9)
+    assert (r.initial_seed(), r.initial_seed(1)) == (5, 9)
+    assert torch.equal(r.get_rng_state(1), torch.sim.get_rng_state(1))
+    assert len(r.get_rng_state_all()) == torch.sim.device_count()
+    state = r.get_rng_state()
+    a = torch.rand(3, device="sim")
+    torch.sim.set_rng_state(state)
+    assert torch.equal(torch.rand(3, device="sim").cpu(), a.cpu())
+
+
+@needs_cpp
 def test_generator_of_another_index_draws_from_itself() -> None:
     """CUDA checks a generator's device type only: a sim:1 generator serves an op on sim:0."""
     torch.sim.manual_seed_all(2)

@@ -8,13 +8,14 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.parallel import comm
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchport.sim
 from tests.helpers import ExactNet, check_python, exact_batches, exact_net, train_exact
-from torchport import native
-from torchport.parallel_comm import NAMES
+from torchport import compat, native
+from torchport.parallel_comm import NAMES, route
 from torchport.pinned import PinnedMemoryWarning
 
 B = torchport.sim.BACKEND
@@ -23,9 +24,34 @@ NO_NCCL = pytest.mark.filterwarnings("ignore:PyTorch is not compiled with NCCL s
 
 # ---- torch._C's comm functions -------------------------------------------------------
 
-def test_comm_functions_are_new_attributes_of_torch_C():
+def test_comm_functions_are_the_devices_or_route_to_it():
+    # a CPU build has none: they are new; a CUDA build's are wrapped, kept for CUDA tensors
     for name in NAMES:
-        assert getattr(torch._C, name).__module__ == "torchport.parallel_comm"
+        fn = getattr(torch._C, name)
+        assert fn.__module__ == "torchport.parallel_comm"
+        assert (getattr(fn, "__wrapped__", None) is not None) == (name in compat.BUILD_COMM)
+
+
+def test_routing_between_the_device_and_the_builds_functions():
+    calls = []
+    routed = route("sim", lambda *a, **k: calls.append("own"),
+                   lambda *a, **k: calls.append("build"))
+    cpu, dev = torch.zeros(2), torch.zeros(2, device="sim")
+    routed(dev, [0, 1])
+    routed([dev, dev], 0, None)
+    routed(cpu, [0, 1], None, 0, [torch.sim.Stream(1), None])
+    routed(cpu, out=[dev])
+    assert calls == ["own"] * 4
+    calls.clear()
+    routed(cpu, [0, 1])  # device indices only: CUDA's where a CUDA device is usable
+    routed(torch.zeros(2, device="meta"), [0])
+    assert calls == ["build" if compat.cuda_usable() else "own"] * 2
+    calls.clear()
+    with FakeTensorMode():  # a CUDA tensor on any build, without a GPU
+        cuda = torch.empty(2, device="cuda")
+    routed(cuda, [0, 1])
+    routed([cuda], 0, -1)
+    assert calls == ["build", "build"]
 
 
 def test_broadcast():
@@ -255,17 +281,19 @@ def test_dataloader_pin_memory_trains_as_on_the_cpu(workers):
 
 def test_fresh_process_without_the_cpp_library():
     # The comm functions come with the registration of a backend and replace nothing a
-    # build has (a CUDA build's); without the C++ hooks, pinning warns once and gives
+    # build has (a CUDA build's: wrapped, still called for CUDA tensors); without the C++ hooks, pinning warns once and gives
     # unpinned copies, and DataParallel serves with PyTorch's Python guard (whose streams
     # all name device 0).
     out = check_python(
         "import warnings, torch, torchport\n"
         "from torchport.parallel_comm import NAMES\n"
-        "assert not any(hasattr(torch._C, n) for n in NAMES)  # no backend yet: nothing\n"
+        "from torchport.compat import BUILD_COMM\n"
+        "assert {n for n in NAMES if hasattr(torch._C, n)} == BUILD_COMM  # the build's\n"
         "mine = lambda *a: 'pytorch'\n"
         "torch._C._gather_out = mine\n"
         "import torchport.sim\n"
-        "assert torch._C._gather_out is mine and all(hasattr(torch._C, n) for n in NAMES)\n"
+        "assert torch._C._gather_out.__wrapped__ is mine  # kept, for CUDA tensors\n"
+        "assert all(hasattr(torch._C, n) for n in NAMES)\n"
         "from torch.utils.data import DataLoader, TensorDataset\n"
         "from torchport.pinned import PinnedMemoryWarning\n"
         "from tests.helpers import exact_net, exact_batches, train_exact\n"

@@ -91,11 +91,11 @@ def collect(backend: str = "sim") -> dict[str, Any]:
     import torch
 
     import torchport
-    from torchport import native
+    from torchport import compat, native
     from torchport.run import load_backend
 
     versions = {"torchport": torchport.__version__, "torch": torch.__version__,
-                "python": platform.python_version()}
+                "torch_build": compat.build_summary(), "python": platform.python_version()}
     try:
         b = load_backend(backend)
     except typer.BadParameter:  # no such backend: a usage error
@@ -169,7 +169,8 @@ def register(app: typer.Typer) -> None:
 
         con = Console()
         v = data["versions"]
-        con.print(f"torchport {v['torchport']}, torch {v['torch']}, Python {v['python']} "
+        con.print(f"torchport {v['torchport']}, torch {v['torch']} ({v['torch_build']}), "
+                  f"Python {v['python']} "
                   f"({data['platform']})")
         b = data["backend"]
         if failed:

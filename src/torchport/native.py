@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from torchport import settings
+from torchport import compat, settings
 
 _HERE = Path(__file__).parent
 # every ``native_*.cpp`` beside this file is a part of the one library
@@ -130,7 +130,8 @@ def build() -> Path:
         raise RuntimeError(failed.read_text())
     where.mkdir(parents=True, exist_ok=True)
     print(f"torchport: compiling the C++ library into {where} (once)", file=sys.stderr)
-    from torch.utils import cpp_extension
+    with compat.quiet_cuda_home():
+        from torch.utils import cpp_extension
 
     partial = where / f"{name}.{os.getpid()}.tmp"
     cmd = [*shlex.split(os.environ.get("CXX", "c++")), "-O2", "-std=c++20", "-shared", "-fPIC",

@@ -4,15 +4,17 @@
 Hugging Face's Trainer whenever two devices are visible) calls
 ``torch._C._broadcast_coalesced``, ``_broadcast``, ``_broadcast_out``, ``_scatter``,
 ``_scatter_out``, ``_gather`` and ``_gather_out``. PyTorch compiles them only into CUDA
-builds (``torch/csrc/cuda/python_comm.cpp``), so the CPU build has none of them. When a
-backend registers, this layer adds each one ``torch._C`` lacks, with CUDA's semantics for
+builds (``torch/csrc/cuda/python_comm.cpp``), for CUDA devices only, so the CPU build has
+none of them. When a backend registers, this layer gives each one CUDA's semantics for
 the device: device indices name its logical devices, a source may be a CPU tensor, ``-1``
 as a gather destination is the CPU, copies are non-blocking and a scatter's ``streams``
-choose the stream of each copy. An attribute PyTorch already has (a CUDA build's) is never
-replaced, so code that does not use the device sees nothing new but these names.
-``reduce_add`` and ``reduce_add_coalesced`` are Python in ``comm.py`` and need nothing.
+choose the stream of each copy. A name ``torch._C`` lacks (a CPU build) is added; one it
+has (a CUDA build's, also where no GPU is: the default Linux wheel) is wrapped, not
+replaced: a call goes to the build's function when its tensors or streams are CUDA's, or
+when none is the device's and a CUDA device is usable, and to the device's otherwise
+(:func:`route`). ``reduce_add`` and ``reduce_add_coalesced`` are Python
+in ``comm.py`` and need nothing.
 """
-
 from __future__ import annotations
 
 import operator
@@ -23,12 +25,13 @@ import torch
 from torch._prims_common import suggest_memory_format
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from torchport import compat
+
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
 
-#: The names this layer may add to ``torch._C``.
-NAMES = ("_broadcast_coalesced", "_broadcast", "_broadcast_out", "_scatter", "_scatter_out",
-         "_gather", "_gather_out")
+#: The names this layer adds to ``torch._C`` (or wraps, where the build has them).
+NAMES = compat.COMM_NAMES
 _PRIVATE_USE1 = 20  # c10::DeviceType::PrivateUse1, as torch.Stream.device_type reports it
 
 
@@ -311,16 +314,49 @@ def make_comm(backend: DeviceBackend, mod: Any) -> dict[str, Callable[..., Any]]
             "_gather": gather, "_gather_out": gather_out}
 
 
+def _device_types(args: Sequence[Any]) -> set[str]:
+    """The device types of the tensors and streams among ``args`` (and in their lists)."""
+    kinds: set[str] = set()
+    for a in args:
+        for item in a if isinstance(a, (list, tuple)) else (a,):
+            where = getattr(item, "device", None) if isinstance(
+                item, (torch.Tensor, torch.Stream)) else None
+            if isinstance(where, torch.device):
+                kinds.add(where.type)
+    return kinds
+
+
+def route(name: str, own: Callable[..., Any], build: Callable[..., Any]) -> Callable[..., Any]:
+    """One function over the device's ``own`` and the build's (CUDA's) ``build``: the
+    device's when a tensor or stream argument is on it; CUDA's when one is on CUDA, or
+    when none is on either (CPU tensors and device indices) and a CUDA device is usable;
+    else the device's (where the build's could only fail: "Found no NVIDIA driver")."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        kinds = _device_types((*args, *kwargs.values()))
+        if name not in kinds and ("cuda" in kinds or compat.cuda_usable()):
+            return build(*args, **kwargs)
+        return own(*args, **kwargs)
+
+    call.__wrapped__ = build  # type: ignore[attr-defined]
+    return call
+
+
 def install(backend: DeviceBackend, mod: Any) -> list[str]:
-    """Add the functions ``torch._C`` lacks; the names added (none replaced)."""
-    added = []
+    """Give ``torch._C`` the functions for ``backend``: added where it lacks them, routed
+    (:func:`route`) where it has them; the names added or wrapped."""
+    done = []
     for attr, fn in make_comm(backend, mod).items():
-        if not hasattr(torch._C, attr):
-            fn.__name__ = fn.__qualname__ = attr
-            fn.__module__ = __name__
-            setattr(torch._C, attr, fn)
-            added.append(attr)
-    return added
+        existing = getattr(torch._C, attr, None)
+        if getattr(existing, "__module__", None) == __name__:
+            continue  # installed already
+        if existing is not None:
+            fn = route(backend.name, fn, existing)
+        fn.__name__ = fn.__qualname__ = attr
+        fn.__module__ = __name__
+        setattr(torch._C, attr, fn)
+        done.append(attr)
+    return done
 
 
 def on_register(backend: DeviceBackend, module: Any) -> None:

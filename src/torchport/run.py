@@ -21,7 +21,6 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-import click
 import typer
 
 from torchport import settings
@@ -128,6 +127,11 @@ def print_script_error(e: BaseException) -> None:
 
 _LAUNCH_FILES = (__file__, runpy.__file__, "<frozen runpy>")
 
+#: The command line's own errors (a bad backend or script name), which the CLI prints as
+#: usage errors: typer's names, since recent typer releases carry their own click and
+#: ``click`` itself need not be installed.
+_CLI_ERRORS = (typer.BadParameter, typer.Exit, typer.Abort)
+
 
 def register(app: typer.Typer) -> None:
     """Add the ``run`` command to the torchport CLI."""
@@ -146,7 +150,7 @@ def register(app: typer.Typer) -> None:
                                         help="Run SCRIPT as a module, like python -m.")) -> None:
         try:
             run_script(script, list(ctx.args), backend=backend, module=module)
-        except (SystemExit, click.ClickException):
+        except (SystemExit, *_CLI_ERRORS):
             raise
         except BaseException as e:  # the script's own error: print it as python would
             print_script_error(e)

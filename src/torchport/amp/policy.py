@@ -1,6 +1,6 @@
 """CUDA's autocast op policy, registered for the ``AutocastPrivateUse1`` dispatch key.
 
-PyTorch 2.13 registers autocast kernels for CUDA, CPU, XPU, MPS... but none for
+PyTorch registers autocast kernels for CUDA, CPU, XPU, MPS... but none for
 PrivateUse1 (not even the fallthrough for ops outside the lists, so without this
 module any op under ``torch.autocast("sim")`` fails). We register, from Python,
 the same categories CUDA uses (``aten/src/ATen/autocast_mode.cpp``):
@@ -22,6 +22,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from torchport import compat
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -51,6 +53,7 @@ FP32: tuple[str, ...] = (
     "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
     "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
     "linalg_vector_norm", "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "rms_norm",
+    "linalg_matrix_sqrth",  # torch 2.14 added the op and put it on CUDA's list
 )
 FP32_SET_OPT_DTYPE: tuple[str, ...] = (
     "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "sum",
@@ -75,8 +78,10 @@ _BCE_MESSAGE = (
 
 
 def _overload(name: str) -> torch._ops.OpOverload:
-    base, _, ov = name.partition(".")
-    return getattr(getattr(torch.ops.aten, base), ov or "default")
+    op = compat.aten_overload(name)
+    if op is None:
+        raise AttributeError(f"this torch has no aten::{name}")
+    return op
 
 
 class _Caster:
@@ -156,14 +161,16 @@ def _kernel(op: torch._ops.OpOverload, policy: str, caster: _Caster,
 
 
 def policy_table() -> dict[str, str]:
-    """ATen overload name -> CUDA cast policy, for tests and documentation."""
+    """ATen overload name -> CUDA cast policy, for tests and documentation: the ops of the
+    lists this torch has (a list may name an op a later release added)."""
     table: dict[str, str] = {}
     for names, policy in ((LOWER_PRECISION_FP, "lower"), (FP32, "fp32"),
                           (FP32_SET_OPT_DTYPE, "fp32_set_opt_dtype"),
                           (tuple(FP32_APPEND_DTYPE), "fp32_append_dtype"),
                           (PROMOTE, "promote"), (BANNED, "banned")):
         for n in names:
-            table[n] = policy
+            if compat.aten_overload(n) is not None:
+                table[n] = policy
     return table
 
 
