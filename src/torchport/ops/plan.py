@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from torchport import native
-
 _PLANS: dict[object, OpPlan] = {}
 
 # Ops whose CUDA kernels accept CPU index tensors next to device tensors.
@@ -107,6 +105,8 @@ def numbers_as_tensors(plan: OpPlan, args: tuple) -> tuple:
     if not slots or not any(i < len(args) and isinstance(args[i], (bool, int, float, complex))
                             for i in slots):
         return args
+    from torchport import native  # (a leaf below: importing the plans alone stays light)
+
     return tuple(native.wrapped_number(v) if i in slots and isinstance(
         v, (bool, int, float, complex)) else v for i, v in enumerate(args))
 
