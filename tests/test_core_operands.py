@@ -174,3 +174,17 @@ def test_batch_norm_training_steps(channels_last: bool) -> None:
 def test_conj_physical_in_place(case: Callable[[str], object]) -> None:
     # its only kernel is a composite calling the CPU/CUDA DispatchStub on the device tensor
     same_as_cpu(case)
+
+
+def test_argument_checks_come_before_the_device_check() -> None:
+    # CUDA's kernels check dtypes and shapes (meta functions, embedding's index dtype)
+    # before TensorIterator compares devices
+    w = torch.ones(4, 3, device="sim")
+    with pytest.raises(RuntimeError, match="indices.*scalar types"):
+        F.embedding(torch.rand(2, 3), w)
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
+        torch.cat([w, torch.ones(2, 2)])
+    with pytest.raises(RuntimeError, match="same device"):
+        F.embedding(torch.tensor([1, 2]), w)
+    with pytest.raises(RuntimeError, match="same device"):
+        w + torch.ones(4, 3)

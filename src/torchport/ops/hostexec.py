@@ -55,6 +55,7 @@ def op_device(backend: DeviceBackend, op: Any, plan: OpPlan, args: tuple, kwargs
             elif d != found:
                 _mismatch(found, d, plan)
         elif v.dim() > 0 and not plan.mixed_device_ok:
+            _raise_argument_error(op, backend.name, args, kwargs)
             _mismatch(found or torch.device(name), d, plan, name, args, kwargs)
     if plan.write_args:  # a 0-dim CPU tensor is an operand, never an output (as on CUDA)
         for v in _iter_tensors(*_written(plan, args, kwargs)):
@@ -103,6 +104,28 @@ def _mismatch(a: torch.device, b: torch.device, plan: OpPlan, name: str = "",
     raise DeviceMismatchError(
         f"Expected all tensors to be on the same device, but found at least two devices, "
         f"{a} and {b}! (in {plan.overload_name}; move them with .to({str(a)!r}))")
+
+
+def _raise_argument_error(op: Any, name: str, args: tuple, kwargs: dict) -> None:
+    """Before a device mismatch: the error the op's own argument checks raise, if any (on
+    meta tensors of the same layouts). CUDA's kernels check their arguments' dtypes and
+    shapes before TensorIterator compares devices (``embedding``'s index dtype)."""
+    def meta(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        if isinstance(v, (list, tuple)):
+            return type(v)(meta(x) for x in v)
+        if isinstance(v, torch.device) and v.type == name or \
+                isinstance(v, str) and v.startswith(name):
+            return torch.device("meta")
+        return v
+    try:
+        op(*meta(args), **{k: meta(v) for k, v in kwargs.items()})
+    except (RuntimeError, IndexError, ValueError, TypeError) as e:
+        if not isinstance(e, NotImplementedError) and "meta" not in str(e).lower():
+            raise e from None
+    except Exception:  # noqa: BLE001 -- no meta kernel or a data-dependent one: the mismatch
+        pass
 
 
 def _written(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
