@@ -9,6 +9,7 @@ op is a view, a factory or a random op.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -105,9 +106,7 @@ def numbers_as_tensors(plan: OpPlan, args: tuple) -> tuple:
     if not slots or not any(i < len(args) and isinstance(args[i], (bool, int, float, complex))
                             for i in slots):
         return args
-    from torchport import native  # (a leaf below: importing the plans alone stays light)
-
-    return tuple(native.wrapped_number(v) if i in slots and isinstance(
+    return tuple(_wrapped_number(v) if i in slots and isinstance(
         v, (bool, int, float, complex)) else v for i, v in enumerate(args))
 
 
@@ -116,3 +115,17 @@ def bind(plan: OpPlan, args: tuple, kwargs: dict) -> dict[str, object]:
     bound = dict(zip(plan.arg_names, args, strict=False))
     bound.update(kwargs)
     return bound
+
+
+_native: Any = None
+
+
+def _wrapped_number(value: bool | int | float | complex) -> torch.Tensor:
+    """:func:`torchport.native.wrapped_number`, the module imported on first use (importing
+    the plans alone stays light) and kept: the op layer's registration makes that first use,
+    as a finaliser at exit could no longer import."""
+    global _native
+    if _native is None:
+        from torchport import native
+        _native = native
+    return _native.wrapped_number(value)

@@ -41,7 +41,7 @@ from torchport.ops import (
     paths,
 )
 from torchport.ops.declarations import Decline, KernelDecl, KernelSet
-from torchport.ops.plan import plan_for
+from torchport.ops.plan import numbers_as_tensors, plan_for
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -178,6 +178,7 @@ def _cache_argument_classes() -> None:
     torch.ops.aten.sum.dim_IntList._op(z, [0], False)  # an int list, a bool
     torch.ops.aten.add.Tensor._op(z, z, alpha=1.5)  # a float Scalar
     torch.ops.aten.select.int._op(z, 0, 0)  # SymInts
+    numbers_as_tensors(plan_for(torch.ops.aten.copysign.Tensor), (z, 2.0))  # wrapped numbers
 
 
 def overload_name(op: torch._ops.OpOverload) -> str:
