@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-torch test-graph test-opencl conformance compiled-conformance examples stress fuzz bench lint clean
+.PHONY: demo test test-torch test-graph test-opencl conformance compiled-conformance examples zoo stress fuzz bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -140,6 +140,18 @@ compiled-conformance: $(STAMP)
 # original on the CPU; make test runs a subset. About 10 minutes on 2 cores.
 examples: $(STAMP)
 	TORCHPORT_FULL_SCRIPTS=1 $(BIN)/python -m pytest -q tests/test_real_scripts.py
+
+# The zoo (examples/zoo/, docs/zoo.md): nanoGPT-style GPT (eager, compiled, bf16 autocast,
+# DDP under torchrun), a diffusers UNet DDPM, peft LoRA, each run unchanged and migrated
+# against the CPU. Installs the zoo extra into .venv first, under a constraint that keeps its
+# torch; step times go to reports/zoo.jsonl. About 10 minutes on 2 cores.
+zoo: $(STAMP)
+	$(BIN)/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" \
+		> $(VENV)/torch-pin.txt
+	PIP_CONSTRAINT=$(CURDIR)/$(VENV)/torch-pin.txt $(BIN)/python -m pip install -q -e '.[zoo]'
+	mkdir -p reports && rm -f reports/zoo.jsonl
+	TORCHPORT_FULL_ZOO=1 TORCHPORT_ZOO_REPORT=$(CURDIR)/reports/zoo.jsonl \
+		$(BIN)/python -m pytest -q tests/test_zoo.py
 
 # The long variants of the reliability tests: random programs with frees, random factories
 # and host computations in six threads on both devices against the CPU, in the three sim

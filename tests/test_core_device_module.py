@@ -101,6 +101,27 @@ def test_properties():
     torch.sim.synchronize(1)
 
 
+def test_properties_have_every_field_of_cudas():
+    """Code written for CUDA reads any field of ``_CudaDeviceProperties`` (inductor's cache
+    key reads ``gcnArchName`` on a build without CUDA), so the device's properties have
+    them all, with CUDA's types."""
+    import ast
+    import pathlib
+
+    stub = pathlib.Path(torch.__file__).parent / "_C" / "__init__.pyi"
+    tree = ast.parse(stub.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef)
+               and n.name == "_CudaDeviceProperties")
+    fields = {n.target.id: ast.unparse(n.annotation) for n in cls.body
+              if isinstance(n, ast.AnnAssign)}
+    assert len(fields) > 10
+    p = torch.sim.get_device_properties(0)
+    for name, kind in fields.items():
+        value = getattr(p, name)
+        assert isinstance(value, str if kind == "str" else int), (name, value)
+    assert p.gcnArchName == p.name
+
+
 def test_invalid_device_index():
     with pytest.raises(RuntimeError, match="invalid device ordinal 7"):
         torch.empty(2, device="sim:7")

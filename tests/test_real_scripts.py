@@ -15,37 +15,18 @@ differently (DataParallel's and DDP's gradient sums) or precision is lowered (bf
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import subprocess
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
+from tests.script_runs import Case, assert_same_results, cpu_run, device_run, migrate
 
 pytestmark = [pytest.mark.strict, pytest.mark.scripts]
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "examples" / "scripts"
 FULL = os.environ.get("TORCHPORT_FULL_SCRIPTS", "") not in ("", "0")
-WAYS = ("run", "migrate", "coverage")
-
-
-@dataclass
-class Case:
-    script: str
-    args: list[str]
-    rel: float = 0.0  # 0: bit for bit
-    cpu_args: list[str] | None = None  # the CPU run's arguments, when they differ
-    env: dict[str, str] = field(default_factory=dict)
-    quick: tuple[str, ...] = ()  # the ways make test runs
-    ways: tuple[str, ...] = WAYS
-    scale: dict[str, float] = field(default_factory=dict)  # expected = CPU value x scale
-    timeout: float = 300
 
 
 CASES = {
@@ -75,56 +56,9 @@ CASES = {
 }
 
 
-def _env(extra: dict[str, str], torchport: bool) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHPORT_")
-           or k.startswith(("TORCHPORT_SIM_", "TORCHPORT_NATIVE"))}
-    env.update(OMP_NUM_THREADS="1", TORCHPORT_FALLBACK_WARN="0", PYTHONHASHSEED="0")
-    if torchport:
-        env.update(extra)
-    return env
-
-
-def _results(stdout: str) -> dict[str, str]:
-    return dict(m.groups() for m in re.finditer(r"^result (\S+) (.*)$", stdout, re.M))
-
-
-def _numbers(text: str) -> list[float]:
-    return [float(v) for v in re.findall(r"-?\d+\.?\d*(?:e[-+]?\d+)?", text)]
-
-
-def _call(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float
-          ) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, (cmd, out.stdout[-3000:], out.stderr[-5000:])
-    return out
-
-
-_CPU: dict[tuple[str, ...], dict[str, str]] = {}
-
-
-def _cpu(case: Case, tmp: Path) -> dict[str, str]:
-    """The original script on the CPU with plain PyTorch (torchport never imported)."""
-    args = case.cpu_args if case.cpu_args is not None else case.args
-    key = (case.script, *args)
-    if key not in _CPU:
-        out = _call([sys.executable, str(SCRIPTS / case.script), *_port(case, args)], tmp,
-                    _env({}, torchport=False), case.timeout)
-        _CPU[key] = _results(out.stdout)
-    return _CPU[key]
-
-
-def _port(case: Case, args: list[str]) -> list[str]:
-    return [*args, "--port", str(free_port())] if case.script == "ddp_spawn.py" else args
-
-
 @pytest.fixture(scope="module")
 def migrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dst = tmp_path_factory.mktemp("migrated") / "scripts"
-    report = dst.parent / "report"
-    subprocess.run([sys.executable, "-m", "torchport.cli", "migrate", str(SCRIPTS), "-o", str(dst),
-                    "--report", str(report)], check=True, capture_output=True, text=True,
-                   env=_env({}, torchport=True), timeout=300)
-    return dst
+    return migrate(SCRIPTS, tmp_path_factory.mktemp("migrated") / "scripts")
 
 
 def _params() -> list[object]:
@@ -142,27 +76,5 @@ def _params() -> list[object]:
 def test_script_matches_the_cpu(name: str, way: str, tmp_path: Path,
                                 migrated: Path) -> None:
     case = CASES[name]
-    env = _env(case.env, torchport=True)
-    args = _port(case, case.args)
-    if way == "run":
-        cmd = [sys.executable, "-m", "torchport.cli", "run", str(SCRIPTS / case.script), *args]
-    elif way == "migrate":
-        cmd = [sys.executable, str(migrated / case.script), *args]
-    else:
-        cmd = [sys.executable, "-m", "torchport.cli", "coverage", "--json",
-               str(tmp_path / "cov.json"), "-q", str(SCRIPTS / case.script), *args]
-    out = _call(cmd, tmp_path, env, case.timeout)
-    if way == "migrate":
-        assert "torchport.transfer" not in out.stderr  # the rewritten code stands alone
-    if way == "coverage":
-        cov = json.loads((tmp_path / "cov.json").read_text())
-        assert sum(o["calls"] for o in cov["ops"]) > 0 and cov["exit_code"] == 0
-    got, want = _results(out.stdout), _cpu(case, tmp_path)
-    assert got.keys() == want.keys() and got, (got, want, out.stdout[-2000:])
-    for key in want:
-        if case.rel == 0.0:
-            assert got[key] == want[key], (key, got[key], want[key])
-        else:
-            a = _numbers(got[key])
-            b = [v * case.scale.get(key, 1.0) for v in _numbers(want[key])]
-            assert len(a) == len(b) and a == pytest.approx(b, rel=case.rel, abs=case.rel), key
+    out = device_run(case, way, SCRIPTS, migrated, tmp_path)
+    assert_same_results(case, out.stdout, cpu_run(case, SCRIPTS, tmp_path).stdout)

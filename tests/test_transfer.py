@@ -65,6 +65,24 @@ def test_torch_device_objects(xfer):
         assert torch.ones(2).device == torch.device("sim:1")
 
 
+def test_generators_on_cuda(xfer):
+    """``torch.Generator(device="cuda")`` (diffusers' pipelines, seeded sampling) is a device
+    generator that draws what the device's default generator draws after the same seed."""
+    for make in (lambda: torch.Generator(device="cuda"), lambda: torch.Generator("cuda:1"),
+                 lambda: torch.Generator(device=torch.device("cuda", 1))):
+        g = make().manual_seed(7)
+        assert isinstance(g, torch.Generator) and type(g) is torch._C.Generator
+        assert g.device.type == "sim"
+        got = torch.randn(5, generator=g, device=g.device)
+        torch.manual_seed(7)
+        assert torch.equal(got.cpu(), torch.randn(5, device=g.device).cpu())
+    assert torch.Generator(device="cuda:1").device == torch.device("sim:1")
+    assert torch.Generator().device.type == "cpu"
+    assert issubclass(torch._C.Generator, torch.Generator)
+    g = torch.Generator("cuda").manual_seed(3)
+    assert pickle.loads(pickle.dumps(g)).initial_seed() == 3
+
+
 def test_factories_and_ordinals(xfer):
     for spec, want in [("cuda", "sim:0"), ("cuda:1", "sim:1"), (torch.device("cuda", 1), "sim:1"),
                        (1, "sim:1"), (torch.device("cuda"), "sim:0")]:
@@ -302,7 +320,7 @@ def test_cuda_checkpoint_map_location_forms(xfer):
 def test_disable_restores_everything(xfer):
     registry_len = len(torch.serialization._package_registry)
     xfer.disable()
-    assert torch.device is torch._C.device
+    assert torch.device is torch._C.device and torch.Generator is torch._C.Generator
     assert torch.zeros is _ORIG_ZEROS and torch.cuda.is_available is _ORIG_CUDA_AVAILABLE
     assert torch.Tensor.to is _ORIG_TO and torch.tensor is _ORIG_TENSOR
     assert "cuda" not in vars(torch.Tensor)

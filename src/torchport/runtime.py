@@ -72,6 +72,27 @@ class DeviceProperties:
     minor: int = 0
     multi_processor_count: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
+    # The rest of CUDA's fields (torch._C._CudaDeviceProperties, 2.13 to 2.15): code written
+    # for CUDA reads them (inductor's cache key reads gcnArchName on a build without CUDA).
+    is_integrated: int = 0
+    is_multi_gpu_board: int = 0
+    max_threads_per_multi_processor: int = 1
+    max_threads_per_block: int = 1
+    warp_size: int = 1
+    uuid: str = ""
+    L2_cache_size: int = 0  # noqa: N815  (CUDA's name)
+    clock_rate: int = 0
+    memory_clock_rate: int = 0
+    memory_bus_width: int = 0
+    shared_memory_per_block: int = 0
+    shared_memory_per_block_optin: int = 0
+    shared_memory_per_multiprocessor: int = 0
+    regs_per_multiprocessor: int = 0
+
+    @property
+    def gcnArchName(self) -> str:  # noqa: N802  (CUDA's name)
+        """The architecture name ROCm reports; here the device's name."""
+        return self.name
 
     def __repr__(self) -> str:
         mib = self.total_memory // (1024 * 1024)

@@ -8,7 +8,8 @@ device before the value reaches C++:
 
 * ``torch.device`` is replaced by a class whose metaclass maps ``"cuda"`` to the
   device while ``isinstance(x, torch.device)`` still checks against the real C
-  type (device objects keep pickling through :mod:`copyreg`);
+  type (device objects keep pickling through :mod:`copyreg`); ``torch.Generator`` likewise,
+  so ``Generator(device="cuda")`` is a device generator;
 * factory functions (every ``torch.*`` op whose schema has a ``device``
   argument), ``Tensor.to/new_*/cuda/is_cuda/pin_memory``, ``Module.to``,
   ``torch.set_default_device``, autocast/GradScaler and ``init_process_group``;
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = ["TransferError", "disable", "enable", "is_enabled", "map_device"]
 
 _RealDevice: type = torch._C.device
+_RealGenerator: type = torch._C.Generator
 _MISSING = object()
 _CUDA_RE = re.compile(r"^cuda(?::(\d+))?$")
 
@@ -190,6 +192,29 @@ class _Device(metaclass=_DeviceMeta):
 _Device.__module__ = "torch"
 _Device.__qualname__ = _Device.__name__ = "device"
 _Device.__doc__ = _RealDevice.__doc__
+
+
+class _GeneratorMeta(type):
+    """Makes the ``torch.Generator`` stand-in answer ``isinstance`` like the C type."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _RealGenerator)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _RealGenerator)
+
+
+class _Generator(metaclass=_GeneratorMeta):
+    """``torch.Generator`` under transfer: ``Generator(device="cuda")`` is a device generator."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+        args, kwargs = _map_args(args, kwargs)
+        return _RealGenerator(*args, **kwargs)
+
+
+_Generator.__module__ = "torch"
+_Generator.__qualname__ = _Generator.__name__ = "Generator"
+_Generator.__doc__ = _RealGenerator.__doc__
 
 
 def _reduce_device(d: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -638,6 +663,7 @@ def _install(b: Backend) -> None:
 
     device_ctx._device_constructors()
     p(torch, "device", _Device)
+    p(torch, "Generator", _Generator)
     copyreg.pickle(_RealDevice, _reduce_device)
     for name in _factory_names():
         p(torch, name, _device_kw(getattr(torch, name)))

@@ -1,0 +1,91 @@
+"""The zoo (examples/zoo/): training code people copy every day, as CUDA code, trained a few
+steps on the device and compared with the same script on the CPU.
+
+Each case runs ``torchport run`` (the script unchanged) and the ``torchport migrate``
+output; numbers match the CPU's bit for bit where the device does the same math, or within
+a tolerance whose reason the case states. ``make test`` runs a subset; ``make zoo``
+(``TORCHPORT_FULL_ZOO=1``, with the ``zoo`` extra installed) runs all and, with
+``TORCHPORT_ZOO_REPORT=file.jsonl``, records each run's step time beside the CPU's
+(docs/zoo.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.script_runs import (Case, assert_same_results, cpu_run, device_run, migrate,
+                               skip_missing, step_ms)
+
+pytestmark = pytest.mark.tools
+
+ROOT = Path(__file__).resolve().parents[1]
+ZOO = ROOT / "examples" / "zoo"
+FULL = os.environ.get("TORCHPORT_FULL_ZOO", "") not in ("", "0")
+REPORT = os.environ.get("TORCHPORT_ZOO_REPORT", "")
+WAYS = ("run", "migrate")
+
+# PyTorch's group_norm composite makes a channels-last input contiguous on every device but
+# the CPU (aten/src/ATen/native/group_norm.cpp), as it does for CUDA: the device runs the
+# contiguous kernel where the CPU runs the channels-last one, which rounds otherwise.
+GROUP_NORM = "group_norm computes a channels-last input contiguously off the CPU, as on CUDA"
+# Inductor compiles a graph for the device with its GPU-shaped decisions (attention's math
+# decomposition, its own fusions) where the CPU's graph keeps CPU kernels: both round
+# differently from eager, and from each other.
+COMPILED = "inductor's graphs for the device and for the CPU fuse and decompose differently"
+BF16 = "bfloat16 autocast on the device (nanoGPT's choice for CUDA) against float32 on the CPU"
+
+CASES = {
+    # nanoGPT's train.py shape. The CUDA path takes the fused AdamW: so does the CPU run.
+    "nanogpt": Case("nanogpt.py", ["--iters", "4", "--compile", "0", "--dtype", "float32"],
+                    cpu_args=["--iters", "4", "--compile", "0", "--fused", "1"],
+                    quick=("run",)),
+    "nanogpt_compile": Case("nanogpt.py", ["--iters", "4", "--dtype", "float32"],
+                            cpu_args=["--iters", "4", "--fused", "1"], rel=1e-5, why=COMPILED),
+    "nanogpt_bf16": Case("nanogpt.py", ["--iters", "4", "--compile", "0"],
+                         cpu_args=["--iters", "4", "--compile", "0", "--fused", "1"], rel=2e-2,
+                         why=BF16),
+    "nanogpt_ddp": Case("nanogpt.py", ["--iters", "4", "--compile", "0", "--dtype", "float32"],
+                        cpu_args=["--iters", "4", "--compile", "0", "--fused", "1",
+                                  "--backend", "gloo"], torchrun=2),
+    "diffusers_ddpm": Case("diffusers_ddpm.py", ["--steps", "4"], rel=1e-5, why=GROUP_NORM,
+                           needs=("diffusers",)),
+    "peft_lora": Case("peft_lora.py", ["--steps", "4"], needs=("peft", "transformers")),
+}
+
+
+@pytest.fixture(scope="module")
+def migrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return migrate(ZOO, tmp_path_factory.mktemp("migrated") / "zoo")
+
+
+def _params() -> list[object]:
+    out = []
+    for name, case in CASES.items():
+        for way in WAYS:
+            marks = [] if way in case.quick or FULL else [pytest.mark.skip(
+                reason="set TORCHPORT_FULL_ZOO=1 (make zoo)")]
+            out.append(pytest.param(name, way, id=f"{name}-{way}", marks=marks))
+    return out
+
+
+def test_every_case_states_why_it_is_not_bit_for_bit() -> None:
+    assert all(bool(c.why) == (c.rel > 0) for c in CASES.values())
+    assert {c.script for c in CASES.values()} == {p.name for p in ZOO.glob("*.py")}
+
+
+@pytest.mark.parametrize(("name", "way"), _params())
+def test_zoo_case_matches_the_cpu(name: str, way: str, tmp_path: Path, migrated: Path) -> None:
+    case = CASES[name]
+    skip_missing(case)
+    device = device_run(case, way, ZOO, migrated, tmp_path)
+    cpu = cpu_run(case, ZOO, tmp_path)
+    assert_same_results(case, device.stdout, cpu.stdout)
+    if REPORT:
+        with open(REPORT, "a") as f:
+            f.write(json.dumps({"case": name, "way": way, "device_ms": step_ms(device.stdout),
+                                "cpu_ms": step_ms(cpu.stdout), "rel": case.rel,
+                                "why": case.why}) + "\n")
