@@ -108,8 +108,12 @@ def test_a_cpu_scalar_is_never_an_output(name: str) -> None:
     lambda d: F.hardshrink(_t(d, torch.complex64)),
     lambda d: torch.nansum(_t(d, torch.complex64)),
     lambda d: _t(d, torch.float16) >> 1,
+    lambda d: (torch.logaddexp(_t(d), _t(d)),  # the decomposition taken once before
+               torch.logaddexp(_t(d, torch.bool), _t(d, torch.bool))),
+    lambda d: (torch.logaddexp(_t(d), _t(d)),
+               torch.logaddexp(_t(d, torch.bool), torch.tensor(True))),
 ], ids=["logaddexp-int", "logaddexp-int-out", "hardshrink-complex", "nansum-complex",
-        "rshift-half"])
+        "rshift-half", "logaddexp-bool", "logaddexp-bool-cpu0d"])
 def test_dtypes_the_kernels_refuse_raise_as_on_the_cpu(case: Callable[[str], object]) -> None:
     want, got = _outcome(case, "cpu"), _outcome(case, "sim")
     assert isinstance(got, tuple) and got == want
@@ -118,6 +122,7 @@ def test_dtypes_the_kernels_refuse_raise_as_on_the_cpu(case: Callable[[str], obj
 def test_refused_dtypes_leave_accepted_ones_decomposed() -> None:
     same_as_cpu(lambda d: torch.logaddexp(_t(d), _t(d, torch.int64)))
     same_as_cpu(lambda d: torch.logaddexp(_t(d, torch.float64), _t(d)))
+    same_as_cpu(lambda d: torch.logaddexp(_t(d, torch.bool), _t(d)))
 
 
 @pytest.mark.parametrize("index", [[-1], [0, -3], [-4], [3]])

@@ -17,8 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.script_runs import (Case, assert_same_results, cpu_run, device_run, migrate,
-                               skip_missing, step_ms)
+from tests.script_runs import (
+    Case,
+    assert_same_results,
+    cpu_run,
+    device_run,
+    migrate,
+    skip_missing,
+    step_ms,
+)
 
 pytestmark = pytest.mark.tools
 

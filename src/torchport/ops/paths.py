@@ -156,7 +156,10 @@ def cpu_refusal(op: Any, args: tuple, kwargs: dict) -> BaseException | None:
     found = None
     if tensors and not plan_for(op).random:
         err = _probe(op, args, kwargs, None)
-        if err is not None and _probe(op, args, kwargs, torch.float32) is None:
+        # float32 for every tensor but masks first, then for the bools too (an op of
+        # bool operands, not masks: logaddexp of two bool tensors)
+        if err is not None and (_probe(op, args, kwargs, torch.float32) is None
+                                or _probe(op, args, kwargs, torch.float32, bools=True) is None):
             found = err
     _REFUSALS[key] = found
     return found
@@ -169,12 +172,15 @@ def _flat(args: tuple, kwargs: dict) -> list[Any]:
     return out
 
 
-def _probe(op: Any, args: tuple, kwargs: dict, dtype: torch.dtype | None) -> BaseException | None:
+def _probe(op: Any, args: tuple, kwargs: dict, dtype: torch.dtype | None,
+           bools: bool = False) -> BaseException | None:
     """The CPU kernel's error on CPU stand-ins of ``args`` (the same dims, each size 1,
-    zeros; every non-bool tensor in ``dtype`` when given), or ``None``."""
+    zeros; every non-bool tensor, and with ``bools`` every bool one, in ``dtype`` when
+    given), or ``None``."""
     def stand_in(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            dt = v.dtype if dtype is None or v.dtype is torch.bool else dtype
+            keep = dtype is None or (v.dtype is torch.bool and not bools)
+            dt = v.dtype if keep else dtype
             return torch.zeros([min(n, 1) for n in v.shape], dtype=dt)
         if isinstance(v, torch.device):
             return torch.device("cpu")
