@@ -83,6 +83,18 @@ def test_generators_on_cuda(xfer):
     assert pickle.loads(pickle.dumps(g)).initial_seed() == 3
 
 
+def test_factories_inside_compiled_code(xfer):
+    """A factory naming a device inside a compiled function (nanoGPT's ``torch.arange(...,
+    device=idx.device)``) traces without a graph break: the whole forward would run eagerly."""
+    @torch.compile(backend="eager", fullgraph=True)
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x + torch.arange(x.shape[0], device=x.device)
+                + torch.ones(x.shape[0], device="cuda") + torch.zeros(1, device="cuda:0"))
+
+    x = torch.ones(3, device="cuda")
+    assert torch.equal(f(x).cpu(), torch.tensor([2.0, 3.0, 4.0]))
+
+
 def test_factories_and_ordinals(xfer):
     for spec, want in [("cuda", "sim:0"), ("cuda:1", "sim:1"), (torch.device("cuda", 1), "sim:1"),
                        (1, "sim:1"), (torch.device("cuda"), "sim:0")]:

@@ -94,7 +94,7 @@ def map_device(d: Any) -> Any:
     """
     if isinstance(d, str):
         return _map_str(d)
-    if type(d) is _RealDevice and d.type == "cuda":
+    if isinstance(d, _RealDevice) and d.type == "cuda":
         return _RealDevice(_name(), d.index) if d.index is not None else _RealDevice(_name())
     return d
 
@@ -105,7 +105,7 @@ def _map_type(device_type: Any) -> Any:
 
 
 def _map_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    args = tuple(map_device(a) if isinstance(a, str | _RealDevice) else a for a in args)
+    args = tuple(map_device(a) if isinstance(a, (str, _RealDevice)) else a for a in args)
     if "device" in kwargs:
         kwargs["device"] = map_device(kwargs["device"])
     return args, kwargs
@@ -168,13 +168,19 @@ def _unsupported_class(api: str, why: str, original: type) -> type:
 
 # ---- torch.device ------------------------------------------------------------------
 class _DeviceMeta(type):
-    """Makes the ``torch.device`` stand-in answer ``isinstance`` like the C type."""
+    """Makes the ``torch.device`` stand-in answer ``isinstance`` like the C type, and equal
+    it (FX's code generator compares a graph's device constants' type with ``torch.device``)."""
 
     def __instancecheck__(cls, obj: Any) -> bool:
         return isinstance(obj, _RealDevice)
 
     def __subclasscheck__(cls, sub: type) -> bool:
         return issubclass(sub, _RealDevice)
+
+    def __eq__(cls, other: object) -> bool:
+        return other is cls or other is _RealDevice
+
+    __hash__ = type.__hash__
 
 
 class _Device(metaclass=_DeviceMeta):
@@ -195,13 +201,19 @@ _Device.__doc__ = _RealDevice.__doc__
 
 
 class _GeneratorMeta(type):
-    """Makes the ``torch.Generator`` stand-in answer ``isinstance`` like the C type."""
+    """Makes the ``torch.Generator`` stand-in answer ``isinstance`` like the C type, and
+    equal it."""
 
     def __instancecheck__(cls, obj: Any) -> bool:
         return isinstance(obj, _RealGenerator)
 
     def __subclasscheck__(cls, sub: type) -> bool:
         return issubclass(sub, _RealGenerator)
+
+    def __eq__(cls, other: object) -> bool:
+        return other is cls or other is _RealGenerator
+
+    __hash__ = type.__hash__
 
 
 class _Generator(metaclass=_GeneratorMeta):
@@ -215,6 +227,13 @@ class _Generator(metaclass=_GeneratorMeta):
 _Generator.__module__ = "torch"
 _Generator.__qualname__ = _Generator.__name__ = "Generator"
 _Generator.__doc__ = _RealGenerator.__doc__
+
+
+def _dynamo_knows_real_devices(utils: types.ModuleType) -> None:
+    """Dynamo lists ``torch.device`` among its constant types when it is imported: imported
+    under transfer, it would list the stand-in, and every ``tensor.device`` in a compiled
+    function would break the graph. The real type joins the list."""
+    utils.common_constant_types.add(_RealDevice)
 
 
 def _reduce_device(d: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -664,6 +683,9 @@ def _install(b: Backend) -> None:
     device_ctx._device_constructors()
     p(torch, "device", _Device)
     p(torch, "Generator", _Generator)
+    from torchport import lazy
+
+    lazy.when_imported("torch._dynamo.utils", _dynamo_knows_real_devices)
     copyreg.pickle(_RealDevice, _reduce_device)
     for name in _factory_names():
         p(torch, name, _device_kw(getattr(torch, name)))
