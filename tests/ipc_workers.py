@@ -87,3 +87,12 @@ def hogwild_train(rank: int, model: Net, steps: int) -> None:
         F.cross_entropy(model(x), y).backward()
         opt.step()
     torch.sim.synchronize()
+
+
+def receive_error(inq: Any, outq: Any) -> None:
+    """What receiving a device tensor raises here (a forked child of a device user)."""
+    try:
+        inq.get()
+        outq.put(("no error", ""))
+    except Exception as e:  # noqa: BLE001  (reported to the parent)
+        outq.put((type(e).__name__, str(e)))

@@ -263,3 +263,22 @@ def test_hogwild_training_by_two_processes(forkserver):
     for k, v in model.state_dict().items():
         assert not torch.equal(v.cpu(), before[k]), k
     assert loss() < 0.7 * start
+
+
+def test_forked_child_keeps_the_fork_error():
+    """fork after the parent used the device: a device tensor received there raises
+    CUDA's "Cannot re-initialize ... in forked subprocess", as every other use does."""
+    ctx = multiprocessing.get_context("fork")
+    used = torch.ones(1, device="sim")
+    inq, outq = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=ipc_workers.receive_error, args=(inq, outq))
+    proc.start()
+    try:
+        inq.put(torch.arange(3.0, device="sim") + used)
+        name, msg = _get(outq, proc)
+        assert name == "ForkedDeviceError" and "use the 'spawn' start method" in msg, msg
+        proc.join(TIMEOUT)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()

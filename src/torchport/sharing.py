@@ -274,6 +274,10 @@ def _rebuild_device(device_type: str, index: int, handle: Any, nbytes: int, pid:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     backend = _backend_for(device_type)
+    if backend.bad_fork:  # (a child forked after its parent used the device)
+        from torchport import forking
+
+        raise forking.error(backend)
     phys = backend.phys(index)
     rt = backend.runtime
     with _LOCK:
