@@ -49,15 +49,15 @@ def exchange(tensors: dict[str, torch.Tensor], writes: list[str], to_parent: Any
 
 
 def queue_reader(inq: Any, outq: Any) -> None:
-    """Each tensor from ``inq``: its values and its storage's address here, until None
-    (it keeps them: held until it exits)."""
+    """Each tensor from ``inq``: its values, its storage's address here, and itself sent
+    back (shared again by this receiver), until None (it keeps them until it exits)."""
     held = []
     while True:
         t = inq.get()
         if t is None:
             return
         held.append(t)
-        outq.put((t.device.type, t.cpu(), t.untyped_storage().data_ptr()))
+        outq.put((t.device.type, t.cpu(), t.untyped_storage().data_ptr(), t))
 
 
 class Net(nn.Module):

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import os
 import queue
+import subprocess
+import sys
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tests import ipc_workers
+from tests.helpers import child_env
 from tests.opencl_support import ocl  # noqa: F401  (the OpenCL worker fixture)
 from torchport import sharing
 from torchport.runtime import Runtime
@@ -225,14 +230,20 @@ def test_queue_of_tensors_to_a_forkserver_child(forkserver):
         for t in sent:
             inq.put(t)
         got = [_get(outq, proc) for _ in sent]
-        for t, (device, values, _) in zip(sent, got, strict=True):
+        for t, (device, values, _, back) in zip(sent, got, strict=True):
             assert device == "sim"
             _same(values, t.cpu())
+            _same(back.cpu(), t.cpu())
         assert got[0][2] == got[1][2] and got[0][2] != got[2][2]
+        expect = x.cpu()
+        got[1][3].mul_(-2)  # the child's mapping, sent back: the same memory as x
+        torch.sim.synchronize()
+        expect[1:, 2:].t().mul_(-2)
+        _same(x.cpu(), expect)
         inq.put(None)
         proc.join(TIMEOUT)
         assert proc.exitcode == 0
-        del sent, x, t
+        del sent, x, t, got, back
         assert _collected(base) == 0  # the child released everything as it exited
     finally:
         if proc.is_alive():
@@ -282,3 +293,78 @@ def test_forked_child_keeps_the_fork_error():
     finally:
         if proc.is_alive():
             proc.kill()
+
+
+_HOGWILD_CUDA = '''\
+"""pytorch/examples' mnist_hogwild with --cuda, synthetic data: CUDA code, unchanged."""
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def data(rank, device):
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(64, 16, generator=g)
+    return x.to(device), x[:, :4].argmax(1).to(device)
+
+
+def train(rank, model, device):
+    x, y = data(rank, device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    for _ in range(30):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    torch.cuda.synchronize()
+
+
+def loss(model, device):
+    with torch.no_grad():
+        return sum(F.cross_entropy(model(x), y).item() for x, y in (data(r, device) for r in (0, 1)))
+
+
+if __name__ == "__main__":
+    mp.set_start_method("spawn")
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = Net().to(device)
+    model.share_memory()
+    start = loss(model, device)
+    procs = [mp.Process(target=train, args=(rank, model, device)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    torch.cuda.ipc_collect()
+    end = loss(model, device)
+    print("exitcodes", [p.exitcode for p in procs], "device", model.fc1.weight.device.type,
+          "learned", end < 0.7 * start)
+'''
+
+
+@pytest.mark.skipif(any(os.environ.get(k, "") not in ("", "0")
+                        for k in ("TORCHPORT_SIM_STRICT", "TORCHPORT_SIM_ASYNC")),
+                    reason="the CUDA script's path (torchport run, autoload in spawned "
+                           "children) is the same in every memory mode: default stage only")
+def test_mnist_hogwild_cuda_script_runs_unchanged(tmp_path):
+    """mnist_hogwild's --cuda code, unchanged, under ``torchport run``: spawned children
+    (registered by autoload) train the model the parent shared; the parent's learns."""
+    script = tmp_path / "hogwild_cuda.py"
+    script.write_text(_HOGWILD_CUDA)
+    cli = Path(sys.executable).with_name("torchport")
+    r = subprocess.run([str(cli), "run", str(script)], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, env=child_env(importable=True,
+                                                             OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "exitcodes [0, 0] device sim learned True" in r.stdout, r.stdout + r.stderr[-3000:]

@@ -109,7 +109,7 @@ _SENT: list[_Sent] = []
 _SHARED: dict[int, _Shared] = {}  # segment address -> what it is
 _PEER_SLOTS: dict[tuple[int, int], _SlotFile] = {}  # (sender pid, file) -> its slots
 _OPENED: dict[tuple[int, int, int], Any] = {}  # (sender pid, device, address) -> weak ref
-_EXIT_HOOKED: list[bool] = []
+_EXIT_HOOKED: list[int] = []  # the process that hooked its exit
 
 
 def _take_slot() -> tuple[_SlotFile, int]:
@@ -158,9 +158,15 @@ def _release_all_at_exit() -> None:
 
 
 def _hook_exit() -> None:
-    if not _EXIT_HOOKED:
-        _EXIT_HOOKED.append(True)
+    """Run :func:`_release_all_at_exit` as this process ends: at exit (before the allocator
+    stops freeing), and in multiprocessing's own exit of a child it started (a forked or
+    fork-server child leaves with ``os._exit``, past ``atexit``)."""
+    if _EXIT_HOOKED != [os.getpid()]:  # (a forked child has lost its parent's finalizers)
+        from multiprocessing import util
+
+        _EXIT_HOOKED[:] = [os.getpid()]
         atexit.register(_release_all_at_exit)
+        util.Finalize(None, _release_all_at_exit, exitpriority=100)
 
 
 # ---- sending -----------------------------------------------------------------------
