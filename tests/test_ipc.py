@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tests import ipc_workers
-from tests.helpers import child_env
+from tests.helpers import check_python, child_env
 from tests.opencl_support import ocl  # noqa: F401  (the OpenCL worker fixture)
 from torchport import sharing
 from torchport.runtime import Runtime
@@ -135,6 +135,46 @@ def test_runtime_without_ipc_refuses_clearly(monkeypatch):
                        r"SimRuntime\) does not support.*\.cpu\(\)") as info:
         ForkingPickler.dumps(t)
     assert "\n" not in str(info.value)
+
+
+def test_python_allocator_shares_and_frees_too():
+    """Without the C++ library (Python caching allocator) the same reductions serve."""
+    out = check_python("""
+        import gc
+        import torch, torchport.sim
+        from multiprocessing.reduction import ForkingPickler
+        from torchport.allocator import DeviceAllocator
+        assert isinstance(torchport.sim.BACKEND.allocators[0], DeviceAllocator)
+        t = torch.arange(1000.0, device="sim")
+        v = ForkingPickler.loads(ForkingPickler.dumps(t[5:]))
+        v.neg_()
+        torch.sim.synchronize()
+        assert torch.equal(t.cpu()[5:], -torch.arange(5.0, 1000.0)) and t.cpu()[4] == 4
+        held = torch.sim.memory_allocated()
+        del t
+        torch.sim.ipc_collect()
+        assert torch.sim.memory_allocated() == held  # v still holds the block
+        del v
+        gc.collect()
+        torch.sim.ipc_collect()
+        print("freed", torch.sim.memory_allocated())
+    """, env=child_env(TORCHPORT_NATIVE="0", OMP_NUM_THREADS="1"))
+    assert "freed 0" in out
+
+
+def test_no_room_for_shareable_memory_is_an_out_of_memory_error(sim_backend):
+    t = torch.ones(1 << 18, device="sim")
+    alloc = sim_backend.allocator(0)
+    before = alloc.fraction
+    torch.sim.set_per_process_memory_fraction(1e-9)
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match=r"shareable memory.*ipc_collect"):
+            ForkingPickler.dumps(t)
+    finally:
+        alloc.fraction = before
+    ForkingPickler.loads(ForkingPickler.dumps(t)).add_(1)
+    torch.sim.synchronize()
+    _same(t.cpu(), torch.full((1 << 18,), 2.0))
 
 
 @pytest.mark.opencl

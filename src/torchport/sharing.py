@@ -191,11 +191,12 @@ def _make_shareable(backend: DeviceBackend, storage: torch.UntypedStorage) -> in
     index = storage.device.index
     phys = backend.phys(index)
     rt = backend.runtime
-    new = rt.malloc_shareable(phys, n)
+    alloc = backend.allocator(index)
+    new = rt.malloc_shareable(phys, n) if alloc._within_fraction(n) else None
     if new is None:
         ipc_collect()
-        backend.allocator(index).empty_cache()
-        new = rt.malloc_shareable(phys, n)
+        alloc.empty_cache()
+        new = rt.malloc_shareable(phys, n) if alloc._within_fraction(n) else None
     if new is None:
         raise torch.OutOfMemoryError(
             f"{storage.device}: no device memory left for {n} bytes of shareable memory to "
