@@ -137,6 +137,14 @@ def test_runtime_without_ipc_refuses_clearly(monkeypatch):
     assert "\n" not in str(info.value)
 
 
+def test_events_do_not_cross_processes_and_say_what_to_do():
+    says = r"cannot be shared between processes; call torch\.sim\.synchronize\(\)"
+    with pytest.raises(NotImplementedError, match=says):
+        torch.sim.Event(interprocess=True)
+    with pytest.raises(NotImplementedError, match=says):
+        torch.sim.Event().ipc_handle()
+
+
 def test_python_allocator_shares_and_frees_too():
     """Without the C++ library (Python caching allocator) the same reductions serve."""
     out = check_python("""
