@@ -225,7 +225,7 @@ def test_the_current_device_is_per_thread():
 
 # The names the feature layers add to torch.<device> (torchport.features, device_module.add).
 FEATURE_NAMES = {"Stream", "Event", "StreamContext", "current_stream", "default_stream",
-                 "set_stream", "stream", "amp", "init_device_from_env"}
+                 "set_stream", "stream", "amp", "init_device_from_env", "ipc_collect"}
 
 
 def test_public_names_are_the_declared_ones():

@@ -394,6 +394,14 @@ class DeviceAllocator:
             ptr = self.runtime.adopt_host(self.phys, buffer)
             if ptr is None:
                 return None
+            return self.adopt_segment(ptr, nbytes, stream)
+
+    def adopt_segment(self, ptr: int, nbytes: int, stream: Any = None) -> Block:
+        """An allocated block over ``nbytes`` at ``ptr``, memory the runtime gave outside
+        the caching pools (adopted host memory, shareable or opened shared memory): its
+        own segment, returned to the runtime with ``free`` when its storage dies."""
+        with self.lock:
+            self._flush_hot()
             self.num_device_alloc += 1
             block = Block(ptr=ptr, size=nbytes, segment_size=nbytes, small=False,
                           stream=stream, is_segment_head=True, adopted=True)
@@ -1062,6 +1070,12 @@ class NativeAllocator:
         if ptr is None:
             return None
         return ptr, nbytes, 0 if stream is None else self.stream_id_of(stream)
+
+    def adopt_segment(self, ptr: int, nbytes: int, stream: Any = None) -> NativeBlock:
+        """As :meth:`DeviceAllocator.adopt_segment`."""
+        self._check(self.cpp.torchport_caching_adopt(
+            self.logical, ptr, nbytes, 0 if stream is None else self.stream_id_of(stream)))
+        return NativeBlock(ptr, self.owners)
 
     def adopt(self, buffer: torch.UntypedStorage, stream: Any = None) -> NativeBlock | None:
         """As :meth:`DeviceAllocator.adopt`."""

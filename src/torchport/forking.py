@@ -51,6 +51,7 @@ def after_fork_in_child(backend: DeviceBackend) -> None:
     for a in backend.allocators:
         a.malloc = refuse  # every new tensor, every op's output
         a.adopt = refuse
+        a.adopt_segment = refuse  # (memory another process shared: torchport.sharing)
         a.new_tensor = refuse
     cpp = native.loaded()
     if cpp is not None and hasattr(cpp, "torchport_caching_detach"):

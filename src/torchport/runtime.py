@@ -172,6 +172,35 @@ class Runtime(abc.ABC):
         computed, instead of copying them."""
         return None
 
+    # ---- memory shared with other processes (optional) --------------------------
+    # CUDA's IPC: memory one process exports and another maps; torchport passes device
+    # tensors to ``torch.multiprocessing`` children through these three methods and does
+    # the rest (the storage reductions, keeping the memory alive until every receiver let
+    # go: :mod:`torchport.sharing`). A runtime that keeps the defaults cannot share: its
+    # tensors raise ``DeviceSharingError`` when sent (move them to the CPU first).
+    def malloc_shareable(self, index: int, nbytes: int) -> int | None:
+        """Optional: ``nbytes`` (> 0) of device memory that :meth:`ipc_export` can hand to
+        another process, as :meth:`malloc` (``None`` when out of memory; freed with
+        :meth:`free`). torchport moves a storage here the first time it is sent."""
+        raise NotImplementedError(f"{type(self).__name__} cannot share device memory "
+                                  f"between processes")
+
+    def ipc_export(self, index: int, ptr: int) -> Any:
+        """A handle to the allocation at ``ptr`` (an address :meth:`malloc_shareable` or
+        :meth:`ipc_open` returned) for another process's :meth:`ipc_open`: picklable by
+        ``multiprocessing``'s pickler (it may hold ``multiprocessing.reduction.DupFd``
+        file descriptors), made for one send."""
+        raise NotImplementedError(f"{type(self).__name__} cannot share device memory "
+                                  f"between processes")
+
+    def ipc_open(self, index: int, handle: Any, nbytes: int) -> int:
+        """Map the ``nbytes`` allocation behind ``handle`` (another process's
+        :meth:`ipc_export`) on device ``index`` of this process: its address here, the
+        same memory (writes show in the other process once synchronised). Released with
+        :meth:`free`; the memory itself lives until every process released it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot share device memory "
+                                  f"between processes")
+
     # ---- copies --------------------------------------------------------------
     @abc.abstractmethod
     def copy_h2d(self, index: int, dst: int, src_host: int, nbytes: int,

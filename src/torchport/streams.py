@@ -267,7 +267,10 @@ def _make(mod: types.ModuleType, b: DeviceBackend) -> None:
         def __init__(self, enable_timing: bool = False, blocking: bool = False,
                      interprocess: bool = False) -> None:
             if interprocess:
-                raise NotImplementedError(f"{name} events cannot be shared between processes")
+                raise NotImplementedError(
+                    f"{name} events cannot be shared between processes; call "
+                    f"torch.{name}.synchronize() before signalling the other process (device "
+                    f"tensors passed to it share their memory)")
             self.enable_timing = enable_timing
             self.blocking = blocking
             self.device_index: int | None = None
@@ -322,7 +325,10 @@ def _make(mod: types.ModuleType, b: DeviceBackend) -> None:
                                                end_event.handle))
 
         def ipc_handle(self) -> Any:
-            raise NotImplementedError(f"{name} events cannot be shared between processes")
+            raise NotImplementedError(
+                f"{name} events cannot be shared between processes; call "
+                f"torch.{name}.synchronize() before signalling the other process (device "
+                f"tensors passed to it share their memory)")
 
         def __repr__(self) -> str:
             return f"<torch.{name}.Event {'recorded' if self.handle is not None else 'uninitialized'}>"

@@ -250,7 +250,6 @@ _CUDA_CONSTANTS: dict[str, Callable[[], Any]] = {
     "get_sync_debug_mode": lambda: 0,
     "is_tf32_supported": lambda: False,
     "can_device_access_peer": lambda *a, **k: True,
-    "ipc_collect": lambda: None,
     "set_sync_debug_mode": lambda *a, **k: None,
 }
 _CUDA_UNSUPPORTED = {

@@ -17,6 +17,12 @@ the host. The host learns of it at the next synchronisation -- a stream, device 
 synchronisation, a blocking copy to the host (``.cpu()``, ``.item()``, printing) -- which
 raises :class:`DeviceIndexError` (an ``IndexError`` too where the CPU raises one) and
 clears the word, so the device stays usable.
+
+Memory shared between processes: none. OpenCL has no IPC handles for buffers, so the
+runtime keeps :class:`~torchport.runtime.Runtime`'s ``malloc_shareable``/``ipc_export``/
+``ipc_open`` defaults, and an ``ocl`` tensor sent to another process (``torch.multiprocessing``)
+raises ``torchport.sharing.DeviceSharingError``, naming the backend and saying to move it
+to the CPU first.
 """
 
 from __future__ import annotations

@@ -43,6 +43,10 @@ class _Segment:
     nbytes: int
     memory: torch.Tensor | torch.UntypedStorage  # host memory backing the segment
     typed: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # views of buffer
+    # shared memory another process can map (malloc_shareable, ipc_open): a CPU storage
+    # over a shared-memory file, whose descriptor it keeps
+    shared: torch.UntypedStorage | None = None
+    counted: bool = True  # in the device's used bytes (an opened one is the exporter's)
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -308,7 +312,61 @@ class SimRuntime(Runtime):
                 raise RuntimeError(f"sim: free of unknown address {ptr:#x} on device {index}")
             self._seg_cache.clear()
             d.bases.remove(ptr)
-            d.used -= seg.nbytes
+            if seg.counted:
+                d.used -= seg.nbytes
+
+    # ---- memory shared with other processes ---------------------------------------
+    # A shareable segment lives in a shared-memory file (PyTorch's own file-descriptor
+    # shared CPU storages); the handle passes its descriptor to the other process, which
+    # maps the same pages. The kernel frees them when the last process unmapped them.
+    def _add_shared(self, index: int, memory: torch.UntypedStorage, counted: bool) -> int:
+        d = self._dev(index)
+        nbytes = memory.nbytes()
+        with self._lock:
+            if counted and d.used + nbytes > d.capacity:
+                raise MemoryError
+            if self.strict:
+                base = _FAKE_BASE + index * _FAKE_STRIDE + d.next_fake
+                d.next_fake += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN + _ALIGN
+            else:
+                base = memory.data_ptr()
+            if counted:
+                d.used += nbytes
+            bisect.insort(d.bases, base)
+            d.segments[base] = _Segment(base, nbytes, memory, shared=memory, counted=counted)
+            return base
+
+    def malloc_shareable(self, index: int, nbytes: int) -> int | None:
+        d = self._dev(index)
+        if d.used + nbytes > d.capacity:
+            return None
+        try:
+            memory = torch.UntypedStorage._new_using_fd_cpu(nbytes)
+            return self._add_shared(index, memory, counted=True)
+        except (RuntimeError, MemoryError):  # the host (or the device) has no room
+            return None
+
+    def ipc_export(self, index: int, ptr: int) -> Any:
+        from multiprocessing.reduction import DupFd
+
+        seg = self._dev(index).segments.get(ptr)
+        if seg is None or seg.shared is None:
+            raise RuntimeError(f"sim: the memory at {ptr:#x} on sim:{index} is not shareable "
+                               f"(allocate it with malloc_shareable)")
+        fd, size = seg.shared._share_fd_cpu_()
+        return DupFd(fd), size
+
+    def ipc_open(self, index: int, handle: Any, nbytes: int) -> int:
+        df, size = handle
+        fd = df.detach()
+        try:
+            if size != nbytes:
+                raise RuntimeError(f"sim: a shared allocation of {size} bytes opened as "
+                                   f"{nbytes} bytes")
+            memory = torch.UntypedStorage._new_shared_fd_cpu(fd, size)
+        finally:
+            os.close(fd)
+        return self._add_shared(index, memory, counted=False)
 
     def mem_get_info(self, index: int) -> tuple[int, int]:
         d = self._dev(index)
