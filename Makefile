@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-torch test-graph test-opencl conformance compiled-conformance examples stress fuzz bench lint clean
+.PHONY: demo test test-torch test-graph test-opencl conformance compiled-conformance examples quant stress fuzz bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -140,6 +140,17 @@ compiled-conformance: $(STAMP)
 # original on the CPU; make test runs a subset. About 10 minutes on 2 cores.
 examples: $(STAMP)
 	TORCHPORT_FULL_SCRIPTS=1 $(BIN)/python -m pytest -q tests/test_real_scripts.py
+
+# torchao (the `quant` extra) under a constraint that keeps the venv's torch, then the int8
+# example and the quantized tests with it, in the three memory modes.
+quant: $(STAMP)
+	echo "torch==$$($(BIN)/python -c 'import torch; print(torch.__version__.split("+")[0])')" \
+		> $(VENV)/quant-constraints.txt
+	PIP_CONSTRAINT=$(CURDIR)/$(VENV)/quant-constraints.txt $(BIN)/python -m pip install -q -e '.[quant]'
+	$(BIN)/python examples/quantize_int8.py
+	$(BIN)/python -m pytest -q tests/test_quantized.py
+	TORCHPORT_SIM_STRICT=1 $(BIN)/python -m pytest -q tests/test_quantized.py
+	TORCHPORT_SIM_ASYNC=1 $(BIN)/python -m pytest -q tests/test_quantized.py
 
 # The long variants of the reliability tests: random programs with frees, random factories
 # and host computations in six threads on both devices against the CPU, in the three sim
