@@ -135,6 +135,24 @@ def test_views_and_copies(name: str) -> None:
     assert (f(d).untyped_storage().data_ptr() == d.untyped_storage().data_ptr()) == aliases
 
 
+@pytest.mark.parametrize("size", [[0, 2, 3], [3, 0, 2], [5, 5]])
+def test_ravel_and_flatten_of_new_tensors(size: list[int]) -> None:
+    """As PyTorch's own device-generic view tests do it: an uninitialised tensor made on the
+    device, its views and copies (also with no elements)."""
+    d = torch._empty_affine_quantized(size, scale=2, zero_point=3, dtype=torch.quint8,
+                                      device="sim")
+    c = d.cpu()
+    flat = d.ravel()
+    assert flat._base is d and flat.is_contiguous() and flat.shape == (c.numel(),)
+    assert torch.equal(flat.dequantize().cpu(), c.ravel().dequantize())
+    assert torch.equal(d.flatten(0, -1).int_repr().cpu(), c.flatten(0, -1).int_repr())
+    nc = d.t() if len(size) == 2 else d.transpose(0, 2)
+    flat = nc.ravel()  # a copy where not contiguous, as on the CPU
+    c_nc = c.t() if len(size) == 2 else c.transpose(0, 2)
+    assert (flat._base is d) == (c_nc.ravel()._base is c) and flat.is_contiguous()
+    assert torch.equal(flat.int_repr().cpu(), nc.cpu().ravel().int_repr())
+
+
 def test_per_channel_views() -> None:
     c = torch.quantize_per_channel(torch.randn(4, 6), torch.rand(4) + 0.01,
                                    torch.randint(0, 9, (4,)), 0, torch.qint8)
@@ -251,6 +269,51 @@ def test_without_the_cpp_allocator_the_error_says_why() -> None:
         print("ALIVE", torch.ones(2, device="sim").sum().item())
     """, TORCHPORT_NATIVE="0")
     assert out.count("ERR True") == 2 and "ALIVE 2.0" in out
+
+
+F = torch.nn.functional
+QUANTIZED_OPS = {
+    "relu": lambda q: F.relu(q),
+    "hardtanh": lambda q: F.hardtanh(q),
+    "sigmoid": lambda q: torch.sigmoid(q),
+    "max_pool2d": lambda q: F.max_pool2d(q, 2),
+    "avg_pool2d": lambda q: F.avg_pool2d(q, 2),
+    "adaptive_avg_pool2d": lambda q: F.adaptive_avg_pool2d(q, 1),
+    "upsample_nearest": lambda q: F.interpolate(q, scale_factor=2, mode="nearest"),
+    "cat": lambda q: torch.cat([q, q], 1),
+    "mean": lambda q: q.mean((2, 3)),
+    "topk": lambda q: q.flatten().topk(3)[0],
+    "fill_": lambda q: q.clone().fill_(0.5),
+    "index_select": lambda q: q.index_select(1, torch.tensor([2, 0], device=q.device)),
+    "quantized::add": lambda q: torch.ops.quantized.add(q, q, 0.1, 10),
+    "quantized::mul": lambda q: torch.ops.quantized.mul(q, q, 0.2, 10),
+}
+
+
+@pytest.mark.parametrize("name", list(QUANTIZED_OPS))
+def test_quantized_ops_compute_as_the_cpu(name: str) -> None:
+    f = QUANTIZED_OPS[name]
+    c = torch.quantize_per_tensor(torch.randn(2, 3, 6, 6), 0.05, 64, torch.quint8)
+    assert_same_q(f(c.to("sim")), f(c))
+
+
+def test_eager_mode_quantized_modules() -> None:
+    """torch.ao's quantized modules (packed weights stay the CPU's objects) on device inputs."""
+    import torch.ao.nn.quantized as nnq
+    import torch.ao.nn.quantized.dynamic as nnqd
+    lin = nnq.Linear(8, 4)
+    lin.set_weight_bias(torch.quantize_per_tensor(torch.randn(4, 8), 0.05, 0, torch.qint8),
+                        torch.randn(4))
+    lin.scale, lin.zero_point = 0.1, 64
+    x = torch.quantize_per_tensor(torch.randn(5, 8), 0.05, 64, torch.quint8)
+    assert_same_q(lin(x.to("sim")), lin(x))
+    conv = nnq.Conv2d(3, 4, 3)
+    xi = torch.quantize_per_tensor(torch.randn(1, 3, 8, 8), 0.05, 64, torch.quint8)
+    assert_same_q(conv(xi.to("sim")), conv(xi))
+    dyn = nnqd.Linear(8, 4)
+    xf = torch.randn(5, 8)
+    y = dyn(xf.to("sim"))
+    assert y.device.type == "sim" and torch.equal(y.cpu(), dyn(xf))
 
 
 # ---- the int8/int4 matmul kernels -------------------------------------------------------

@@ -296,6 +296,8 @@ def host_view(backend: DeviceBackend, t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor aliasing device tensor ``t`` (host-addressable runtimes only)."""
     ptr = storage_ptr(t)
     if ptr == 0:  # no elements
+        if t.is_quantized:
+            return qtensors.over_storage(t, torch.UntypedStorage(0), 0, t.shape, t.stride())
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
     nbytes = sum(_byte_span(t))
     cpu_storage = _construct_storage(backend.runtime.host_address(ptr), _CPU, nbytes)
