@@ -175,6 +175,21 @@ def test_a_view_sees_writes_to_its_base() -> None:
     assert torch.equal(d.int_repr().cpu(), other.int_repr())
 
 
+@pytest.mark.parametrize("size", [(3, 3), (1, 2), (4, 5, 2)])
+def test_resize_keeps_the_bytes(size: tuple) -> None:
+    c = torch.quantize_per_tensor(torch.randn(2, 3), 0.1, 0, torch.qint8)
+    d = c.to("sim").resize_(size)
+    c = c.clone().resize_(size)
+    assert d.shape == c.shape and d.stride() == c.stride() and d.q_scale() == c.q_scale()
+    assert torch.equal(d.int_repr().cpu().flatten()[:6], c.int_repr().flatten()[:6])
+
+
+def test_repr() -> None:
+    c = torch.quantize_per_tensor(torch.randn(2, 3), 0.1, 0, torch.qint8)
+    assert " ".join(repr(c.to("sim")).replace("device='sim:0', ", "").split()) \
+        == " ".join(repr(c).split())
+
+
 def test_copy_and_equal() -> None:
     c = torch.quantize_per_tensor(torch.randn(3, 4), 0.1, 1, torch.quint8)
     d = c.to("sim")

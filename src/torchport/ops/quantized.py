@@ -85,6 +85,8 @@ def make_fallback(backend: DeviceBackend) -> Callable[..., Any]:
             return op.redispatch(ks, *args, **kwargs)
         if name == "_copy_from":
             return copy(backend, args[1], args[0])
+        if name == "resize_":
+            return resize(backend, args, kwargs)
         return fallback.run_cpu(backend, op, plan_for(op).overload_name, args, kwargs,
                                 cpu_key="QuantizedCPU")
     return quantized_fallback
@@ -117,6 +119,19 @@ def _kernel(handler: Callable[..., Any], op: Any) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         return handler(None, op, *args, **kwargs)
     return kernel
+
+
+def resize(backend: DeviceBackend, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``resize_`` of a quantized device tensor: the CPU's resize on a stand-in of its
+    layout gives the new layout (or the CPU's error); the device storage grows in place,
+    keeping its bytes, as the CPU's does."""
+    t = args[0]
+    n = tensors.storage_nbytes(t.shape, t.stride(), t.element_size(), t.storage_offset())
+    stand = qtensors.over_storage(t, torch.UntypedStorage(n), t.storage_offset(), t.shape,
+                                  t.stride())
+    stand.resize_(*args[1:], **kwargs)
+    backend.resize_device_tensor(t, stand.shape, stand.stride())
+    return t
 
 
 def copy(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
