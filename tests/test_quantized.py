@@ -444,3 +444,18 @@ def test_torchao_int8_matches_the_cpu(config_name: str) -> None:
         assert paths["_int_mm"] == "native"  # the int8 kernel, not widened int32 mm
     else:
         assert paths["mm"] == "native"
+
+
+def test_the_example_matches_the_cpu() -> None:
+    pytest.importorskip("torchao", reason="torchao is optional: pip install -e '.[quant]'")
+    out = check_python("""
+        import runpy
+        import sys
+        sys.argv = ["quantize_int8.py"]
+        try:
+            runpy.run_path("examples/quantize_int8.py", run_name="__main__")
+        except SystemExit as e:
+            print("EXIT", e.code)
+    """)
+    assert out.count("device == CPU: True") == 3 and "EXIT 0" in out, out
+    assert "'_int_mm': 'native'" in out
