@@ -100,18 +100,13 @@ def install(backend: DeviceBackend, lib: torch.library.Library,
     ``empty_like`` would make tensors without quantization parameters)."""
     handler = make_fallback(backend)
     fallback_lib.fallback(handler, "QuantizedPrivateUse1", with_keyset=True)
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
-    for schema in torch._C._jit_get_all_schemas():
-        if not schema.name.startswith("aten::"):
+    registered = torch._C._dispatch_get_registrations_for_dispatch_key
+    taken = set(registered("QuantizedPrivateUse1"))
+    for full in sorted(registered("QuantizedCPU")):
+        if not full.startswith("aten::") or full in taken:
             continue
-        full = schema.name + ("." + schema.overload_name if schema.overload_name else "")
-        try:
-            if not has(full, "QuantizedCPU") or has(full, "QuantizedPrivateUse1"):
-                continue
-        except RuntimeError:  # TorchScript-only overloads are not dispatcher ops
-            continue
-        packet = getattr(torch.ops.aten, schema.name[6:])
-        op = getattr(packet, schema.overload_name or "default")
+        base, _, overload = full[6:].partition(".")
+        op = getattr(getattr(torch.ops.aten, base), overload or "default")
         lib.impl(full[6:], _kernel(handler, op), "QuantizedPrivateUse1")
 
 
