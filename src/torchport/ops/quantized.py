@@ -1,7 +1,10 @@
-"""Quantized device tensors: the ``QuantizedPrivateUse1`` dispatch key.
+"""Quantized device tensors (the ``QuantizedPrivateUse1`` dispatch key) and the int8/int4
+matmul kernels quantized inference reaches.
 
 PyTorch keys a quantized tensor on the device ``QuantizedPrivateUse1`` and has no kernel
-of its own there. This module registers one boxed fallback for the key, with two paths:
+of its own there. This module registers one handler for the key (its boxed fallback, and
+the kernel of each op with a QuantizedCPU kernel of its own, :func:`install`), with two
+paths:
 
 * metadata -- views, the quantization parameters (``q_scale``, ``q_per_channel_scales``...),
   ``set_`` and the quantized factories: PyTorch's QuantizedCPU kernel itself, which only
@@ -13,6 +16,10 @@ of its own there. This module registers one boxed fallback for the key, with two
   returns results to the device. Results are the CPU's, bit for bit.
 
 Copies (``copy_``, ``.to``) reach ``_copy_from`` here, served by :func:`copy`.
+
+The int8/int4 matmuls (:data:`LOW_BIT_KERNELS`) are ordinary dense ops a vendor declares in
+its kernel set; :func:`install_int_mm_route` sends torchao's int8 x int8 products to
+``_int_mm`` on the device.
 """
 
 from __future__ import annotations
@@ -156,7 +163,6 @@ def copy(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor) -> torch.
     return dst
 
 
-
 def install_int_mm_route() -> None:
     """Route ``out_dtype(mm, int32, int8, int8)`` on the device to ``aten._int_mm``.
 
@@ -175,6 +181,7 @@ def install_int_mm_route() -> None:
     @out_dtype.py_impl(key)
     def _device_out_dtype(op: Any, output_dtype: torch.dtype, *args: Any) -> Any:
         if op is torch.ops.aten.mm.default and output_dtype == torch.int32 and len(args) == 2 \
-                and all(isinstance(a, torch.Tensor) and a.dtype == torch.int8 for a in args):
+                and all(isinstance(a, torch.Tensor) and a.dtype == torch.int8 and a.dim() == 2
+                        for a in args):
             return torch.ops.aten._int_mm.default(*args)
         return out_dtype_dense(op, output_dtype, *args)
