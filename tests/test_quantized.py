@@ -331,6 +331,31 @@ def test_eager_mode_quantized_modules() -> None:
     assert y.device.type == "sim" and torch.equal(y.cpu(), dyn(xf))
 
 
+def test_a_runtime_may_refuse_quantized_dtypes() -> None:
+    out = check_python("""
+        import warnings
+        import torch
+        from torchport.backends.sim import SimRuntime, make_backend
+        warnings.simplefilter("ignore")
+        make_backend(SimRuntime(unsupported_dtypes={torch.qint8})).register()
+        for make in (lambda: torch.quantize_per_tensor(torch.ones(3, device="sim"), 0.1, 0,
+                                                       torch.qint8),
+                     lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0,
+                                                       torch.qint8).to("sim"),
+                     lambda: torch._empty_affine_quantized([2], scale=1.0, zero_point=0,
+                                                           dtype=torch.qint8, device="sim")):
+            try:
+                make()
+                print("MADE")
+            except TypeError as e:
+                print("ERR", e)
+        q = torch.quantize_per_tensor(torch.ones(3, device="sim"), 0.1, 0, torch.quint8)
+        print("QUINT8", q.device, q.int_repr().cpu().tolist())
+    """)
+    assert out.count("ERR sim does not support torch.qint8") == 3, out
+    assert "QUINT8 sim:0 [10, 10, 10]" in out
+
+
 # ---- the int8/int4 matmul kernels -------------------------------------------------------
 
 def _paths(fn) -> dict[str, str]:

@@ -165,15 +165,15 @@ class Backend:
         return sorted(QUANTIZED_DTYPES | set(self.runtime.unsupported_dtypes), key=str)
 
     def check_dtype(self, dtype: torch.dtype) -> None:
+        if dtype in self.runtime.unsupported_dtypes:
+            raise TypeError(
+                f"{self.name} does not support {dtype} (the runtime declares it unsupported); "
+                f"cast to a supported dtype first, e.g. .to(torch.float32)")
         if dtype in QUANTIZED_DTYPES:
             raise TypeError(
                 f"{self.name}'s dense kernels got a quantized dtype ({dtype}): a quantized "
                 f"tensor needs quantization parameters; make it with torch.quantize_per_tensor"
                 f"/quantize_per_channel or torch._empty_affine_quantized(..., device=...)")
-        if dtype in self.runtime.unsupported_dtypes:
-            raise TypeError(
-                f"{self.name} does not support {dtype} (the runtime declares it unsupported); "
-                f"cast to a supported dtype first, e.g. .to(torch.float32)")
 
     def empty_strided(self, size, stride, dtype: torch.dtype | None,
                       device: Any = None) -> torch.Tensor:
@@ -233,6 +233,8 @@ class Backend:
         under a device tensor with the same quantization parameters (dense layouts kept)."""
         from torchport.ops.quantized import check_available
         check_available(self)
+        if cpu.dtype in self.runtime.unsupported_dtypes:
+            self.check_dtype(cpu.dtype)
         if cpu.storage_offset() or not (cpu.is_contiguous()
                                          or tensors.is_non_overlapping_and_dense(cpu)):
             cpu = cpu.clone(memory_format=torch.contiguous_format)

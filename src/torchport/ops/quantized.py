@@ -87,6 +87,9 @@ def make_fallback(backend: DeviceBackend) -> Callable[..., Any]:
         if not available:
             check_available(backend)  # raises, and is asked again next time
             available.append(True)
+        dtype = kwargs.get("dtype")
+        if dtype in backend.runtime.unsupported_dtypes:  # a factory of a refused dtype
+            backend.check_dtype(dtype)
         name = _name(op)
         if name in METADATA or plan_for(op).is_view:
             return op.redispatch(ks, *args, **kwargs)
