@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-torch test-graph test-opencl conformance compiled-conformance examples zoo stress fuzz bench lint clean
+.PHONY: demo test test-torch test-graph test-opencl conformance compiled-conformance examples zoo quant stress fuzz bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -141,17 +141,30 @@ compiled-conformance: $(STAMP)
 examples: $(STAMP)
 	TORCHPORT_FULL_SCRIPTS=1 $(BIN)/python -m pytest -q tests/test_real_scripts.py
 
+# An optional extra goes into .venv under a constraint that keeps the venv's torch (PIP_EXTRA).
+PIN := $(VENV)/torch-pin.txt
+PIP_EXTRA := PIP_CONSTRAINT=$(CURDIR)/$(PIN) $(BIN)/python -m pip install -q -e
+$(PIN): $(STAMP)
+	$(BIN)/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $@
+
 # The zoo (examples/zoo/, docs/zoo.md): nanoGPT-style GPT (eager, compiled, bf16 autocast,
 # DDP under torchrun), a diffusers UNet DDPM, peft LoRA, each run unchanged and migrated
-# against the CPU. Installs the zoo extra into .venv first, under a constraint that keeps its
-# torch; step times go to reports/zoo.jsonl. About 10 minutes on 2 cores.
-zoo: $(STAMP)
-	$(BIN)/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" \
-		> $(VENV)/torch-pin.txt
-	PIP_CONSTRAINT=$(CURDIR)/$(VENV)/torch-pin.txt $(BIN)/python -m pip install -q -e '.[zoo]'
+# against the CPU, with the zoo extra; step times go to reports/zoo.jsonl. About 10 minutes
+# on 2 cores.
+zoo: $(PIN)
+	$(PIP_EXTRA) '.[zoo]'
 	mkdir -p reports && rm -f reports/zoo.jsonl
 	TORCHPORT_FULL_ZOO=1 TORCHPORT_ZOO_REPORT=$(CURDIR)/reports/zoo.jsonl \
 		$(BIN)/python -m pytest -q tests/test_zoo.py
+
+# torchao (the `quant` extra), then the int8 example and the quantized tests with it, in the
+# three memory modes.
+quant: $(PIN)
+	$(PIP_EXTRA) '.[quant]'
+	$(BIN)/python examples/quantize_int8.py
+	$(BIN)/python -m pytest -q tests/test_quantized.py
+	TORCHPORT_SIM_STRICT=1 $(BIN)/python -m pytest -q tests/test_quantized.py
+	TORCHPORT_SIM_ASYNC=1 $(BIN)/python -m pytest -q tests/test_quantized.py
 
 # The long variants of the reliability tests: random programs with frees, random factories
 # and host computations in six threads on both devices against the CPU, in the three sim

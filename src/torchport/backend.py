@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torchport import native, settings, tensors
+from torchport import native, qtensors, settings, tensors
 from torchport.allocator import ADOPT_MIN_BYTES, DeviceAllocator, NativeAllocator, make_allocators
 from torchport.contracts import BackendError
 from torchport.libraries import keep_past_exit
@@ -159,20 +159,21 @@ class Backend:
 
     # ---- tensors ------------------------------------------------------------
     def refused_dtypes(self) -> list[torch.dtype]:
-        """The dtypes a device tensor cannot have (quantized, the runtime's unsupported ones),
-        for the C++ kernels to hand to :meth:`check_dtype`'s error."""
+        """The dtypes the dense kernels refuse (quantized ones: PyTorch keys those tensors
+        ``QuantizedPrivateUse1``, :mod:`torchport.ops.quantized`; the runtime's unsupported
+        ones), for the C++ kernels to hand to :meth:`check_dtype`'s error."""
         return sorted(QUANTIZED_DTYPES | set(self.runtime.unsupported_dtypes), key=str)
 
     def check_dtype(self, dtype: torch.dtype) -> None:
-        if dtype in QUANTIZED_DTYPES:
-            raise TypeError(
-                f"{self.name} does not support quantized tensors ({dtype}): PyTorch keeps "
-                f"them behind a QuantizedPrivateUse1 kernel set torchport does not provide; "
-                f"quantize and dequantize on the CPU, or keep int8 values with their scale")
         if dtype in self.runtime.unsupported_dtypes:
             raise TypeError(
                 f"{self.name} does not support {dtype} (the runtime declares it unsupported); "
                 f"cast to a supported dtype first, e.g. .to(torch.float32)")
+        if dtype in QUANTIZED_DTYPES:
+            raise TypeError(
+                f"{self.name}'s dense kernels got a quantized dtype ({dtype}): a quantized "
+                f"tensor needs quantization parameters; make it with torch.quantize_per_tensor"
+                f"/quantize_per_channel or torch._empty_affine_quantized(..., device=...)")
 
     def empty_strided(self, size, stride, dtype: torch.dtype | None,
                       device: Any = None) -> torch.Tensor:
@@ -213,7 +214,7 @@ class Backend:
     def to_device(self, cpu: torch.Tensor, index: int) -> torch.Tensor:
         """Move a CPU tensor to logical device ``index`` keeping its strides when dense."""
         if cpu.is_quantized:
-            self.check_dtype(cpu.dtype)
+            return self._quantized_to_device(cpu, index)
         if cpu.is_contiguous() or tensors.is_non_overlapping_and_dense(cpu):
             dtype = cpu.dtype
             if dtype in self.runtime.unsupported_dtypes:
@@ -226,6 +227,22 @@ class Backend:
         out = self.empty(cpu.shape, cpu.dtype, index)
         tensors.write_from_host(self, out, cpu)
         return out
+
+    def _quantized_to_device(self, cpu: torch.Tensor, index: int) -> torch.Tensor:
+        """A quantized CPU tensor on device ``index``: its integers copied into device memory
+        under a device tensor with the same quantization parameters (dense layouts kept)."""
+        from torchport.ops.quantized import check_available
+        check_available(self)
+        if cpu.dtype in self.runtime.unsupported_dtypes:
+            self.check_dtype(cpu.dtype)
+        if cpu.storage_offset() or not (cpu.is_contiguous()
+                                         or tensors.is_non_overlapping_and_dense(cpu)):
+            cpu = cpu.clone(memory_format=torch.contiguous_format)
+        n = qtensors.dense_bytes(cpu)
+        storage = self.empty([n], torch.uint8, index).untyped_storage()
+        if n:
+            self.runtime.copy_h2d(self.visible[index], storage.data_ptr(), cpu.data_ptr(), n)
+        return qtensors.over_storage(cpu, storage, 0, cpu.shape, cpu.stride())
 
     @functools.cached_property
     def host_address_is_device_address(self) -> bool:
@@ -296,6 +313,11 @@ class Backend:
         self.host_sync(dev.device.index)
         if self.runtime.host_addressable:
             tensors.host_view(self, dev).copy_(cpu)
+            return
+        if dev.is_quantized:  # the CPU's quantized copy into a copy of the span, stored
+            span = tensors.read_to_host(self, dev)
+            span.copy_(cpu)
+            tensors.store_span(self, dev, span)
             return
         stream = self.current_stream_handle(dev.device.index) if non_blocking else None
         tensors.write_from_host(self, dev, cpu.expand(dev.shape), stream)
@@ -389,7 +411,7 @@ class Backend:
             self._guard_device = native.use_guard(self.device_count())
             if self._guard_device is not None:  # its streams and events are the device's
                 streams.connect_guard(self, self._guard_device)
-                self._guard_device.set_unsupported(set(self.refused_dtypes()))
+                self._guard_device.set_unsupported(set(self.runtime.unsupported_dtypes))
             torch.utils.generate_methods_for_privateuse1_backend(
                 for_tensor=False, for_module=False, for_packed_sequence=False, for_storage=True,
                 unsupported_dtype=list(self.runtime.unsupported_dtypes))

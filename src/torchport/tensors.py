@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchport import qtensors
+
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
 
@@ -284,16 +286,23 @@ def storage_ptr(t: torch.Tensor) -> int:
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """(first byte, byte count) of the storage range a tensor can touch."""
     n = storage_nbytes(t.shape, t.stride(), t.element_size())
-    return t.storage_offset() * t.element_size(), n
+    start = t.storage_offset() * t.element_size()
+    if t.dtype in qtensors.SUB_BYTE:  # packed values: the storage holds fewer bytes
+        n = min(n, t.untyped_storage().nbytes() - start)
+    return start, n
 
 
 def host_view(backend: DeviceBackend, t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor aliasing device tensor ``t`` (host-addressable runtimes only)."""
     ptr = storage_ptr(t)
     if ptr == 0:  # no elements
+        if t.is_quantized:
+            return qtensors.over_storage(t, torch.UntypedStorage(0), 0, t.shape, t.stride())
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-    nbytes = storage_nbytes(t.shape, t.stride(), t.element_size(), t.storage_offset())
+    nbytes = sum(_byte_span(t))
     cpu_storage = _construct_storage(backend.runtime.host_address(ptr), _CPU, nbytes)
+    if t.is_quantized:  # the same integers, read with the same quantization parameters
+        return qtensors.over_storage(t, cpu_storage, t.storage_offset(), t.shape, t.stride())
     return torch.empty(0, dtype=t.dtype).set_(cpu_storage, t.storage_offset(), t.shape, t.stride())
 
 
@@ -306,6 +315,8 @@ def read_to_host(backend: DeviceBackend, t: torch.Tensor, stream=None) -> torch.
         backend.runtime.copy_d2h(backend.phys(t.device.index), buf.data_ptr(), src, n, stream)
     if t.dtype.itemsize > 1 and n % t.dtype.itemsize:
         raise RuntimeError(f"misaligned storage span of {n} bytes for {t.dtype}")
+    if t.is_quantized:
+        return qtensors.over_storage(t, buf.untyped_storage(), 0, t.shape, t.stride())
     typed = buf[:n].view(t.dtype) if n else torch.empty(0, dtype=t.dtype)
     return typed.as_strided(t.shape, t.stride(), 0) if n else torch.empty_strided(
         t.shape, t.stride(), dtype=t.dtype)
@@ -329,8 +340,16 @@ def write_from_host(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor
     # Read-modify-write of the storage span keeps the bytes between strided elements.
     span = read_to_host(backend, dst)
     span.copy_(src)
-    base = span.untyped_storage()
-    rt.copy_h2d(idx, dptr, base.data_ptr(), n, None)
+    store_span(backend, dst, span)
+
+
+def store_span(backend: DeviceBackend, dst: torch.Tensor, span: torch.Tensor) -> None:
+    """Write back a :func:`read_to_host` copy of ``dst`` (changed on the host): the bytes
+    of its whole storage span, those between strided elements included."""
+    start, n = _byte_span(dst)
+    if n:
+        backend.runtime.copy_h2d(backend.phys(dst.device.index), storage_ptr(dst) + start,
+                                 span.untyped_storage().data_ptr(), n, None)
 
 
 def is_dense_row_major(t: torch.Tensor) -> bool:

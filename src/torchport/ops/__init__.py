@@ -18,12 +18,17 @@ if TYPE_CHECKING:
         set_fallback_warn,
         set_force_fallback,
     )
+    from torchport.ops.quantized import (
+        LOW_BIT_KERNELS,
+        QuantizedUnavailableError,
+        QuantizerMismatchError,
+    )
     from torchport.ops.registry import Decline, KernelDecl, KernelSet, native_overloads
     from torchport.ops.stats import Recorder, record
 
 __all__ = [
-    "Decline", "FallbackWarning", "KernelDecl", "KernelSet", "Recorder", "force_fallback_patterns",
-    "native_overloads", "record", "set_fallback_enabled", "set_fallback_warn",
+    "LOW_BIT_KERNELS", "Decline", "FallbackWarning", "KernelDecl", "KernelSet",
+    "QuantizedUnavailableError", "QuantizerMismatchError", "Recorder", "force_fallback_patterns", "native_overloads", "record", "set_fallback_enabled", "set_fallback_warn",
     "set_force_fallback",
 ]
 
@@ -36,6 +41,9 @@ _LAZY = {
     "set_force_fallback": "torchport.ops.fallback",
     "Decline": "torchport.ops.registry", "KernelDecl": "torchport.ops.registry",
     "KernelSet": "torchport.ops.registry", "native_overloads": "torchport.ops.registry",
+    "LOW_BIT_KERNELS": "torchport.ops.quantized",
+    "QuantizedUnavailableError": "torchport.ops.quantized",
+    "QuantizerMismatchError": "torchport.ops.quantized",
     "Recorder": "torchport.ops.stats", "record": "torchport.ops.stats",
 }
 

@@ -68,7 +68,7 @@ _ENABLED: bool = settings.get("TORCHPORT_FALLBACK")
 _WARN: bool = settings.get("TORCHPORT_FALLBACK_WARN")
 _WARNED: set[str] = set()
 _WARNED_SITES: set[tuple[str, int]] = set()  # user lines a fallback warning named
-_HAS_CPU_KERNEL: dict[str, bool] = {}  # qualified op name -> the CPU can run it
+_HAS_CPU_KERNEL: dict[str, bool] = {}  # qualified op name (@key) -> the CPU can run it
 _INTERNAL_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep
                        for m in (torch, sys.modules["torchport"]))
 
@@ -211,13 +211,15 @@ def _dtype_text(args: tuple, kwargs: dict) -> str:
 
 
 def run_cpu(backend: DeviceBackend, op: Any, name: str, args: tuple, kwargs: dict,
-            forced: bool = False) -> Any:
-    """The CPU fallback proper (raises when it is turned off and the op is not forced)."""
-    qualified = op.name()
+            forced: bool = False, cpu_key: str = "CPU") -> Any:
+    """The CPU fallback proper (raises when it is turned off and the op is not forced).
+    ``cpu_key``: the CPU's dispatch key the op's kernel is looked up on (``QuantizedCPU``
+    for quantized operands)."""
+    qualified = op.name() if cpu_key == "CPU" else f"{op.name()}@{cpu_key}"
     has_cpu = _HAS_CPU_KERNEL.get(qualified)
     if has_cpu is None:
         has_cpu = _HAS_CPU_KERNEL[qualified] = \
-            torch._C._dispatch_has_computed_kernel_for_dispatch_key(qualified, "CPU")
+            torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), cpu_key)
     if not has_cpu:
         raise NotImplementedError(
             f"{name} ({_dtype_text(args, kwargs)}) has no {backend.name} kernel and PyTorch has "

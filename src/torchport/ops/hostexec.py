@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import native, tensors
+from torchport import native, qtensors, tensors
 from torchport.ops.plan import OpPlan, numbers_as_tensors, plan_for
 
 if TYPE_CHECKING:
@@ -202,7 +202,8 @@ class HostCall:
                 # An empty out= grows on CPU, then on device; an empty in-place
                 # argument keeps its shape (rand_like of a (0, 5, 0) tensor). No data
                 # to read: where it is also an input, the same stand-in serves.
-                c = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
+                c = qtensors.over_storage(v, torch.UntypedStorage(0), 0, v.shape, v.stride()) \
+                    if v.is_quantized else torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
             else:
                 b = self.bounded.get(v.untyped_storage().data_ptr()) if self.bounded \
                     else None

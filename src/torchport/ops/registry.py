@@ -39,6 +39,7 @@ from torchport.ops import (
     native_hostops,
     native_views,
     paths,
+    quantized,
 )
 from torchport.ops.declarations import Decline, KernelDecl, KernelSet
 from torchport.ops.plan import numbers_as_tensors, plan_for
@@ -162,6 +163,8 @@ def install(backend: DeviceBackend) -> None:
     install_kernel_set(backend, device_routes.make_kernel_set(backend), lib, taken, warn=False)
     fb = backend.library("_")
     fb.fallback(fallback.make_fallback(backend), "PrivateUse1", with_keyset=True)
+    quantized.install(backend, lib, fb)
+    quantized.install_int_mm_route()
     native_views.install(backend)
     native_factories.install(backend, factories)
     native_hostops.install(backend)

@@ -12,7 +12,7 @@ import torch
 
 from torchport.backend import Backend
 from torchport.backends.sim.attention import make_attention_kernels
-from torchport.backends.sim.kernels import make_kernels
+from torchport.backends.sim.kernels import make_kernels, make_low_bit_kernels
 from torchport.backends.sim.runtime import SimRuntime, parse_size
 from torchport.backends.sim.syncbn_kernels import make_syncbn_kernels
 from torchport.graph.inductor import enable_inductor
@@ -37,7 +37,7 @@ def make_backend(runtime: SimRuntime | None = None) -> Backend:
         return typed.as_strided(t.shape, t.stride(), off + offset)
 
     backend = Backend("sim", rt, [make_kernels(device_view), make_syncbn_kernels(),
-                                  make_attention_kernels()])
+                                  make_attention_kernels(), make_low_bit_kernels(device_view)])
     # torch.compile: inductor's C++ kernels run on the chip's views, as its host ops do
     enable_inductor(backend, codegen="host", views=device_view)
     return backend

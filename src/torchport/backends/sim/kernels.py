@@ -12,6 +12,7 @@ import torch
 
 from torchport.ops import KernelSet
 from torchport.ops.plan import plan_for
+from torchport.ops.quantized import LOW_BIT_KERNELS
 
 # Op families the sim runs natively: what common models use (issue: core ops).
 MODEL_OPS = [
@@ -138,6 +139,15 @@ def _with_inplace(names: list[str]) -> list[str]:
         if not any(plan_for(getattr(packet, o)).is_view for o in packet.overloads()):
             out.append(n + "_")
     return out
+
+
+def make_low_bit_kernels(device_view) -> KernelSet:
+    """The int8/int4 matmuls (``torchport.ops.LOW_BIT_KERNELS``): the CPU's kernels on the
+    chip's memory, so they compute exactly what the CPU computes. A vendor declares its own
+    kernels for the same overloads."""
+    ks = KernelSet("sim-low-bit")
+    ks.host_ops(list(LOW_BIT_KERNELS), to_cpu=device_view)
+    return ks
 
 
 def make_kernels(device_view) -> KernelSet:
