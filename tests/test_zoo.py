@@ -39,10 +39,10 @@ WAYS = ("run", "migrate")
 # the CPU (aten/src/ATen/native/group_norm.cpp), as it does for CUDA: the device runs the
 # contiguous kernel where the CPU runs the channels-last one, which rounds otherwise.
 GROUP_NORM = "group_norm computes a channels-last input contiguously off the CPU, as on CUDA"
-# Inductor compiles a graph for the device with its GPU-shaped decisions (attention's math
-# decomposition, its own fusions) where the CPU's graph keeps CPU kernels: both round
-# differently from eager, and from each other.
-COMPILED = "inductor's graphs for the device and for the CPU fuse and decompose differently"
+# Compiled in its own process, the CPU's run leaves its own eager numbers in the last bits
+# from the second step while the device's compiled run keeps them (both compiled in one
+# process agree bit for bit, forward, backward, clipping and AdamW): not isolated further.
+COMPILED = "the CPU's compiled run differs from its eager run in the last bits; the device's not"
 BF16 = "bfloat16 autocast on the device (nanoGPT's choice for CUDA) against float32 on the CPU"
 
 CASES = {

@@ -230,6 +230,13 @@ _DECLARED = [
             "1: tests/test_real_scripts.py runs every script every way",
             "`1`: `tests/test_real_scripts.py` runs every script every way (`make examples`), "
             "not its subset", scope="test"),
+    Setting("TORCHPORT_FULL_ZOO", "flag", "0",
+            "1: tests/test_zoo.py runs every zoo case both ways",
+            "`1`: `tests/test_zoo.py` runs every case of `examples/zoo/` unchanged and migrated "
+            "(`make zoo`), not its subset", scope="test"),
+    Setting("TORCHPORT_ZOO_REPORT", "str", None, "file the zoo's step times go to",
+            "`tests/test_zoo.py` appends each run's step time and the CPU's to this JSON-lines "
+            "file (`make zoo`: `reports/zoo.jsonl`)", scope="test", shown_default="none"),
 ]
 
 #: name -> setting, in the order ``torchport info`` and docs/configuration.md list them.
