@@ -623,6 +623,17 @@ class DeviceProcessGroup(dist.ProcessGroup):
     def group_desc(self) -> str:
         return getattr(self, "_desc", "undefined")
 
+    # ``init_process_group(device_id=...)`` (what current DDP scripts and Lightning pass)
+    # asks the group for the device's backend, to connect it eagerly where it can split.
+    supports_splitting = False
+
+    def _get_backend(self, device: torch.device) -> Any:
+        """The group's backend for ``device``: the group itself for the device; other
+        devices as the C++ lookup answers (no backend)."""
+        if torch.device(device).type == self.device:
+            return self
+        return super()._get_backend(device)
+
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return backend_name(self.device)
 

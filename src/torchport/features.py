@@ -29,6 +29,7 @@ FEATURE_MODULES: list[str] = [
     "torchport.sharing",
     "torchport.parallel_comm",
     "torchport.integrations.huggingface",
+    "torchport.integrations.lightning",
     "torchport.debug.env",
     "torchport.graph.inductor",
 ]

@@ -179,6 +179,11 @@ _DECLARED = [
             "`0`: leave Hugging Face accelerate and transformers alone (see [Hugging Face "
             "Trainer and accelerate](cuda-code.md)); by default they choose the device as a "
             "GPU"),
+    Setting("TORCHPORT_LIGHTNING_INTEGRATION", "flag", "1",
+            "0: no Lightning accelerator for the device",
+            "`0`: leave PyTorch Lightning alone (see [Integrations](integrations.md)); by "
+            "default `Trainer(accelerator=\"<device>\")` trains on the device and `\"gpu\"`/"
+            "`\"auto\"` choose it"),
     Setting("TORCHPORT_FALLBACK", "flag", "1",
             "0: ops without a kernel raise instead of running on CPU",
             "`0`: an op with no kernel raises `NotImplementedError` (naming op and dtypes) "

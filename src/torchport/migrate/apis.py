@@ -144,6 +144,24 @@ TORCH_API_FINDINGS: dict[str, tuple[FindingKind, str]] = {
     ),
 }
 
+#: Libraries that choose their device themselves, from fixed lists of vendors, and what
+#: makes them choose the backend's device ("{device}" is its name). They find the device
+#: only once the backend is registered, so a module importing one gets the backend import
+#: even where it names no CUDA API (a Trainer script need not mention the GPU at all).
+DEVICE_CHOOSING_LIBRARIES: dict[str, str] = {
+    "transformers": "Trainer/TrainingArguments choose {device}:0 as they choose a GPU, "
+                    "with bf16/fp16 (torchport.integrations.huggingface)",
+    "accelerate": "Accelerator() chooses {device} as it chooses a GPU, with bf16/fp16 and "
+                  "the device's GradScaler (torchport.integrations.huggingface)",
+    "trl": "its trainers are transformers Trainers: they choose {device}:0 "
+           "(torchport.integrations.huggingface)",
+    "lightning": "Trainer(accelerator=\"{device}\") trains on the device; \"gpu\" and "
+                 "\"auto\" choose it too (torchport.integrations.lightning)",
+    "pytorch_lightning": "Trainer(accelerator=\"{device}\") trains on the device; \"gpu\" "
+                         "and \"auto\" choose it too (torchport.integrations.lightning)",
+}
+
+
 #: Third-party CUDA-only libraries, reported where they are imported.
 UNSUPPORTED_MODULES: dict[str, str] = {
     "cupy": "CuPy is a CUDA-only array library",

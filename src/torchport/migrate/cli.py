@@ -24,8 +24,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
+from torchport.migrate.apis import DEVICE_CHOOSING_LIBRARIES
 from torchport.migrate.model import BackendSpecError, MigrationResult
-from torchport.migrate.report import last_error_line
+from torchport.migrate.report import last_error_line, library_imports
 from torchport.migrate.tree import MAX_FILE_BYTES, MigrationError, check_report_dir, migrate_path
 
 if TYPE_CHECKING:
@@ -273,6 +274,18 @@ def _print_result(console: Console, result: MigrationResult) -> None:
             )
         console.print(changes)
         _more(console, len(result.changes))
+
+    libraries = library_imports(result)
+    if libraries:
+        table = Table(title="Libraries that choose the device (backend import added)")
+        for column in ("location", "library", "how it finds the device"):
+            table.add_column(column, overflow="fold")
+        for change in libraries[:_ROWS_SHOWN]:
+            for lib in change.libraries:
+                table.add_row(f"{change.path}:{change.line}", lib,
+                              DEVICE_CHOOSING_LIBRARIES[lib].format(device=result.backend.name))
+        console.print(table)
+        _more(console, len(libraries))
 
     findings = [*result.unsupported, *result.unknown, *result.no_effect]
     if findings:

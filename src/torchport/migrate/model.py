@@ -59,6 +59,8 @@ class Change:
     before: str
     after: str
     note: str = ""
+    #: for a backend import: the imported libraries that choose the device through it
+    libraries: tuple[str, ...] = ()
 
 
 @dataclass

@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from torchport.migrate.model import Finding, MigrationResult
+from torchport.migrate.apis import DEVICE_CHOOSING_LIBRARIES
+from torchport.migrate.model import Change, Finding, MigrationResult
 
 if TYPE_CHECKING:
     from torchport.debug.opcoverage import ScriptAnalysis
@@ -97,6 +98,11 @@ def _script_name(a: ScriptAnalysis, result: MigrationResult) -> str:
         except ValueError:
             pass
     return a.script.name
+
+
+def library_imports(result: MigrationResult) -> list[Change]:
+    """The backend imports added for libraries that choose the device themselves."""
+    return [c for c in result.changes if c.rule == "backend-import" and c.libraries]
 
 
 def last_error_line(text: str | None) -> str:
@@ -205,6 +211,15 @@ def render_markdown(result: MigrationResult, report_dir: Path | None = None,
         ["location", "rule", "before", "after", "note"],
         [[f"{_cell(c.path)}:{c.line}", c.rule, _code(c.before), _code(c.after), _cell(c.note)]
          for c in result.changes], empty="No changes.")
+    lines += ["", "## Libraries that choose the device", "",
+              "Modules importing a library that picks its device from a fixed list of "
+              "vendors got the backend import: registering the backend is what makes the "
+              "library choose the device (no call in the script changes)."]
+    lines += [""] + _md_table(
+        ["location", "library", "how it finds the device"],
+        [[f"{_cell(c.path)}:{c.line}", lib,
+          _cell(DEVICE_CHOOSING_LIBRARIES[lib].format(device=backend.name))]
+         for c in library_imports(result) for lib in c.libraries])
     titles = {
         "unsupported": "Unsupported (left unchanged, need a human)",
         "unknown": f"Unknown APIs (renamed; `torch.{backend.name}` is not known to provide them)",

@@ -29,6 +29,7 @@ from torchport.migrate.apis import (
     AMP_CALLABLES,
     CPP_EXTENSION_LOADERS,
     CUDA_AUTOCAST_POSITIONAL,
+    DEVICE_CHOOSING_LIBRARIES,
     DEVICE_FIRST_ARG_CALLS,
     DEVICE_GENERIC_APIS,
     GRAD_SCALERS,
@@ -516,6 +517,8 @@ class _Rewriter(cst.CSTTransformer):
         # torch.accelerator & co. pick the backend at run time: it must be imported
         self.uses_accelerator = False
         self.imports_torch = False
+        # libraries choosing their device (DEVICE_CHOOSING_LIBRARIES) imported at top level
+        self.device_libraries: list[str] = []
         self.changes: list[Change] = []
         self.findings: list[Finding] = []
         self._finding_keys: set[tuple[int, int, str]] = set()
@@ -1321,6 +1324,9 @@ class _Rewriter(cst.CSTTransformer):
             self.imports_torch = True
         if self._def_depth == 0 and qualified == self.backend.module:
             self.has_backend_import = True
+        top = qualified.partition(".")[0]
+        if top in DEVICE_CHOOSING_LIBRARIES and top not in self.device_libraries:
+            self.device_libraries.append(top)
 
     def _import_findings(self, node: cst.CSTNode, qualified: str, module: str = "") -> None:
         for name in (module, qualified):
@@ -1476,8 +1482,10 @@ class _Rewriter(cst.CSTTransformer):
         # A module changed for the device needs the backend, and so do one asking for the
         # current accelerator and a script using torch (its device may come from the
         # command line, or from a library such as transformers' Trainer picking the
-        # accelerator); a CPU-only module it imports stays byte-identical.
-        needed = (bool(self.changes) or self.uses_accelerator
+        # accelerator), and one importing a library that chooses its device from a list of
+        # vendors (it sees the device once the backend is registered); a CPU-only module it
+        # imports stays byte-identical.
+        needed = (bool(self.changes) or self.uses_accelerator or bool(self.device_libraries)
                   or (self.survey.entry_point and self.imports_torch))
         if self.has_backend_import or not needed:
             return updated_node
@@ -1486,12 +1494,18 @@ class _Rewriter(cst.CSTTransformer):
         statement = cst.parse_statement(added + "\n")
         body = list(updated_node.body)
         body.insert(index, statement)
+        libraries = tuple(self.device_libraries)
+        why = "; ".join(f"{lib}: " + DEVICE_CHOOSING_LIBRARIES[lib].format(
+            device=self.backend.name) for lib in libraries)
         if anchor is None:
-            self.changes.append(Change(self.path, 1, 1, "backend-import", "", added))
+            self.changes.append(Change(self.path, 1, 1, "backend-import", "", added, why,
+                                       libraries))
         else:
             before = _code(anchor).splitlines()[0]
             after = f"{before}\n{added}" if where == "after" else f"{added}\n{before}"
-            self._change(anchor, "backend-import", before, after, f"inserted {where} this line")
+            note = f"inserted {where} this line" + (f"; {why}" if why else "")
+            self._change(anchor, "backend-import", before, after, note)
+            self.changes[-1].libraries = libraries
         return updated_node.with_changes(body=body)
 
     def _insertion_point(self, module: cst.Module) -> tuple[int, cst.CSTNode | None, str]:
