@@ -40,6 +40,8 @@ CASES = {
     "diffusers_ddpm": ("diffusers_ddpm.py", ["--steps", "10", "--sample-steps", "2"],
                        ["--steps", "10", "--sample-steps", "2"], ("diffusers",)),
     "peft_lora": ("peft_lora.py", ["--steps", "12"], ["--steps", "12"], ("peft",)),
+    "lightning": ("lightning_module.py", ["--steps", "16"], ["--steps", "16"],
+                  ("pytorch_lightning",)),
 }
 
 

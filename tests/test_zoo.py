@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,12 @@ CASES = {
     "diffusers_ddpm": Case("diffusers_ddpm.py", ["--steps", "4"], rel=1e-5, why=GROUP_NORM,
                            needs=("diffusers",)),
     "peft_lora": Case("peft_lora.py", ["--steps", "4"], needs=("peft", "transformers")),
+    # Trainer(accelerator="gpu"): unchanged, CUDA's accelerator choice is the device's
+    "lightning": Case("lightning_module.py", ["--steps", "6"], needs=("pytorch_lightning",),
+                      quick=("run",)),
+    "lightning_bf16": Case("lightning_module.py", ["--steps", "6", "--precision", "bf16-mixed"],
+                           cpu_args=["--steps", "6"], rel=2e-2, needs=("pytorch_lightning",),
+                           why="bf16-mixed on the device against 32-true on the CPU"),
 }
 
 
@@ -89,6 +96,8 @@ def test_zoo_case_matches_the_cpu(name: str, way: str, tmp_path: Path, migrated:
     case = CASES[name]
     skip_missing(case)
     device = device_run(case, way, ZOO, migrated, tmp_path)
+    trained_on = re.search(r"^device (\S+)", device.stdout, re.M)
+    assert trained_on and not trained_on.group(1).startswith("cpu"), device.stdout[-2000:]
     cpu = cpu_run(case, ZOO, tmp_path)
     assert_same_results(case, device.stdout, cpu.stdout)
     if REPORT:

@@ -23,6 +23,9 @@ and only ever acting for the device's accelerator):
 * ``_choose_auto_accelerator`` / ``_choose_gpu_accelerator_backend``: ``accelerator="auto"``
   chooses the device where it would choose the CPU, and ``"gpu"`` where no CUDA or MPS
   device exists (as Lightning chooses a GPU), so CUDA scripts run unchanged after migration.
+* ``_check_device_config_and_set_final_flags``: under ``torchport run`` (``torch.device("cuda")``
+  is the device), an accelerator resolved to ``"cuda"`` (``"gpu"``, ``"cuda"``, ``"auto"``)
+  is the device's: Lightning's CUDA accelerator refuses a device whose type is not ``cuda``.
 
 ``TORCHPORT_LIGHTNING_INTEGRATION=0`` leaves Lightning alone (``accelerator="<device>"``
 is then unknown to it).
@@ -73,6 +76,11 @@ def _module() -> Any:
 
 def _available() -> bool:
     return _S.name is not None and _module().device_count() > 0
+
+
+def _cuda_names_the_device() -> bool:
+    """``torch.device("cuda")`` is the device: CUDA code is being transferred."""
+    return _S.name is not None and torch.device("cuda").type == _S.name
 
 
 def _set(obj: Any, attr: str, value: Any) -> None:
@@ -214,6 +222,7 @@ def _patch_connector(package: str, module: types.ModuleType) -> None:
     init_precision = cls.__dict__["_check_and_init_precision"]
     choose_auto = cls.__dict__["_choose_auto_accelerator"].__func__
     choose_gpu = cls.__dict__["_choose_gpu_accelerator_backend"].__func__
+    device_flags = cls.__dict__["_check_device_config_and_set_final_flags"]
 
     @functools.wraps(choose_strategy)
     def _choose_strategy(self: Any) -> Any:
@@ -246,7 +255,16 @@ def _patch_connector(package: str, module: types.ModuleType) -> None:
                 raise
             return _S.name  # type: ignore[return-value]
 
+    @functools.wraps(device_flags)
+    def _check_device_config_and_set_final_flags(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # CUDA code run unchanged (torchport run): "cuda" names the device, whose tensors
+        # Lightning's CUDA accelerator would refuse ("Device should be GPU")
+        if self._accelerator_flag == "cuda" and _cuda_names_the_device():
+            self._accelerator_flag = _S.name
+        return device_flags(self, *args, **kwargs)
+
     _set(cls, "_torchport_device", _S.name)
+    _set(cls, "_check_device_config_and_set_final_flags", _check_device_config_and_set_final_flags)
     _set(cls, "_choose_strategy", _choose_strategy)
     _set(cls, "_check_and_init_precision", _check_and_init_precision)
     _set(cls, "_choose_auto_accelerator", staticmethod(_choose_auto_accelerator))
