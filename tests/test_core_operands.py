@@ -119,6 +119,20 @@ def test_dtypes_the_kernels_refuse_raise_as_on_the_cpu(case: Callable[[str], obj
     assert isinstance(got, tuple) and got == want
 
 
+@pytest.mark.parametrize("case", [
+    lambda d: torch.floor_divide(_t(d, torch.int64), torch.tensor(2)),
+    lambda d: torch.floor_divide(_t(d, torch.int64), torch.tensor(1, device=d)),
+    lambda d: _t(d, torch.uint8) // torch.tensor(3),
+    lambda d: torch.floor_divide(_t(d, torch.bool), torch.tensor(True)),
+    lambda d: torch.floor_divide(_t(d, torch.int64), torch.tensor(0)),  # the CPU's error
+], ids=["int64-cpu0d", "int64-device0d", "uint8", "bool", "by-zero"])
+def test_integer_floor_divide_is_not_mistaken_for_a_refused_dtype(
+        case: Callable[[str], object]) -> None:
+    """The refused-dtype probe runs the CPU kernel on zeros: an integer division by zero is
+    the probe's value, not the dtype's refusal."""
+    same_as_cpu(case)
+
+
 def test_refused_dtypes_leave_accepted_ones_decomposed() -> None:
     same_as_cpu(lambda d: torch.logaddexp(_t(d), _t(d, torch.int64)))
     same_as_cpu(lambda d: torch.logaddexp(_t(d, torch.float64), _t(d)))

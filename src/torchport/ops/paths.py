@@ -147,8 +147,8 @@ def cpu_refusal(op: Any, args: tuple, kwargs: dict) -> BaseException | None:
     """The error ATen's CPU kernel raises for the dtypes of this call, where it refuses
     them but takes the same call in float32 (so the refusal is the dtype's, not the
     shape's or a value's); ``None`` where it accepts them. Learnt once per overload and
-    dtype signature by running the CPU kernel on 1-element stand-ins (no random ops:
-    they would draw from the CPU's generator)."""
+    dtype signature by running the CPU kernel on 1-element stand-ins, zeros and ones (no
+    random ops: they would draw from the CPU's generator)."""
     tensors = [v for v in _flat(args, kwargs) if isinstance(v, torch.Tensor)]
     key = (op, *(t.dtype for t in tensors))
     if key in _REFUSALS:
@@ -156,9 +156,11 @@ def cpu_refusal(op: Any, args: tuple, kwargs: dict) -> BaseException | None:
     found = None
     if tensors and not plan_for(op).random:
         err = _probe(op, args, kwargs, None)
-        # float32 for every tensor but masks first, then for the bools too (an op of
-        # bool operands, not masks: logaddexp of two bool tensors)
-        if err is not None and (_probe(op, args, kwargs, torch.float32) is None
+        # an error on zeros but not on ones is the values' (an integer division by zero);
+        # then float32 for every tensor but masks, then for the bools too (an op of bool
+        # operands, not masks: logaddexp of two bool tensors)
+        if err is not None and _probe(op, args, kwargs, None, fill=1) is not None \
+                and (_probe(op, args, kwargs, torch.float32) is None
                                 or _probe(op, args, kwargs, torch.float32, bools=True) is None):
             found = err
     _REFUSALS[key] = found
@@ -173,15 +175,15 @@ def _flat(args: tuple, kwargs: dict) -> list[Any]:
 
 
 def _probe(op: Any, args: tuple, kwargs: dict, dtype: torch.dtype | None,
-           bools: bool = False) -> BaseException | None:
+           bools: bool = False, fill: int = 0) -> BaseException | None:
     """The CPU kernel's error on CPU stand-ins of ``args`` (the same dims, each size 1,
-    zeros; every non-bool tensor, and with ``bools`` every bool one, in ``dtype`` when
-    given), or ``None``."""
+    filled with ``fill``; every non-bool tensor, and with ``bools`` every bool one, in
+    ``dtype`` when given), or ``None``."""
     def stand_in(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             keep = dtype is None or (v.dtype is torch.bool and not bools)
             dt = v.dtype if keep else dtype
-            return torch.zeros([min(n, 1) for n in v.shape], dtype=dt)
+            return torch.full([min(n, 1) for n in v.shape], fill, dtype=dt)
         if isinstance(v, torch.device):
             return torch.device("cpu")
         return v
