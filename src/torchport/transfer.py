@@ -166,24 +166,35 @@ def _unsupported_class(api: str, why: str, original: type) -> type:
                                         "__doc__": f"{api}: {why} (torchport.transfer)"})
 
 
-# ---- torch.device ------------------------------------------------------------------
-class _DeviceMeta(type):
-    """Makes the ``torch.device`` stand-in answer ``isinstance`` like the C type, and equal
-    it (FX's code generator compares a graph's device constants' type with ``torch.device``)."""
+# ---- torch.device, torch.Generator -------------------------------------------------
+class _StandInMeta(type):
+    """A stand-in for one of torch's C types (``cls._real``): it answers ``isinstance`` and
+    ``issubclass`` like the C type and equals it (FX's code generator compares a graph's
+    device constants' type with ``torch.device``)."""
+
+    _real: type
 
     def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, _RealDevice)
+        return isinstance(obj, cls._real)
 
     def __subclasscheck__(cls, sub: type) -> bool:
-        return issubclass(sub, _RealDevice)
+        return issubclass(sub, cls._real)
 
     def __eq__(cls, other: object) -> bool:
-        return other is cls or other is _RealDevice
+        return other is cls or other is cls._real
 
     __hash__ = type.__hash__
 
 
-class _Device(metaclass=_DeviceMeta):
+def _named_as(stand_in: type, real: type, name: str) -> type:
+    stand_in._real = real  # type: ignore[attr-defined]
+    stand_in.__module__ = "torch"
+    stand_in.__qualname__ = stand_in.__name__ = name
+    stand_in.__doc__ = real.__doc__
+    return stand_in
+
+
+class _Device(metaclass=_StandInMeta):
     """``torch.device`` under transfer: builds real devices, ``"cuda"`` mapped."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
@@ -195,28 +206,7 @@ class _Device(metaclass=_DeviceMeta):
         return _RealDevice(*args, **kwargs)
 
 
-_Device.__module__ = "torch"
-_Device.__qualname__ = _Device.__name__ = "device"
-_Device.__doc__ = _RealDevice.__doc__
-
-
-class _GeneratorMeta(type):
-    """Makes the ``torch.Generator`` stand-in answer ``isinstance`` like the C type, and
-    equal it."""
-
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, _RealGenerator)
-
-    def __subclasscheck__(cls, sub: type) -> bool:
-        return issubclass(sub, _RealGenerator)
-
-    def __eq__(cls, other: object) -> bool:
-        return other is cls or other is _RealGenerator
-
-    __hash__ = type.__hash__
-
-
-class _Generator(metaclass=_GeneratorMeta):
+class _Generator(metaclass=_StandInMeta):
     """``torch.Generator`` under transfer: ``Generator(device="cuda")`` is a device generator."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
@@ -224,9 +214,8 @@ class _Generator(metaclass=_GeneratorMeta):
         return _RealGenerator(*args, **kwargs)
 
 
-_Generator.__module__ = "torch"
-_Generator.__qualname__ = _Generator.__name__ = "Generator"
-_Generator.__doc__ = _RealGenerator.__doc__
+_named_as(_Device, _RealDevice, "device")
+_named_as(_Generator, _RealGenerator, "Generator")
 
 
 def _dynamo_knows_real_devices(utils: types.ModuleType) -> None:
