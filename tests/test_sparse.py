@@ -58,6 +58,11 @@ def test_constructors_on_device():
     same(torch.sparse_coo_tensor(i.to("sim"), v.to("sim"), c.shape), c)
     t = torch.sparse_coo_tensor(i, v, c.shape, device="sim")
     assert t._nnz() == c._nnz() and t.sparse_dim() == 2 and t.dense_dim() == 0
+    crow, col = torch.tensor([0, 1, 2]), torch.tensor([1, 0])
+    same(torch.sparse_csr_tensor(crow.to("sim"), col.to("sim"), v[:2].to("sim"), (2, 6)),
+         torch.sparse_csr_tensor(crow, col, v[:2], (2, 6)))
+    same(torch.sparse_csc_tensor(crow, col, v[:2], (6, 2), device="sim"),
+         torch.sparse_csc_tensor(crow, col, v[:2], (6, 2)))
     e = torch.sparse_coo_tensor(size=(3, 4), device="sim")
     same(e, torch.sparse_coo_tensor(size=(3, 4)))
     same(torch.empty((3, 4), layout=torch.sparse_coo, device="sim"),
@@ -203,6 +208,14 @@ def test_in_place_ops_write_the_device_tensor():
     out = torch.empty(5, 3, device="sim")
     torch.addmm(dense(5, 3).to("sim"), coo().to("sim"), dense(6, 3).to("sim"), out=out)
     same(out, torch.addmm(dense(5, 3), coo(), dense(6, 3)))
+
+
+def test_op_statistics_name_the_sparse_cpu_path():
+    import torchport.ops as ops
+    d = coo().to("sim")
+    with ops.record() as r:
+        d.coalesce()
+    assert r.ops["_coalesce"].subpaths == {"fallback:sparse": 1}
 
 
 def test_device_mismatch_raises_as_cuda():

@@ -163,12 +163,6 @@ def _assign_sparse(dev: Tensor, new: Tensor) -> None:
     torch.ops.aten.copy_.default.redispatch(CSR_CPU_KS, dev, new)
 
 
-def _name(op: Any) -> tuple[str, str]:
-    s = op._schema
-    base = s.name.split("::", 1)[1]
-    return base, base + ("." + s.overload_name if s.overload_name else "")
-
-
 def run_on_host(backend: DeviceBackend, op: Any, args: tuple, kwargs: dict) -> Any:
     """``op`` by its CPU kernel, sparse device arguments seen as CPU sparse tensors."""
     plan = plan_for(op)
@@ -177,7 +171,7 @@ def run_on_host(backend: DeviceBackend, op: Any, args: tuple, kwargs: dict) -> A
                           backend.runtime.host_addressable).run(args, kwargs)
 
 
-def _structural(op: Any, base: str, args: tuple, kwargs: dict) -> bool:
+def _structural(base: str, args: tuple, kwargs: dict) -> bool:
     if base in STRUCTURAL:
         return True
     if base in _SPARSE_PAIR:
@@ -214,28 +208,35 @@ def _run_structural(backend: DeviceBackend, op: Any, args: tuple, kwargs: dict) 
 def run(backend: DeviceBackend, op: Any, args: tuple, kwargs: dict,
         key: str = "SparsePrivateUse1") -> Any:
     """The sparse path of one call on dispatch key ``key``: the vendor's kernel, else a
-    structural kernel in place, else the CPU's."""
+    structural kernel in place, else the CPU's. Op statistics see the first as ``native``
+    (sub-path ``sparse``), the last as ``fallback`` (sub-path ``sparse``)."""
+    name = plan_for(op).overload_name
+    forced = fallback.is_forced(name)
     vendor = _VENDOR.get((key, op)) if _VENDOR else None
-    if vendor is not None:
+    if vendor is not None and not forced:
         try:
-            return vendor(*args, **kwargs)
+            return _timed(name, "native", vendor, args, kwargs)
         except Decline:
             pass
-    base, name = _name(op)
-    if _structural(op, base, args, kwargs):
+    if _structural(name.partition(".")[0], args, kwargs):
         return _run_structural(backend, op, args, kwargs)
-    if not fallback._ENABLED and not fallback.is_forced(name):
+    if not fallback._ENABLED and not forced:
         raise NotImplementedError(
             f"{name} on sparse {backend.name} tensors has no {backend.name} kernel and the CPU "
             f"fallback is off (TORCHPORT_FALLBACK=0); declare a sparse kernel "
             f"(KernelSet.sparse_kernel) or enable the fallback")
+    return _timed(name, "fallback", lambda *a, **k: run_on_host(backend, op, a, k), args,
+                  kwargs)
+
+
+def _timed(name: str, path: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     if not stats.ENABLED:
-        return run_on_host(backend, op, args, kwargs)
+        return fn(*args, **kwargs)
     t0 = time.perf_counter()
     try:
-        return run_on_host(backend, op, args, kwargs)
+        return fn(*args, **kwargs)
     finally:
-        stats.add(name, "sparse", args, kwargs, time.perf_counter() - t0)
+        stats.add(name, path, args, kwargs, time.perf_counter() - t0, "sparse")
 
 
 def _composite_shadowed(cpu_key: str) -> list[str]:
