@@ -88,7 +88,8 @@ class SparseHostCall(hostexec.HostCall):
         if c is not None:
             return c
         c = self._sparse_to_cpu(v) if is_sparse(v) else super()._map(v)
-        if v.requires_grad and c.is_floating_point() and torch.is_grad_enabled():
+        if v.requires_grad and (c.is_floating_point() or c.is_complex()) \
+                and torch.is_grad_enabled():
             # some sparse CPU kernels keep what their backward needs only for inputs that
             # require grad (_sparse_mm_reduce_impl's arg_out): tell them (a new alias,
             # never a cached view; autograd records nothing below its own key)
@@ -268,10 +269,7 @@ def install(backend: DeviceBackend, lib: torch.library.Library, taken: set[str])
     composite kernel would otherwise take; and the dense-to-sparse conversions the vendor
     has no kernel for (``taken``: overloads with a strided kernel)."""
     for key, cpu_key in KEYS.values():
-        def sparse_fallback(keyset: Any, op: Any, *args: Any, key: str = key,
-                            **kwargs: Any) -> Any:
-            return run(backend, op, args, kwargs, key)
-        backend.library("_").fallback(sparse_fallback, key, with_keyset=True)
+        backend.library("_").fallback(_fallback(backend, key), key, with_keyset=True)
         for name in _composite_shadowed(cpu_key):
             lib.impl(name, _kernel(backend, _resolve(name), key), key)
     for name in TO_SPARSE:
@@ -282,6 +280,12 @@ def install(backend: DeviceBackend, lib: torch.library.Library, taken: set[str])
 def _resolve(name: str) -> torch._ops.OpOverload:
     base, _, overload = name.partition(".")
     return getattr(getattr(torch.ops.aten, base), overload or "default")
+
+
+def _fallback(backend: DeviceBackend, key: str) -> Callable[..., Any]:
+    def sparse_fallback(keyset: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return run(backend, op, args, kwargs, key)
+    return sparse_fallback
 
 
 def _kernel(backend: DeviceBackend, op: torch._ops.OpOverload, key: str) -> Callable[..., Any]:
