@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import check_python
-from torchport.ops import fallback
+from torchport.ops import fallback, sparse
 
 pytestmark = [pytest.mark.modes,
               pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning"),
@@ -210,19 +210,39 @@ def test_in_place_ops_write_the_device_tensor():
     same(out, torch.addmm(dense(5, 3), coo(), dense(6, 3)))
 
 
-def test_op_statistics_name_the_sparse_cpu_path():
+def test_op_statistics_name_the_sparse_path():
     import torchport.ops as ops
     d = coo().to("sim")
     with ops.record() as r:
         d.coalesce()
+    assert r.ops["_coalesce"].subpaths == {"native:sparse": 1}  # the sim's own kernels
+
+
+@pytest.fixture
+def without_sparse_host_ops(monkeypatch):
+    """The sim as a backend that did not declare the CPU's sparse kernels its own."""
+    monkeypatch.setattr(sparse, "_HOST_VIEW", [])
+    monkeypatch.setattr(fallback, "_WARNED", set())
+    monkeypatch.setattr(fallback, "_WARNED_SITES", set())
+
+
+@pytest.mark.usefixtures("without_sparse_host_ops")
+@pytest.mark.filterwarnings("ignore::torchport.ops.fallback.FallbackWarning")
+def test_cpu_kernels_are_the_fallback_of_other_backends():
+    import torchport.ops as ops
+    c = coo()
+    d = c.to("sim")
+    with pytest.warns(ops.FallbackWarning, match="_coalesce"), ops.record() as r:
+        got = d.coalesce()
+    same(got, c.coalesce())
     assert r.ops["_coalesce"].subpaths == {"fallback:sparse": 1}
+    same(torch.sparse.mm(d, dense(6, 3).to("sim")), torch.sparse.mm(c, dense(6, 3)))
+    x = dense(5, 6)
+    xd = x.to("sim")
+    same(xd.add_(d), x.add_(c))
 
 
-def test_device_mismatch_raises_as_cuda():
-    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
-        torch.sparse.mm(coo().to("sim"), dense(6, 3))
-
-
+@pytest.mark.usefixtures("without_sparse_host_ops")
 def test_fallback_off_refuses_kernel_ops_only():
     d = coo().to("sim")
     old = fallback.set_fallback_enabled(False)
@@ -232,6 +252,11 @@ def test_fallback_off_refuses_kernel_ops_only():
             d.coalesce()
     finally:
         fallback.set_fallback_enabled(old)
+
+
+def test_device_mismatch_raises_as_cuda():
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.sparse.mm(coo().to("sim"), dense(6, 3))
 
 
 # ---- gradients and training --------------------------------------------------------------

@@ -25,7 +25,8 @@ class KernelDecl:
     to_cpu: Callable[[torch.Tensor], torch.Tensor] | None = None
     dtypes: frozenset[torch.dtype] | None = None
     kind: str = "aten"  # "aten": as registered; "out": functional/in-place derived; "host";
-    # "autograd"; "sparse": for sparse tensors of ``layout``
+    # "autograd"; "sparse": for sparse tensors of ``layout``; "sparse_host": the CPU's sparse
+    # kernels over ``to_cpu``'s views
     derived_from: str | None = None  # for overloads derived from an out= kernel
     layout: torch.layout | None = None  # a "sparse" kernel's layout
 
@@ -80,6 +81,12 @@ class KernelSet:
             self.decls.append(KernelDecl(name, fn, None, None, "sparse", layout=layout))
             return fn
         return deco
+
+    def sparse_host_ops(self, to_cpu: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Declare PyTorch's CPU sparse kernels this device's own, run on views made by
+        ``to_cpu`` of the indices and values (as :meth:`host_ops` does for dense ops): they
+        serve sparse ops as native kernels, without a fallback warning."""
+        self.decls.append(KernelDecl("sparse", None, to_cpu, None, "sparse_host"))
 
     def host_ops(self, names: Iterable[str], to_cpu: Callable[[torch.Tensor], torch.Tensor],
                  dtypes: Iterable[torch.dtype] | None = None) -> None:

@@ -232,6 +232,11 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
         if decl.kind == "sparse":
             done += _install_sparse(decl)
             continue
+        if decl.kind == "sparse_host":
+            assert decl.to_cpu is not None
+            if sparse.declare_host_view(decl.to_cpu):
+                done.append("sparse")
+            continue
         ignored, installed = [], False
         for op, make, d in _expand(decl):
             oname = overload_name(op)

@@ -15,9 +15,12 @@ device tensors. Two kinds of kernel serve it:
   (:mod:`torchport.ops.hostexec`), written arguments receive the result, and results land
   on the device in their layout.
 
-A vendor's own sparse kernel is declared in a :class:`~torchport.ops.KernelSet` with
-``ks.sparse_kernel("mm", layout=torch.sparse_coo)``; it takes the op before this path,
-and a :class:`~torchport.ops.Decline` hands the call back to it.
+The CPU kernels are the CPU fallback of sparse ops (a :class:`FallbackWarning` per op,
+``TORCHPORT_FALLBACK=0`` refuses them), unless the backend's kernel set declares them its
+own with ``ks.sparse_host_ops(to_cpu)`` -- a device whose kernels are CPU kernels on its
+own view of its memory (the sim): then they run on that view, as native kernels. A
+vendor's own sparse kernel is declared with ``ks.sparse_kernel("mm", layout=...)``; it
+takes the op before this path, and a :class:`~torchport.ops.Decline` hands the call back.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ STRUCTURAL = frozenset({
     "crow_indices", "col_indices", "ccol_indices", "row_indices",
 })
 _VENDOR: dict[tuple[str, Any], Callable[..., Any]] = {}  # (key, overload) -> vendor kernel
+# the device's own view of its memory, where the CPU's sparse kernels are its own
+_HOST_VIEW: list[Callable[[Tensor], Tensor]] = []
 
 # Structural for both operands sparse only (a dense one takes the general path).
 _SPARSE_PAIR = frozenset({"copy_", "copy_sparse_to_sparse_"})
@@ -137,20 +142,56 @@ class SparseHostCall(hostexec.HostCall):
             return
         super()._write_one(dev, cpu)
 
+    def _dense_to_device(self, r: Tensor) -> Tensor:
+        """A dense result on the device. One in an argument's memory stays an alias of that
+        argument, found by address: a device's own view of its memory may be one storage
+        for many device tensors; one elsewhere in device memory is copied."""
+        if r.device.type != "cpu" or self.index is None:
+            return r
+        if r._is_zerotensor():
+            r = torch.zeros(r.shape, dtype=r.dtype)
+        elif self.zero_copy and r.numel() > 0:
+            ptr, shared = r.untyped_storage().data_ptr(), False
+            for dev, cpu in self.views:
+                if cpu.numel() == 0 or cpu.untyped_storage().data_ptr() != ptr:
+                    continue
+                shared = True
+                alias = _alias_in(dev, cpu, r)
+                if alias is not None:
+                    return alias
+            if shared:
+                r = r.clone()
+        return self.backend.result_to_device(r, self.index)
+
     def _to_device(self, r: Tensor) -> Tensor:
         if not is_sparse(r) or self.index is None:
-            return super()._to_device(r)
+            return self._dense_to_device(r)
         device = self.backend.devices[self.index]
         if r.layout == torch.sparse_coo:
             return torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors(
-                r.sparse_dim(), r.dense_dim(), r.shape, super()._to_device(r._indices()),
-                super()._to_device(r._values()), dtype=r.dtype, layout=torch.sparse_coo,
+                r.sparse_dim(), r.dense_dim(), r.shape, self._dense_to_device(r._indices()),
+                self._dense_to_device(r._values()), dtype=r.dtype, layout=torch.sparse_coo,
                 device=device, is_coalesced=r.is_coalesced())
         compressed, plain = _LAYOUT_ATTRS[r.layout]
         return torch.ops.aten._sparse_compressed_tensor_unsafe(
-            super()._to_device(getattr(r, compressed)()), super()._to_device(getattr(r, plain)()),
-            super()._to_device(r.values()), r.shape, dtype=r.dtype, layout=r.layout,
+            self._dense_to_device(getattr(r, compressed)()),
+            self._dense_to_device(getattr(r, plain)()),
+            self._dense_to_device(r.values()), r.shape, dtype=r.dtype, layout=r.layout,
             device=device)
+
+
+def _alias_in(dev: Tensor, cpu: Tensor, r: Tensor) -> Tensor | None:
+    """``r`` as a view of device tensor ``dev`` (seen on the host as ``cpu``), when ``r``
+    lies in ``dev``'s storage; else ``None``."""
+    size = r.element_size()
+    if cpu.dtype != r.dtype or dev.dtype != r.dtype or min(r.stride(), default=0) < 0:
+        return None
+    start = cpu.data_ptr() - dev.storage_offset() * size  # dev's storage, seen on the host
+    offset, rest = divmod(r.data_ptr() - start, size)
+    span = (sum((n - 1) * st for n, st in zip(r.shape, r.stride(), strict=True)) + 1) * size
+    if rest or offset < 0 or r.data_ptr() + span > start + dev.untyped_storage().nbytes():
+        return None
+    return hostexec._as_strided.redispatch(hostexec._CPU_KS, dev, r.shape, r.stride(), offset)
 
 
 def _assign_sparse(dev: Tensor, new: Tensor) -> None:
@@ -165,9 +206,13 @@ def _assign_sparse(dev: Tensor, new: Tensor) -> None:
 
 
 def run_on_host(backend: DeviceBackend, op: Any, args: tuple, kwargs: dict) -> Any:
-    """``op`` by its CPU kernel, sparse device arguments seen as CPU sparse tensors."""
+    """``op`` by its CPU kernel, sparse device arguments seen as CPU sparse tensors: over
+    the device's own view where it declared one, else over ``Backend.to_host``'s."""
     plan = plan_for(op)
     index = hostexec.op_device(backend, op, plan, args, kwargs)
+    if _HOST_VIEW:
+        backend.host_sync(backend.current_device() if index is None else index)
+        return SparseHostCall(backend, op, plan, index, _HOST_VIEW[0], True).run(args, kwargs)
     return SparseHostCall(backend, op, plan, index, backend.to_host,
                           backend.runtime.host_addressable).run(args, kwargs)
 
@@ -210,7 +255,8 @@ def run(backend: DeviceBackend, op: Any, args: tuple, kwargs: dict,
         key: str = "SparsePrivateUse1") -> Any:
     """The sparse path of one call on dispatch key ``key``: the vendor's kernel, else a
     structural kernel in place, else the CPU's. Op statistics see the first as ``native``
-    (sub-path ``sparse``), the last as ``fallback`` (sub-path ``sparse``)."""
+    (sub-path ``sparse``), the last as ``fallback`` (sub-path ``sparse``), or ``native``
+    where the backend declared the CPU's sparse kernels its own."""
     name = plan_for(op).overload_name
     forced = fallback.is_forced(name)
     vendor = _VENDOR.get((key, op)) if _VENDOR else None
@@ -221,11 +267,17 @@ def run(backend: DeviceBackend, op: Any, args: tuple, kwargs: dict,
             pass
     if _structural(name.partition(".")[0], args, kwargs):
         return _run_structural(backend, op, args, kwargs)
-    if not fallback._ENABLED and not forced:
-        raise NotImplementedError(
-            f"{name} on sparse {backend.name} tensors has no {backend.name} kernel and the CPU "
-            f"fallback is off (TORCHPORT_FALLBACK=0); declare a sparse kernel "
-            f"(KernelSet.sparse_kernel) or enable the fallback")
+    if _HOST_VIEW and not forced:
+        return _timed(name, "native", lambda *a, **k: run_on_host(backend, op, a, k), args,
+                      kwargs)
+    if not forced:
+        if not fallback._ENABLED:
+            raise NotImplementedError(
+                f"{name} on sparse {backend.name} tensors has no {backend.name} kernel and the "
+                f"CPU fallback is off (TORCHPORT_FALLBACK=0); declare a sparse kernel "
+                f"(KernelSet.sparse_kernel) or enable the fallback")
+        if fallback._WARN and name not in fallback._WARNED:
+            fallback._warn_once(backend, name, args, kwargs)
     return _timed(name, "fallback", lambda *a, **k: run_on_host(backend, op, a, k), args,
                   kwargs)
 
@@ -261,6 +313,15 @@ def declare(decl: KernelDecl, op: torch._ops.OpOverload) -> bool:
     if (key, op) in _VENDOR or decl.fn is None:
         return False
     _VENDOR[(key, op)] = decl.fn
+    return True
+
+
+def declare_host_view(to_cpu: Callable[[Tensor], Tensor]) -> bool:
+    """The backend's kernels are the CPU's over ``to_cpu``'s views, sparse ones included
+    (the first declaration wins)."""
+    if _HOST_VIEW:
+        return False
+    _HOST_VIEW.append(to_cpu)
     return True
 
 
