@@ -254,6 +254,17 @@ def test_fallback_off_refuses_kernel_ops_only():
         fallback.set_fallback_enabled(old)
 
 
+def test_csr_in_place_ops_write_the_device_tensor():
+    c = coo().coalesce().to_sparse_csr()
+    d = c.to("sim")
+    other = coo(5).coalesce().to_sparse_csr()  # another pattern: nnz changes
+    for fn in (lambda s, o: s.mul_(2.0), lambda s, o: s.add_(o), lambda s, o: s.neg_(),
+               lambda s, o: s.zero_()):
+        r_dev, r_cpu = fn(d, other.to("sim")), fn(c, other)
+        assert r_dev is d and r_cpu is c
+        same(d, c)
+
+
 def test_device_mismatch_raises_as_cuda():
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         torch.sparse.mm(coo().to("sim"), dense(6, 3))
@@ -297,6 +308,27 @@ def test_embedding_sparse_training_matches_cpu(make_opt):
         same(gd, gc)
     same(w_dev, w_cpu)
     same(h_dev, h_cpu)
+
+
+def test_sparse_grads_accumulate_and_zero_in_place():
+    """Two backwards sum sparse gradients (AccumulateGrad's sparse add); ``zero_grad`` with
+    ``set_to_none=False`` zeroes the sparse gradient in place."""
+    def run(device):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 3, sparse=True).to(device)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+        grads = []
+        for k in range(3):
+            opt.zero_grad(set_to_none=k == 0)
+            for idx in ([1, 2, 2, 5], [0, 2, 9]):
+                emb(torch.tensor(idx).to(device)).pow(2).sum().backward()
+            grads.append(emb.weight.grad.clone())
+            opt.step()
+        return emb.weight.detach(), grads
+    (w, gs), (cw, cgs) = run("sim"), run("cpu")
+    same(w, cw)
+    for g, cg in zip(gs, cgs, strict=True):
+        same(g, cg)
 
 
 def test_gcn_step_matches_cpu():
