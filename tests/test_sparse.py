@@ -21,6 +21,16 @@ COMPRESSED = {torch.sparse_csr: ("crow_indices", "col_indices"),
               torch.sparse_bsc: ("ccol_indices", "row_indices")}
 
 
+def bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bits (``-0.0`` is not ``0.0``, NaN is its own payload)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype == torch.bool or a.numel() == 0:
+        return torch.equal(a, b)
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8),
+                       b.reshape(-1).contiguous().view(torch.uint8))
+
+
 def same(dev, cpu) -> None:
     """``dev`` is ``cpu`` on the device: layout, shape, dtype, members bit for bit."""
     assert dev.device.type == "sim", dev.device
@@ -28,14 +38,14 @@ def same(dev, cpu) -> None:
     if cpu.layout == torch.sparse_coo:
         assert dev.is_coalesced() == cpu.is_coalesced()
         assert dev._indices().device == dev.device and dev._values().device == dev.device
-        assert torch.equal(dev._indices().cpu(), cpu._indices())
-        assert torch.equal(dev._values().cpu(), cpu._values())
+        assert bits(dev._indices().cpu(), cpu._indices())
+        assert bits(dev._values().cpu(), cpu._values())
     elif cpu.layout in COMPRESSED:
         for member in (*COMPRESSED[cpu.layout], "values"):
             d, c = getattr(dev, member)(), getattr(cpu, member)()
-            assert d.device == dev.device and torch.equal(d.cpu(), c), member
+            assert d.device == dev.device and bits(d.cpu(), c), member
     else:
-        assert torch.equal(dev.cpu(), cpu)
+        assert bits(dev.cpu(), cpu)
 
 
 def coo(seed: int = 0, shape=(5, 6), nnz: int = 12, dtype=torch.float32) -> torch.Tensor:
