@@ -232,10 +232,9 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
         if decl.kind == "sparse":
             done += _install_sparse(decl)
             continue
-        if decl.kind == "sparse_host":
+        if decl.kind == "sparse_host":  # no overload of its own: the whole sparse path
             assert decl.to_cpu is not None
-            if sparse.declare_host_view(decl.to_cpu):
-                done.append("sparse")
+            sparse.declare_host_view(decl.to_cpu)
             continue
         ignored, installed = [], False
         for op, make, d in _expand(decl):
