@@ -458,3 +458,9 @@ def test_no_fallback_warning_for_structural_ops():
         warnings.simplefilter("error")
         d = torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,), device="sim", check_invariants=False)
         d._indices(), d._values(), d._nnz(), d.clone(), d.is_coalesced()
+
+
+def test_printing_matches_cpu():
+    c = coo()
+    assert repr(c.to("sim")).replace("device='sim:0', ", "") == repr(c)
+    assert "layout=torch.sparse_csr" in repr(c.coalesce().to_sparse_csr().to("sim"))
