@@ -24,11 +24,15 @@ class KernelDecl:
     fn: Callable[..., Any] | None  # ATen-signature kernel, or None for host ops
     to_cpu: Callable[[torch.Tensor], torch.Tensor] | None = None
     dtypes: frozenset[torch.dtype] | None = None
-    kind: str = "aten"  # "aten": as registered; "out": functional/in-place derived; "host"
+    kind: str = "aten"  # "aten": as registered; "out": functional/in-place derived; "host";
+    # "autograd"; "sparse": for sparse tensors of ``layout``; "sparse_host": the CPU's sparse
+    # kernels over ``to_cpu``'s views
     derived_from: str | None = None  # for overloads derived from an out= kernel
+    layout: torch.layout | None = None  # a "sparse" kernel's layout
 
     def derived(self, out_name: str) -> KernelDecl:
-        return KernelDecl(self.name, self.fn, self.to_cpu, self.dtypes, self.kind, out_name)
+        return KernelDecl(self.name, self.fn, self.to_cpu, self.dtypes, self.kind, out_name,
+                          self.layout)
 
 
 @dataclass
@@ -63,6 +67,26 @@ class KernelSet:
             self.decls.append(KernelDecl(name, fn, None, None, "autograd"))
             return fn
         return deco
+
+    def sparse_kernel(self, name: str, layout: torch.layout = torch.sparse_coo):
+        """Decorator: ``fn`` implements ``name`` (ATen signature) when an argument is a sparse
+        tensor of ``layout`` (``torch.sparse_coo``; any compressed layout -- CSR, CSC, BSR,
+        BSC -- shares one dispatch key); it gets and returns device tensors, and may raise
+        :class:`Decline` to let PyTorch's CPU sparse kernel serve the call."""
+        if layout == torch.strided:
+            raise ValueError("sparse_kernel: layout must be a sparse layout (torch.sparse_coo, "
+                             "torch.sparse_csr, ...); declare strided kernels with kernel()")
+
+        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+            self.decls.append(KernelDecl(name, fn, None, None, "sparse", layout=layout))
+            return fn
+        return deco
+
+    def sparse_host_ops(self, to_cpu: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Declare PyTorch's CPU sparse kernels this device's own, run on views made by
+        ``to_cpu`` of the indices and values (as :meth:`host_ops` does for dense ops): they
+        serve sparse ops as native kernels, without a fallback warning."""
+        self.decls.append(KernelDecl("sparse", None, to_cpu, None, "sparse_host"))
 
     def host_ops(self, names: Iterable[str], to_cpu: Callable[[torch.Tensor], torch.Tensor],
                  dtypes: Iterable[torch.dtype] | None = None) -> None:

@@ -40,6 +40,7 @@ from torchport.ops import (
     native_views,
     paths,
     quantized,
+    sparse,
 )
 from torchport.ops.declarations import Decline, KernelDecl, KernelSet
 from torchport.ops.plan import numbers_as_tensors, plan_for
@@ -165,6 +166,7 @@ def install(backend: DeviceBackend) -> None:
     fb.fallback(fallback.make_fallback(backend), "PrivateUse1", with_keyset=True)
     quantized.install(backend, lib, fb)
     quantized.install_int_mm_route()
+    sparse.install(backend, lib, taken)
     native_views.install(backend)
     native_factories.install(backend, factories)
     native_hostops.install(backend)
@@ -230,6 +232,13 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                 lib.impl(overload_name(op), decl.fn, "AutogradPrivateUse1")
                 done.append(overload_name(op))
             continue
+        if decl.kind == "sparse":
+            done += _install_sparse(decl)
+            continue
+        if decl.kind == "sparse_host":  # no overload of its own: the whole sparse path
+            assert decl.to_cpu is not None
+            sparse.declare_host_view(decl.to_cpu)
+            continue
         ignored, installed = [], False
         for op, make, d in _expand(decl):
             oname = overload_name(op)
@@ -272,6 +281,18 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                           f"{', '.join(ignored)} already has a kernel (torchport's own, or an "
                           f"earlier declaration); declare each overload once", stacklevel=3)
     paths.forget_decisions()
+    return done
+
+
+def _install_sparse(decl: KernelDecl) -> list[str]:
+    """A vendor's sparse kernel, which the sparse path of its layout's dispatch key asks
+    first (the first declaration of an overload wins)."""
+    done = []
+    for op in resolve_overloads(decl.name):
+        oname = overload_name(op)
+        if _has_backend_slot(op) and sparse.declare(decl, op):
+            _NATIVE[f"{oname} ({sparse.key_of(decl.layout)})"] = decl
+            done.append(oname)
     return done
 
 

@@ -154,4 +154,5 @@ def make_kernels(device_view) -> KernelSet:
     ks = KernelSet("sim")
     ks.host_ops(_with_inplace(MODEL_OPS + CORE_OPS + EXACT_OPS) + _foreach_ops(),
                 to_cpu=device_view)
+    ks.sparse_host_ops(to_cpu=device_view)  # sparse ops: ATen's CPU sparse kernels too
     return ks
