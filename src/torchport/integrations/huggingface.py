@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport import settings
+from torchport.integrations import claim
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -280,13 +281,8 @@ def install(device_type: str | None = None) -> None:
     """Make accelerate and transformers choose ``device_type`` (default: the registered
     PrivateUse1 device) as they choose a GPU: patches the modules already imported and
     the others as they are imported. Idempotent."""
-    name = device_type or torch._C._get_privateuse1_backend_name()
-    if _S.name is not None:
-        if _S.name != name:
-            raise RuntimeError(f"torchport: Hugging Face integration already installed for "
-                               f"{_S.name!r}")
+    if not claim(_S, device_type, "Hugging Face"):
         return
-    _S.name = name
     for mod_name in _PATCHES:
         module = sys.modules.get(mod_name)
         if module is not None:

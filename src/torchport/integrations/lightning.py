@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport import lazy, settings
+from torchport.integrations import claim
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -305,13 +306,8 @@ _HOOKS: dict[str, Callable[[str, types.ModuleType], None]] = {
 def install(device_type: str | None = None) -> None:
     """Make Lightning know the ``device_type`` accelerator (default: the registered
     PrivateUse1 device): now where Lightning is imported, else as it is. Idempotent."""
-    name = device_type or torch._C._get_privateuse1_backend_name()
-    if _S.name is not None:
-        if _S.name != name:
-            raise RuntimeError(f"torchport: Lightning integration already installed for "
-                               f"{_S.name!r}")
+    if not claim(_S, device_type, "Lightning"):
         return
-    _S.name = name
     for package in PACKAGES:
         for sub, hook in _HOOKS.items():
             lazy.when_imported(f"{package}.{sub}", functools.partial(_guarded, hook, package))
