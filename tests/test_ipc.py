@@ -37,6 +37,21 @@ def _values(dtype: torch.dtype, n: int = 12) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.float64) * 1.25 - 4).to(dtype)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _sends_let_go():
+    """The module's tests send tensors nobody receives (pickled in this process, errors):
+    their memory is held for receivers until the process ends, as on CUDA. After the module
+    it is let go, so that the allocator's later tests start from an empty cache."""
+    yield
+    from torchport import sharing
+
+    for sent in list(sharing._SENT):
+        sent.slots.bytes[sent.slot] = 0
+    _collected(0)
+    torch.sim.synchronize()
+    torch.sim.empty_cache()
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape
     assert torch.equal(a, b), (a, b)
