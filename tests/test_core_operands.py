@@ -133,6 +133,15 @@ def test_integer_floor_divide_is_not_mistaken_for_a_refused_dtype(
     same_as_cpu(case)
 
 
+def test_a_refusal_learnt_for_one_python_scalar_type_is_not_anothers() -> None:
+    """``bool // True`` is refused by the CPU kernel, ``bool // 1`` is not: the learnt
+    refusal is keyed by the Python scalars' types too (once the decomposition is taken)."""
+    same_as_cpu(lambda d: torch.floor_divide(_t(d), 2))  # the decomposition, taken once
+    same_as_cpu(lambda d: torch.floor_divide(_t(d, torch.bool), True))
+    same_as_cpu(lambda d: torch.floor_divide(_t(d, torch.bool), 1))
+    same_as_cpu(lambda d: torch.floor_divide(_t(d, torch.bool), 2.5))
+
+
 def test_refused_dtypes_leave_accepted_ones_decomposed() -> None:
     same_as_cpu(lambda d: torch.logaddexp(_t(d), _t(d, torch.int64)))
     same_as_cpu(lambda d: torch.logaddexp(_t(d, torch.float64), _t(d)))

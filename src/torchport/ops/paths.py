@@ -149,8 +149,11 @@ def cpu_refusal(op: Any, args: tuple, kwargs: dict) -> BaseException | None:
     shape's or a value's); ``None`` where it accepts them. Learnt once per overload and
     dtype signature by running the CPU kernel on 1-element stand-ins, zeros and ones (no
     random ops: they would draw from the CPU's generator)."""
-    tensors = [v for v in _flat(args, kwargs) if isinstance(v, torch.Tensor)]
-    key = (op, *(t.dtype for t in tensors))
+    flat = _flat(args, kwargs)
+    tensors = [v for v in flat if isinstance(v, torch.Tensor)]
+    # Python numbers promote by their type (``bool // True`` is refused, ``bool // 1`` not)
+    key = (op, *(v.dtype if isinstance(v, torch.Tensor) else type(v) for v in flat
+                 if isinstance(v, torch.Tensor | bool | int | float | complex)))
     if key in _REFUSALS:
         return _REFUSALS[key]
     found = None
