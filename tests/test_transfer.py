@@ -85,7 +85,16 @@ def test_generators_on_cuda(xfer):
 
 def test_factories_inside_compiled_code(xfer):
     """A factory naming a device inside a compiled function (nanoGPT's ``torch.arange(...,
-    device=idx.device)``) traces without a graph break: the whole forward would run eagerly."""
+    device=idx.device)``) traces without a graph break: the whole forward would run eagerly.
+    torchport's own modules are skipped by dynamo, transfer's stand-ins are not."""
+    from torch._dynamo import trace_rules
+
+    import torchport.ops.fallback
+    import torchport.transfer
+
+    assert trace_rules.check_file(torchport.ops.fallback.__file__).skipped
+    assert not trace_rules.check_file(torchport.transfer.__file__).skipped
+
     @torch.compile(backend="eager", fullgraph=True)
     def f(x: torch.Tensor) -> torch.Tensor:
         return (x + torch.arange(x.shape[0], device=x.device)

@@ -92,11 +92,27 @@ def _register(backend: DeviceBackend, di: types.ModuleType) -> None:
     di.register_interface_for_device(backend.name, make_interface(backend, di))
 
 
+# Traced by dynamo: transfer's stand-ins for torch's functions (``torch.arange`` mapping
+# ``device="cuda"``) are traced as the functions they stand for.
+_TRACED = frozenset({"transfer"})
+
+
 def _skip_torchport(trace_rules: types.ModuleType) -> None:
     """Dynamo must not trace torchport's own frames: its kernels are the device's code,
     called by the dispatcher (as CUDA's C++ kernels are), also while a compiled
-    function runs eagerly after a graph break."""
-    trace_rules.add("torchport")
+    function runs eagerly after a graph break. Every module is skipped but those of
+    ``_TRACED``; the skip pattern is rebuilt (dynamo caches it from its first use)."""
+    import pkgutil
+
+    import torchport
+
+    for module in pkgutil.iter_modules(torchport.__path__):
+        if module.name not in _TRACED:
+            trace_rules.add(f"torchport.{module.name}")
+    trace_rules.SKIP_DIRS.append(torchport.__file__)
+    recompile = trace_rules._recompile_re
+    getattr(recompile, "cache_clear", lambda: None)()
+    recompile()
 
 
 def install(backend: DeviceBackend) -> None:
