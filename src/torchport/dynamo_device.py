@@ -103,13 +103,13 @@ def _skip_torchport(trace_rules: types.ModuleType) -> None:
     function runs eagerly after a graph break. Every module is skipped but those of
     ``_TRACED``; the skip pattern is rebuilt (dynamo caches it from its first use)."""
     import pkgutil
+    from pathlib import Path
 
-    import torchport
-
-    for module in pkgutil.iter_modules(torchport.__path__):
+    package = Path(__file__).parent  # torchport's folder (this module sits at its top)
+    for module in pkgutil.iter_modules([str(package)]):
         if module.name not in _TRACED:
-            trace_rules.add(f"torchport.{module.name}")
-    trace_rules.SKIP_DIRS.append(torchport.__file__)
+            trace_rules.add(f"{__package__}.{module.name}")
+    trace_rules.SKIP_DIRS.append(str(package / "__init__.py"))
     recompile = trace_rules._recompile_re
     getattr(recompile, "cache_clear", lambda: None)()
     recompile()
