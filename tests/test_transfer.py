@@ -104,6 +104,20 @@ def test_factories_inside_compiled_code(xfer):
     assert torch.equal(f(x).cpu(), torch.tensor([2.0, 3.0, 4.0]))
 
 
+def test_stand_ins_keep_what_torch_reads_of_the_originals(xfer):
+    """Dynamo (torch 2.14+) reads ``torch.cuda.use_mem_pool.__wrapped__`` at import: a
+    ``torch.cuda`` function replaced by transfer (forwarded or refused) keeps the original's
+    name and ``__wrapped__``."""
+    import inspect
+
+    for name in ("use_mem_pool", "synchronize", "current_device"):
+        fn = torch.cuda.__dict__[name]
+        assert fn.__name__ == name and callable(fn.__wrapped__)
+        assert inspect.unwrap(fn).__module__.startswith("torch.cuda")
+    with pytest.raises(xfer.TransferError, match="memory pools"):
+        torch.cuda.use_mem_pool(None)
+
+
 def test_factories_and_ordinals(xfer):
     for spec, want in [("cuda", "sim:0"), ("cuda:1", "sim:1"), (torch.device("cuda", 1), "sim:1"),
                        (1, "sim:1"), (torch.device("cuda"), "sim:0")]:

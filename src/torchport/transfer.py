@@ -143,11 +143,15 @@ def _warn_once(api: str, message: str) -> None:
         warnings.warn(f"torchport.transfer: {api}: {message}", RuntimeWarning, stacklevel=3)
 
 
-def _unsupported(api: str, why: str) -> Callable[..., Any]:
+def _unsupported(api: str, why: str, original: Any = None) -> Callable[..., Any]:
+    """A function that raises :class:`TransferError`; it keeps ``original``'s name and
+    ``__wrapped__`` (torch reads them: dynamo takes ``torch.cuda.use_mem_pool.__wrapped__``)."""
     def raiser(*args: Any, **kwargs: Any) -> Any:
         raise TransferError(f"{api} has no equivalent on the {_name()!r} device: {why} "
                             f"(torchport.transfer)")
 
+    if callable(original):
+        functools.update_wrapper(raiser, original)
     raiser.__name__ = api.rsplit(".", 1)[-1]
     return raiser
 
@@ -364,7 +368,7 @@ def _patch_cuda(patch: Callable[[Any, str, Any], None]) -> None:
         if hasattr(cuda, name):
             obj = getattr(cuda, name)
             patch_cuda(cuda, name, _unsupported_class(f"torch.cuda.{name}", why, obj)
-                       if isinstance(obj, type) else _unsupported(f"torch.cuda.{name}", why))
+                       if isinstance(obj, type) else _unsupported(f"torch.cuda.{name}", why, obj))
     _patch_cuda_submodules(patch, replaced)
     if _S.backend is not None:
         patch(cuda, "default_generators", _S.backend.default_generators)
@@ -421,7 +425,7 @@ def _patch_cuda_submodules(patch: Callable[[Any, str, Any], None],
             elif sub in _CUDA_SUB_UNSUPPORTED:
                 why = _CUDA_SUB_UNSUPPORTED[sub]
                 patch(mod, name, _unsupported_class(api, why, obj) if isinstance(obj, type)
-                      else _unsupported(api, why))
+                      else _unsupported(api, why, obj))
             else:
                 patch(mod, name, _forward_class(name, obj) if isinstance(obj, type)
                       else _forward_function(name, obj))

@@ -68,6 +68,12 @@ _LAYOUT_ATTRS = {torch.sparse_csr: ("crow_indices", "col_indices"),
 # Ops on dense device tensors whose results are sparse: the dense paths make dense results.
 TO_SPARSE = ("_to_sparse", "_to_sparse.sparse_dim", "_to_sparse_csr", "_to_sparse_csc",
              "_to_sparse_bsr", "_to_sparse_bsc")
+# The invariant checks of a sparse tensor's parts (dense tensors): composite kernels that
+# call CPU/CUDA DispatchStubs directly ("missing kernel for sim"); torch.load runs them on
+# every sparse tensor it loads from torch 2.14 on.
+VALIDATE = ("_validate_sparse_coo_tensor_args", "_validate_sparse_compressed_tensor_args",
+            "_validate_sparse_csr_tensor_args", "_validate_sparse_csc_tensor_args",
+            "_validate_sparse_bsr_tensor_args", "_validate_sparse_bsc_tensor_args")
 
 
 def key_of(layout: torch.layout | None) -> str:
@@ -333,7 +339,7 @@ def install(backend: DeviceBackend, lib: torch.library.Library, taken: set[str])
         backend.library("_").fallback(_fallback(backend, key), key, with_keyset=True)
         for name in _composite_shadowed(cpu_key):
             lib.impl(name, _kernel(backend, _resolve(name), key), key)
-    for name in TO_SPARSE:
+    for name in (*TO_SPARSE, *VALIDATE):
         if name not in taken:
             lib.impl(name, _kernel(backend, _resolve(name), "PrivateUse1"), "PrivateUse1")
 
