@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import torchport.ops as ops
+from tests.helpers import check_python
 
 pl = pytest.importorskip("pytorch_lightning",
                          reason="pytorch-lightning is not installed (pip install '.[lightning]')")
@@ -85,10 +86,7 @@ def test_registered_when_lightning_is_imported() -> None:
             "assert 'pytorch_lightning' not in sys.modules\n"
             "from pytorch_lightning.accelerators import AcceleratorRegistry\n"
             "print('sim' in AcceleratorRegistry)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip() == "True"
+    assert check_python(code, timeout=120).strip() == "True"
 
 
 def test_uninstall_gives_lightning_back() -> None:
