@@ -96,3 +96,19 @@ def receive_error(inq: Any, outq: Any) -> None:
         outq.put(("no error", ""))
     except Exception as e:  # noqa: BLE001  (reported to the parent)
         outq.put((type(e).__name__, str(e)))
+
+
+def event_exchange(t: torch.Tensor, to_parent: Any, to_child: Any) -> None:
+    """The producer/consumer pattern of CUDA's interprocess events, both ways: wait for the
+    parent's event before reading ``t``, then write it and hand the parent an event of ours
+    instead of synchronising."""
+    handle = to_child.get()
+    ev = torch.sim.Event.from_ipc_handle(t.device, handle)
+    torch.sim.current_stream().wait_event(ev)
+    to_parent.put(("queried", ev.query()))
+    to_parent.put(("read", t.cpu()))  # ordered after the parent's work by the wait
+    t.mul_(2)
+    mine = torch.sim.Event(interprocess=True)
+    mine.record()
+    to_parent.put(("recorded", mine.ipc_handle()))
+    assert to_child.get() == "bye"  # (the event lives until the parent saw it)

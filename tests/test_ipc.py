@@ -152,12 +152,91 @@ def test_runtime_without_ipc_refuses_clearly(monkeypatch):
     assert "\n" not in str(info.value)
 
 
-def test_events_do_not_cross_processes_and_say_what_to_do():
-    says = r"cannot be shared between processes; call torch\.sim\.synchronize\(\)"
+def test_interprocess_event_handle_round_trip():
+    """An interprocess event opened from its handle (here in the same process) sees the
+    records of the original and the original sees its records; no timing, as CUDA."""
+    ev = torch.sim.Event(interprocess=True)
+    handle = ev.ipc_handle()  # binds it to the current device, as CUDA's does
+    assert isinstance(handle, bytes) and ev.device == torch.device("sim", 0)
+    other = torch.sim.Event.from_ipc_handle(torch.device("sim:0"), handle)
+    assert other.query() and ev.query()  # never recorded: complete
+    x = torch.arange(1000.0, device="sim")
+    for _ in range(20):
+        x = x.sin()
+    ev.record()
+    other.synchronize()  # waits for the work before ev.record()
+    assert ev.query() and other.query()
+    torch.sim.current_stream().wait_event(other)
+    other.record()
+    ev.synchronize()
+    _same(x.cpu(), _iterate(torch.arange(1000.0), torch.sin, 20))
+    with pytest.raises(RuntimeError, match="interprocess event cannot measure time.*"
+                                           "enable_timing=False"):
+        torch.sim.Event(enable_timing=True, interprocess=True)
+    with pytest.raises(RuntimeError, match="not created with interprocess=True"):
+        torch.sim.Event().ipc_handle()
+    with pytest.raises(ValueError, match="not a sim event's IPC handle"):
+        torch.sim.Event.from_ipc_handle(0, b"nonsense")
+
+
+def _iterate(x: torch.Tensor, fn, n: int) -> torch.Tensor:
+    for _ in range(n):
+        x = fn(x)
+    return x
+
+
+def _slow_write(t: torch.Tensor, add: float):
+    """A kernel writing ``t`` (as the device would) once its gate opens, launched on the
+    current stream; the gate (a threading or multiprocessing Event) is returned shut on
+    an asynchronous runtime, open on a synchronous one (whose launches run at once)."""
+    import threading
+
+    rt = torchport_sim_runtime()
+    gate = threading.Event()
+    if not rt.asynchronous:
+        gate.set()
+    ptr, n = t.data_ptr(), t.untyped_storage().nbytes()
+
+    def kernel() -> None:
+        gate.wait()
+        rt.device_tensor(0, ptr, n).view(t.dtype).add_(add)
+
+    rt.launch(0, torch.sim.current_stream().handle, kernel, "slow write")
+    return gate
+
+
+def test_interprocess_event_is_pending_until_its_work_ran():
+    """An event recorded behind queued work is not complete, in either handle, until
+    that work ran; a stream told to wait for it waits (asynchronous mode holds the work
+    back; in the synchronous modes it is done on return)."""
+    asynchronous = torchport_sim_runtime().asynchronous
+    x = torch.zeros(4, device="sim")
+    torch.sim.synchronize()
+    gate = _slow_write(x, 2.0)
+    ev = torch.sim.Event(interprocess=True)
+    ev.record()
+    other = torch.sim.Event.from_ipc_handle(0, ev.ipc_handle())
+    s = torch.sim.Stream()
+    s.wait_event(other)
+    with torch.sim.stream(s):
+        y = x * 3  # ordered after the write by the event
+    assert ev.query() is other.query() is s.query() is not asynchronous
+    gate.set()
+    s.synchronize()
+    assert other.query() and ev.query()
+    _same(y.cpu(), torch.full((4,), 6.0))
+
+
+def test_runtime_without_ipc_events_says_what_to_do(monkeypatch):
+    rt = type(torchport_sim_runtime())
+    for m in ("create_ipc_event", "ipc_event_export", "ipc_event_open"):
+        monkeypatch.setattr(rt, m, getattr(Runtime, m))
+    says = (r"cannot be shared between processes: runtime SimRuntime does not implement "
+            r"create_ipc_event.*call torch\.sim\.synchronize\(\)")
     with pytest.raises(NotImplementedError, match=says):
         torch.sim.Event(interprocess=True)
     with pytest.raises(NotImplementedError, match=says):
-        torch.sim.Event().ipc_handle()
+        torch.sim.Event.from_ipc_handle(0, b"x")
 
 
 def test_python_allocator_shares_and_frees_too():
@@ -203,7 +282,8 @@ def test_no_room_for_shareable_memory_is_an_out_of_memory_error(sim_backend):
 @pytest.mark.opencl
 def test_opencl_refuses_to_share_naming_the_backend(ocl):  # noqa: F811
     """OpenCL keeps the contract's defaults: its tensors sent to another process raise
-    DeviceSharingError, which names the backend and says to move them to the CPU."""
+    DeviceSharingError, which names the backend and says to move them to the CPU; its
+    interprocess events raise too."""
     msg = ocl.run("""
         from multiprocessing.reduction import ForkingPickler
         from torchport.sharing import DeviceSharingError, shares_memory
@@ -215,7 +295,14 @@ def test_opencl_refuses_to_share_naming_the_backend(ocl):  # noqa: F811
             result = "no error"
         except DeviceSharingError as e:
             result = str(e)
+        try:
+            torch.ocl.Event(interprocess=True)
+            result += " | events: no error"
+        except NotImplementedError as e:
+            result += " | events: " + str(e)
     """)
+    assert "events: ocl events cannot be shared between processes: runtime OpenCLRuntime" \
+        in msg, msg
     assert "ocl:0 tensor" in msg and "'ocl' backend (runtime OpenCLRuntime)" in msg, msg
     assert ".cpu()" in msg and "\n" not in msg
 
@@ -278,6 +365,37 @@ def forkserver():
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["tests.ipc_workers"])
     return ctx
+
+
+def test_interprocess_events_order_work_across_processes(forkserver):
+    """CUDA's producer/consumer pattern: the parent queues writes and records an
+    interprocess event; the child's stream waits for it, reads, writes and records its
+    own, which the parent synchronises on instead of the device. In asynchronous mode the
+    parent's queue is held shut until the child saw its event pending."""
+    rt = torchport_sim_runtime()
+    t = torch.zeros(1000, device="sim")
+    to_parent, to_child = forkserver.Queue(), forkserver.Queue()
+    proc = forkserver.Process(target=ipc_workers.event_exchange, args=(t, to_parent, to_child))
+    proc.start()
+    try:
+        gate = _slow_write(t, 50.0)  # (t moved into shareable memory as it was sent)
+        ev = torch.sim.Event(interprocess=True)
+        ev.record()
+        to_child.put(ev.ipc_handle())
+        assert _get(to_parent, proc) == ("queried", not rt.asynchronous)
+        gate.set()
+        tag, seen = _get(to_parent, proc)
+        _same(seen, torch.full((1000,), 50.0))
+        tag, handle = _get(to_parent, proc)
+        theirs = torch.sim.Event.from_ipc_handle("sim:0", handle)
+        theirs.synchronize()
+        _same(t.cpu(), torch.full((1000,), 100.0))
+        to_child.put("bye")
+        proc.join(TIMEOUT)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
 
 
 def test_queue_of_tensors_to_a_forkserver_child(forkserver):

@@ -168,11 +168,6 @@ def test_record_stream_rejects_foreign_stream() -> None:
         x.record_stream(torch.Stream(stream_id=999, device_index=0, device_type=20))
 
 
-def test_ipc_not_supported() -> None:
-    with pytest.raises(NotImplementedError):
-        torch.sim.Event(interprocess=True)
-
-
 # ---- asynchronous sim runtime (opt-in: TORCHPORT_SIM_ASYNC=1) -------------------------
 def _async_runtime():
     from torchport.backends.sim.runtime import SimRuntime

@@ -201,6 +201,33 @@ class Runtime(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot share device memory "
                                   f"between processes")
 
+    # ---- events shared with other processes (optional) ------------------------------
+    # CUDA's interprocess events (``torch.cuda.Event(interprocess=True)``, ``ipc_handle``,
+    # ``Event.from_ipc_handle``): one process records, another waits. torchport also sends
+    # one with each shared tensor on an asynchronous runtime, so the sender does not block
+    # (the receiver's stream waits for the work queued before the send). A runtime that
+    # keeps the defaults cannot: ``Event(interprocess=True)`` raises, and a send
+    # synchronises the device instead.
+    def create_ipc_event(self, index: int) -> EventHandle:
+        """Optional: an event on device ``index`` (no timing) that :meth:`ipc_event_export`
+        can hand to another process; recorded, waited for, queried, synchronised and
+        destroyed through the event methods below, like any event of this runtime."""
+        raise NotImplementedError(f"{type(self).__name__} cannot share events between "
+                                  f"processes")
+
+    def ipc_event_export(self, index: int, event: EventHandle) -> bytes:
+        """A handle (bytes, as CUDA's) to an event :meth:`create_ipc_event` made, valid
+        while that event lives, for another process's :meth:`ipc_event_open`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot share events between "
+                                  f"processes")
+
+    def ipc_event_open(self, index: int, handle: bytes) -> EventHandle:
+        """The event behind ``handle`` in this process: waiting for it (or querying it)
+        waits for the work the other process captured by its latest record; recording it
+        here is seen there."""
+        raise NotImplementedError(f"{type(self).__name__} cannot share events between "
+                                  f"processes")
+
     # ---- copies --------------------------------------------------------------
     @abc.abstractmethod
     def copy_h2d(self, index: int, dst: int, src_host: int, nbytes: int,
@@ -358,3 +385,19 @@ class SyncEvent:
         self.index = index
         self.enable_timing = enable_timing
         self.timestamp: float | None = None
+
+
+def shares_memory(runtime: Runtime) -> bool:
+    """Does ``runtime`` implement the IPC memory methods (device memory shared between
+    processes)?"""
+    return _overrides(runtime, ("malloc_shareable", "ipc_export", "ipc_open"))
+
+
+def shares_events(runtime: Runtime) -> bool:
+    """Does ``runtime`` implement the IPC event methods (events shared between processes)?"""
+    return _overrides(runtime, ("create_ipc_event", "ipc_event_export", "ipc_event_open"))
+
+
+def _overrides(runtime: Runtime, methods: tuple[str, ...]) -> bool:
+    t = type(runtime)
+    return all(getattr(t, m) is not getattr(Runtime, m) for m in methods)

@@ -21,8 +21,8 @@ three IPC methods (:meth:`~torchport.runtime.Runtime.malloc_shareable`, ``ipc_ex
 
 A runtime without the IPC methods (OpenCL) makes the reducer raise
 :class:`DeviceSharingError`, which names the backend and says to move the tensor to the
-CPU first. Events are not shared across processes: synchronise before signalling the
-other process. Every other storage is reduced by PyTorch's own reducer, unchanged.
+CPU first. Interprocess events (``torch.<device>.Event(interprocess=True)``) are the
+stream layer's, over the runtime's IPC event methods. Every other storage is reduced by PyTorch's own reducer, unchanged.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 
 from torchport import allocator as _allocator
 from torchport import tensors
-from torchport.runtime import Runtime
+from torchport.runtime import shares_memory
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -57,13 +57,6 @@ _LOCK = threading.RLock()
 
 def _device_type() -> str:
     return torch._C._get_privateuse1_backend_name()
-
-
-def shares_memory(runtime: Runtime) -> bool:
-    """Does ``runtime`` implement the IPC methods (device memory shared between processes)?"""
-    t = type(runtime)
-    return all(getattr(t, m) is not getattr(Runtime, m)
-               for m in ("malloc_shareable", "ipc_export", "ipc_open"))
 
 
 # ---- reference slots -------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch
 
 from torchport import device_module
 from torchport.allocator import DeviceAllocator
+from torchport.runtime import shares_events
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -267,14 +268,23 @@ def _make(mod: types.ModuleType, b: DeviceBackend) -> None:
         def __init__(self, enable_timing: bool = False, blocking: bool = False,
                      interprocess: bool = False) -> None:
             if interprocess:
-                raise NotImplementedError(
-                    f"{name} events cannot be shared between processes; call "
-                    f"torch.{name}.synchronize() before signalling the other process (device "
-                    f"tensors passed to it share their memory)")
+                if not shares_events(rt):
+                    raise _no_ipc_events()
+                if enable_timing:
+                    raise RuntimeError(f"torch.{name}.Event: an interprocess event cannot "
+                                       f"measure time (as on CUDA); create it with "
+                                       f"enable_timing=False")
             self.enable_timing = enable_timing
             self.blocking = blocking
+            self.interprocess = interprocess
             self.device_index: int | None = None
             self.handle: Any = None
+
+        def _create(self, index: int) -> None:
+            self.device_index = index
+            phys = b.phys(index)
+            self.handle = (rt.create_ipc_event(phys) if self.interprocess
+                           else rt.create_event(phys, self.enable_timing, self.blocking))
 
         @property
         def device(self) -> torch.device | None:
@@ -285,9 +295,7 @@ def _make(mod: types.ModuleType, b: DeviceBackend) -> None:
             if stream is None:
                 stream = current_stream()
             if self.device_index is None:
-                self.device_index = stream.device_index
-                self.handle = rt.create_event(b.phys(stream.device_index), self.enable_timing,
-                                              self.blocking)
+                self._create(stream.device_index)
             elif self.device_index != stream.device_index:
                 raise RuntimeError(
                     f"Event device {name}:{self.device_index} does not match recording stream's "
@@ -324,14 +332,36 @@ def _make(mod: types.ModuleType, b: DeviceBackend) -> None:
             return float(rt.event_elapsed_time(b.phys(self.device_index), self.handle,
                                                end_event.handle))
 
-        def ipc_handle(self) -> Any:
-            raise NotImplementedError(
-                f"{name} events cannot be shared between processes; call "
-                f"torch.{name}.synchronize() before signalling the other process (device "
-                f"tensors passed to it share their memory)")
+        def ipc_handle(self) -> bytes:
+            """A handle (bytes) another process opens with :meth:`from_ipc_handle`; the
+            event must be ``interprocess=True`` (bound to the current device if it was
+            never recorded) and stay alive while others wait for it."""
+            if not self.interprocess:
+                raise RuntimeError(f"torch.{name}.Event.ipc_handle: the event was not created "
+                                   f"with interprocess=True")
+            if self.device_index is None:
+                self._create(current_stream().device_index)
+            return rt.ipc_event_export(b.phys(self.device_index), self.handle)
+
+        @classmethod
+        def from_ipc_handle(cls, device: Any, handle: bytes) -> Event:
+            """The event another process's :meth:`ipc_handle` names, on ``device``."""
+            if not shares_events(rt):
+                raise _no_ipc_events()
+            ev = cls(interprocess=True)
+            ev.device_index = _index(device)
+            ev.handle = rt.ipc_event_open(b.phys(ev.device_index), handle)
+            return ev
 
         def __repr__(self) -> str:
             return f"<torch.{name}.Event {'recorded' if self.handle is not None else 'uninitialized'}>"
+
+    def _no_ipc_events() -> NotImplementedError:
+        return NotImplementedError(
+            f"{name} events cannot be shared between processes: runtime "
+            f"{type(rt).__name__} does not implement create_ipc_event/ipc_event_export/"
+            f"ipc_event_open; call torch.{name}.synchronize() before signalling the other "
+            f"process instead (device tensors passed to it share their memory)")
 
     for i in range(b.device_count()):
         state.defaults.append(Stream(i, stream_id=0, _handle=None))

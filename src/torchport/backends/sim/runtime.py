@@ -86,6 +86,77 @@ class SimEvent:
     timestamp: float = 0.0
     worker: _Worker | None = None  # asynchronous mode: the stream it was recorded on
     seq: int = 0  # ... and the ticket of its marker on that stream
+    ipc: _IpcMarks | None = None  # an interprocess event: its marks, shared with others
+
+
+class _IpcMarks:
+    """An interprocess event's state, in a small shared-memory file every process that
+    holds the event maps: the generation of its latest record (any process) and of the
+    latest one whose work completed. Its work is done when the two are equal; the file
+    is removed when the exporting event dies (processes that mapped it keep it)."""
+
+    _next = 0
+
+    def __init__(self, path: str, create: bool) -> None:
+        import mmap
+
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileNotFoundError:
+            raise RuntimeError(f"sim: no interprocess event behind the handle {path!r}: the "
+                               f"event that exported it was destroyed (keep it alive in the "
+                               f"exporting process while others wait for it)") from None
+        try:
+            if create:
+                os.ftruncate(fd, 16)
+            self.map = mmap.mmap(fd, 16)
+        finally:
+            os.close(fd)
+        self.path = path
+        self.words = (ctypes.c_int64 * 2).from_buffer(self.map)
+        if create:
+            import weakref
+
+            weakref.finalize(self, _unlink, path)
+
+    @classmethod
+    def new(cls) -> _IpcMarks:
+        import tempfile
+
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        cls._next += 1
+        return cls(os.path.join(folder, f"torchport-sim-event-{os.getpid()}-{cls._next}-"
+                                        f"{os.urandom(4).hex()}"), create=True)
+
+    def record(self) -> int:
+        """A new generation for a record; the caller marks it :meth:`done` once reached."""
+        gen = self.words[0] + 1
+        self.words[0] = gen
+        return gen
+
+    def done(self, gen: int) -> None:
+        if self.words[1] < gen:
+            self.words[1] = gen
+
+    def pending(self) -> int:
+        """The generation to wait for (0: nothing outstanding)."""
+        gen = self.words[0]
+        return 0 if self.words[1] >= gen else gen
+
+    def wait(self, gen: int, stop: Callable[[], bool] = bool) -> None:
+        """Block until generation ``gen`` completed (in whichever process recorded it)."""
+        pause = 1e-5
+        while self.words[1] < gen and not stop():
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class SimAsyncError(RuntimeError):
@@ -511,14 +582,36 @@ class SimRuntime(Runtime):
         pass
 
     def record_event(self, index: int, event: SimEvent, stream: SimStream | None) -> None:
+        marks = event.ipc
+        gen = 0 if marks is None else marks.record()
         if not self.asynchronous:
             _stamp(event)
+            if marks is not None:
+                marks.done(gen)
             return
+
+        def reached() -> None:
+            _stamp(event)
+            if marks is not None:
+                marks.done(gen)
+
         w = self._worker(index, stream)
-        event.worker, event.seq = w, w.submit(lambda: _stamp(event), "record_event")
+        event.worker, event.seq = w, w.submit(reached, "record_event")
 
     def stream_wait_event(self, index: int, stream: SimStream | None, event: SimEvent) -> None:
         self._dev(index)
+        marks = event.ipc
+        if marks is not None:
+            gen = marks.pending()
+            if not gen:
+                return
+            if not self.asynchronous:  # another process's queue: this device waits for it
+                marks.wait(gen)
+                return
+            target = self._worker(index, stream)
+            target.submit(lambda: marks.wait(gen, lambda: target.abandoned),
+                          "stream_wait_event")
+            return
         src, seq = event.worker, event.seq
         if not self.asynchronous or src is None:
             return
@@ -527,12 +620,38 @@ class SimRuntime(Runtime):
             target.submit(lambda: src.wait(seq), "stream_wait_event")
 
     def synchronize_event(self, index: int, event: SimEvent) -> None:
+        gen = 0 if event.ipc is None else event.ipc.pending()
         if event.worker is not None:
             event.worker.wait(event.seq)
             event.worker.raise_error()
+        if gen and event.ipc is not None:
+            event.ipc.wait(gen)
 
     def query_event(self, index: int, event: SimEvent) -> bool:
+        if event.ipc is not None:
+            return not event.ipc.pending()
         return event.worker is None or event.worker.done(event.seq)
+
+    # ---- events shared with other processes ---------------------------------------
+    _IPC_PREFIX = b"torchport-sim-event:"
+
+    def create_ipc_event(self, index: int) -> SimEvent:
+        self._dev(index)
+        return SimEvent(index=index, ipc=_IpcMarks.new())
+
+    def ipc_event_export(self, index: int, event: SimEvent) -> bytes:
+        if event.ipc is None:
+            raise RuntimeError("sim: this event was not created for sharing between "
+                               "processes (torch.sim.Event(interprocess=True))")
+        return self._IPC_PREFIX + os.fsencode(event.ipc.path)
+
+    def ipc_event_open(self, index: int, handle: bytes) -> SimEvent:
+        self._dev(index)
+        if not isinstance(handle, bytes) or not handle.startswith(self._IPC_PREFIX):
+            raise ValueError(f"sim: {handle!r} is not a sim event's IPC handle (one "
+                             f"torch.sim.Event.ipc_handle() returned)")
+        path = os.fsdecode(handle[len(self._IPC_PREFIX):])
+        return SimEvent(index=index, ipc=_IpcMarks(path, create=False))
 
     def event_elapsed_time(self, index: int, start: SimEvent, end: SimEvent) -> float:
         for e in (start, end):
