@@ -65,8 +65,6 @@ DEFAULT_MAX_SAMPLES = 2
 # result is not a function of the inputs) make a failure "known": listed with the reason,
 # counted apart, never a pass. Kind "bug" keeps it a failure and gives its diagnosis.
 KNOWN: list[tuple[str, str, str]] = [
-    (r"(sparse\..*|to_sparse(\..*)?)/.*", "limitation",
-     "sparse layouts: the sim backend implements strided tensors only"),
     (r"masked\.median/.*/expanded", "cpu",
      "the CPU's nanmedian.dim_values returns uninitialised memory for an overlapping "
      "(stride-0) input: torch.nanmedian(torch.randn(1).expand(5), 0).values is not the "
@@ -122,8 +120,10 @@ def _bits_equal(a: Any, b: Any) -> bool:
             if x != y and not (x != x and y != y):  # NaN numbers
                 return False
             continue
-        if x.shape != y.shape or x.dtype != y.dtype:
+        if x.shape != y.shape or x.dtype != y.dtype or x.layout != y.layout:
             return False
+        if x.layout != torch.strided:  # a sparse result: its values, by their dense form
+            x, y = x.to_dense(), y.to_dense()
         if x.numel() and not torch.equal(_raw(x), _raw(y)):
             return False
     return True

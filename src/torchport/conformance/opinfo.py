@@ -81,9 +81,6 @@ SUBSET_MAX_SAMPLES = 3
 # listed with its reason, never a pass. Kind "bug" keeps the failure a failure and
 # gives its diagnosis. A known entry only ever applies to a result that failed.
 KNOWN: list[tuple[str, str, str]] = [
-    (r"(sparse\..*|to_sparse(\..*)?)/.*", "limitation",
-     "sparse layouts: a torchport backend implements strided tensors only (PyTorch has no "
-     "Sparse/SparseCsr PrivateUse1 kernels for it to reuse)"),
     (r"nn\.functional\.linear_cross_entropy\.chunked.*/(bfloat16|float16)(/grad)?",
      "difference",
      "PyTorch chooses the accumulation policy per device type (_AUTO_DEFAULTS in "
