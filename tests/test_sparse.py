@@ -220,6 +220,24 @@ def test_in_place_ops_write_the_device_tensor():
     same(out, torch.addmm(dense(5, 3), coo(), dense(6, 3)))
 
 
+def test_complex_views_of_sparse_tensors_alias_their_values():
+    """``view_as_complex``/``view_as_real`` of a sparse tensor are views, as on the CPU:
+    the same indices, the values viewed (a write through one shows in the other)."""
+    hybrid = torch.sparse_coo_tensor(torch.tensor([[0, 2], [0, 1]]),
+                                     torch.tensor([[2.0, 3.0], [4.0, 5.0]]), (3, 3, 2))
+    for xs in (hybrid, hybrid.to("sim")):
+        c = torch.view_as_complex(xs)
+        r = torch.view_as_real(c)
+        for v in (c, r):
+            assert v._is_view() and v._values().untyped_storage().data_ptr() == \
+                xs._values().untyped_storage().data_ptr()
+        assert c._base is xs
+        c._values().mul_(2)
+    dev = hybrid.to("sim")  # (the CPU one was doubled through its view)
+    same(torch.view_as_complex(dev), torch.view_as_complex(hybrid))
+    same(torch.view_as_real(torch.view_as_complex(dev)), hybrid)
+
+
 def test_op_statistics_name_the_sparse_path():
     import torchport.ops as ops
     d = coo().to("sim")

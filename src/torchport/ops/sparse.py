@@ -53,6 +53,7 @@ STRUCTURAL = frozenset({
     "sparse_dim", "dense_dim", "_dimI", "_dimV", "sparse_resize_", "sparse_resize_and_clear_",
     "empty", "empty_like", "clone", "zero_", "resize_as_sparse_",
     "crow_indices", "col_indices", "ccol_indices", "row_indices",
+    "view_as_real", "view_as_complex",  # views: values viewed, the same indices
 })
 _VENDOR: dict[tuple[str, Any], Callable[..., Any]] = {}  # (key, overload) -> vendor kernel
 # the device's own view of its memory, where the CPU's sparse kernels are its own
