@@ -183,6 +183,31 @@ def test_decomposition_used_and_matches_cpu():
     torch.testing.assert_close(r.cpu(), torch.logaddexp(*c))
 
 
+def test_decomposed_functional_op_returns_a_new_tensor():
+    """``take``'s decomposition (``flat[index]``) selects a view of its input for a 0-dim
+    index; the op's result must be a new tensor, as its kernels make it (the gradients of
+    ``put``'s two inputs shared one buffer through it, and accumulated into each other)."""
+    from torchport.ops import paths
+
+    paths.forget_decisions()  # the decision follows the first call: a 1-d index
+    x = torch.arange(6.0, device="sim").view(2, 3)
+    with ops.record() as rec:
+        assert x.take(torch.tensor([4, 1], device="sim")).cpu().tolist() == [4.0, 1.0]
+    assert rec.path_of("take") == "decomposed"
+    s = torch.tensor(3.0, device="sim")
+    r = s.take(torch.tensor(0, device="sim"))
+    assert r.untyped_storage().data_ptr() != s.untyped_storage().data_ptr()
+    r.add_(1)
+    assert s.item() == 3.0 and r.item() == 4.0
+    a = torch.tensor(2.0, device="sim", requires_grad=True)
+    b = torch.tensor(5.0, device="sim", requires_grad=True)
+    torch.put(a, torch.tensor(0, device="sim"), b, True).sum().backward()
+    first = a.grad
+    a.grad = None
+    a.put(torch.tensor(0, device="sim"), b, True).sum().backward()
+    assert (first.item(), a.grad.item(), b.grad.item()) == (1.0, 1.0, 2.0)
+
+
 def test_decomposition_skipped_when_a_piece_falls_back():
     d = torch.randn(8, device="sim"), torch.randn(8, device="sim")
     ops.set_force_fallback([r"log1p"])

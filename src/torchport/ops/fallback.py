@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import settings
+from torchport import settings, tensors
 from torchport.ops import derive, hooks, hostexec, paths, stats
 from torchport.ops.declarations import Decline
 from torchport.ops.plan import plan_for
@@ -312,17 +312,39 @@ def _run_decomposition(op: Any, d: Callable[..., Any], args: tuple, kwargs: dict
     """Run a decomposition; its result must land in the op's ``out=``/in-place arguments.
 
     Some ``.out`` decompositions (those wrapped to compute in a wider dtype) fill a
-    converted copy of ``out`` and return a new tensor; copy it where the schema says."""
+    converted copy of ``out`` and return a new tensor; copy it where the schema says. A
+    functional op's result is a new tensor, as its kernels make it: one a decomposition
+    gives as a view of an input (``take``'s ``flat[index]`` selects for a 0-dim index)
+    is copied."""
     plan = plan_for(op)
     if plan.write_args:  # the decompositions' out= wrapper would resize an input
         derive.check_outs_not_inputs_to_resize(op, args, kwargs)
     r = d(*args, **kwargs)
     if not plan.write_args:
-        return r
+        return r if plan.is_view else _unaliased(r, args, kwargs)
     if plan.num_returns == 1:
         return _land(r, plan.return_alias[0], plan.arg_names, args, kwargs)
     return tuple(_land(x, a, plan.arg_names, args, kwargs)
                  for x, a in zip(r, plan.return_alias, strict=True))
+
+
+def _unaliased(r: Any, args: tuple, kwargs: dict) -> Any:
+    """``r`` (a result or a tuple of them), each tensor in an input's storage copied."""
+    outs = [r] if isinstance(r, torch.Tensor) else list(r) if isinstance(r, (tuple, list)) \
+        else []
+    if not any(isinstance(x, torch.Tensor) for x in outs):
+        return r
+    inputs = {tensors.storage_ptr(t) for t in hostexec._iter_tensors(args, kwargs)
+              if t.layout == torch.strided and t.numel()}
+
+    def fresh(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.layout == torch.strided and x.numel() \
+                and tensors.storage_ptr(x) in inputs:
+            return x.clone()
+        return x
+    if isinstance(r, torch.Tensor):
+        return fresh(r)
+    return type(r)(fresh(x) for x in r)
 
 
 def _land(r: Any, alias: str | None, names: tuple[str, ...], args: tuple, kwargs: dict) -> Any:
