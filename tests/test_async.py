@@ -134,6 +134,89 @@ def test_queued_ops_whose_out_overload_cannot_be_trusted_match_cpu():
     assert "ok" in out
 
 
+def test_in_place_updates_are_queued_and_match_cpu():
+    """A real device's host enqueues ``add_`` and returns: elementwise in-place ops, fills
+    and an optimizer's foreach updates are queued behind the gate, the host runs ahead,
+    and the values are the CPU's."""
+    out = run("""
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.randn(33, 17, generator=g), torch.randn(33, 17, generator=g)
+        ps = [torch.randn(5, generator=g), torch.randn(3, 4, generator=g)]
+        gs = [torch.randn(5, generator=g), torch.randn(3, 4, generator=g)]
+        da, db = a.to("sim"), b.to("sim")
+        dps, dgs = [p.to("sim") for p in ps], [x.to("sim") for x in gs]
+        n = torch.arange(12, dtype=torch.int32).to("sim")
+        torch.sim.synchronize()
+        w = rt._workers[(0, 0)]
+        for step in range(2):                       # the first call with a layout, then a later one
+            close_gate()
+            threading.Timer(20, gate.set).start()   # (a host that waits fails, not hangs)
+            before = w.submitted
+            r = da.mul_(0.5).add_(db, alpha=2.0)    # returns its argument, queued
+            assert r is da
+            da.t().sub_(db.t()).clamp_(min=-1.0)    # a transposed view
+            db.fill_(0.25)
+            db.addcmul_(da, da, value=3)
+            torch._foreach_add_(dps, dgs, alpha=-0.1)
+            torch._foreach_mul_(dps, 0.9)
+            n.add_(2).mul_(3)
+            assert w.submitted - before == 10 and not torch.sim.current_stream().query(), \
+                (w.submitted - before)
+            gate.set()
+            a.mul_(0.5).add_(b, alpha=2.0)
+            a.t().sub_(b.t()).clamp_(min=-1.0)
+            b.fill_(0.25)
+            b.addcmul_(a, a, value=3)
+            torch._foreach_add_(ps, gs, alpha=-0.1)
+            torch._foreach_mul_(ps, 0.9)
+            assert torch.equal(da.cpu(), a) and torch.equal(db.cpu(), b)
+            assert all(torch.equal(d.cpu(), c) for d, c in zip(dps, ps))
+        assert n.cpu().tolist() == [((i + 2) * 3 + 2) * 3 for i in range(12)]
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+def test_in_place_errors_stay_at_the_call():
+    """What the CPU refuses for the arguments' dtypes or layouts raises at the call, as
+    on CUDA (the host checks before it enqueues), leaving the tensor as it was: a float
+    into an integer tensor, a broadcast that would resize, a written tensor that overlaps
+    itself or its input, an integer division by zero (the host computes those: its error
+    is the CPU's)."""
+    out = run("""
+        x = torch.arange(6, device="sim")
+        f = torch.ones(2, 3, device="sim")
+        v = torch.arange(6.0, device="sim")
+        cases = [
+            (lambda: x.add_(1.5), lambda: torch.arange(6).add_(1.5)),
+            (lambda: f.add_(torch.ones(4, 2, 3, device="sim")),
+             lambda: torch.ones(2, 3).add_(torch.ones(4, 2, 3))),
+            (lambda: v[:1].expand(4).add_(1), lambda: torch.zeros(1).expand(4).add_(1)),
+            (lambda: v[1:].add_(v[:-1]), lambda: (lambda c: c[1:].add_(c[:-1]))(torch.arange(6.0))),
+            (lambda: x.div_(torch.zeros(6, dtype=torch.int64, device="sim"), rounding_mode="floor"),
+             lambda: torch.arange(6).div_(torch.zeros(6, dtype=torch.int64), rounding_mode="floor")),
+        ]
+        for _ in range(2):
+            for dev, cpu in cases:
+                try:
+                    cpu()
+                except RuntimeError as e:
+                    want = str(e).splitlines()[0]
+                else:
+                    raise AssertionError("the CPU accepts it")
+                try:
+                    dev()
+                except RuntimeError as e:
+                    assert str(e).splitlines()[0] == want, (str(e), want)
+                else:
+                    raise AssertionError("no error at the call: " + want)
+        torch.sim.synchronize()                   # nothing failed on the stream
+        assert x.cpu().tolist() == list(range(6)) and v.cpu().tolist() == [float(i) for i in range(6)]
+        print("ok")
+    """)
+    assert "ok" in out
+
+
 def test_host_reads_wait_for_queued_work():
     out = run("""
         x = torch.zeros(1000, device="sim")

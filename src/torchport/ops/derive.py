@@ -94,6 +94,8 @@ def _meta(v: Any) -> Any:
 
 def _meta_result(op: OpOverload, args: tuple, kwargs: dict) -> list[Tensor]:
     r = op(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
+    if r is None:  # an in-place op returning nothing (a foreach update)
+        return []
     return [r] if isinstance(r, Tensor) else list(r)
 
 

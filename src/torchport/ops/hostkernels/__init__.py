@@ -15,7 +15,9 @@ view            view ops                         PyTorch's CPU view kernel on th
                                                  device tensor; composite views cached
                                                  as one ``as_strided`` (view-cached)
 in-place        ``add_``, ``index_put_``...      the CPU kernel writes the chip's view general: another device, a
-                                                 (in-place)                            conj view, async runtime
+                                                 (in-place); asynchronous runtime:     conj view; async: an op
+                                                 elementwise and foreach ops queued    that can fail on values
+                                                 on the stream (launch)
 lists-in-place  fused optimizers                 the same, tensor lists and keyword    general
                                                  tensors mapped (in-place)
 factory         ``zeros_like``, ``full``...      PyTorch's composite on the device     general: pinned memory
@@ -114,7 +116,7 @@ KINDS: tuple[Kind, ...] = (
          lambda s, g, slow, t: view_kernel(s.op, s.layouts, slow, t),
          "PyTorch's CPU view kernel on the device tensor"),
     Kind("in-place", lambda op, a: schema.in_place(op),
-         lambda s, g, slow, t: inplace_kernel(s.backend, s.op, s.views, g, slow, t),
+         lambda s, g, slow, t: inplace_kernel(s.backend, s.op, s.views, s.layouts, g, slow, t),
          "the CPU kernel writes the chip's view of its first argument"),
     Kind("lists-in-place", lambda op, a: schema.writes_lists_in_place(op),
          lambda s, g, slow, t: lists_inplace_kernel(s.backend, s.op, s.views, g, slow, t),

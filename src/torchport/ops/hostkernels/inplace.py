@@ -1,14 +1,18 @@
-"""In-place ops on the chip's zero-copy views: the CPU kernel writes device memory."""
+"""In-place ops on the chip's zero-copy views: the CPU kernel writes device memory (now,
+or queued on the stream of an asynchronous runtime)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchport.ops import fallback, hostviews, stats
-from torchport.ops.hostkernels import schema
+from torchport.ops.hostkernels import schema, trials
+from torchport.ops.hostkernels.into_device import device_side
+from torchport.ops.hostkernels.layouts import LayoutCache, argument_key
 from torchport.ops.hostkernels.mapping import CPU_KS, Call, device_index, device_views, on_views
 from torchport.ops.plan import numbers_as_tensors, plan_for
 
@@ -19,14 +23,19 @@ Tensor = torch.Tensor
 
 
 def inplace_kernel(backend: DeviceBackend, op: torch._ops.OpOverload,
-                   views: hostviews.HostViews, general: Call, slow: Call | None,
-                   trace: bool = False) -> Callable[..., Any]:
+                   views: hostviews.HostViews, layouts: LayoutCache, general: Call,
+                   slow: Call | None, trace: bool = False) -> Callable[..., Any]:
     """:func:`~.schema.in_place` ops: the CPU kernel writes the chip's view directly, so
-    the result is the argument itself (sub-path ``in-place``). Asynchronous runtimes take
-    the general path (the host computes, after the current stream)."""
-    general = stats.noted(general, "general", trace)
+    the result is the argument itself (sub-path ``in-place``). Asynchronous runtimes queue
+    the ops whose errors the layouts decide (:func:`~.launching.launches_in_place`) on the
+    current stream; the others take the general path (the host computes, after the
+    current stream)."""
     if backend.runtime.asynchronous:
+        if launches_in_place(op):
+            return launching_inplace_kernel(backend, op, views, layouts, general, slow, trace)
+        general = stats.noted(general, "general", trace)
         return lambda *args, **kwargs: general(args, kwargs)
+    general = stats.noted(general, "general", trace)
     plan = plan_for(op)
     returns_self = bool(plan.return_alias)
     boxed = op._handle.redispatch_boxed
@@ -81,3 +90,85 @@ def lists_inplace_kernel(backend: DeviceBackend, op: torch._ops.OpOverload,
         return None
 
     return stats.traced(kernel, "in-place", trace)
+
+
+# In-place ops without errors that depend on values (beyond what a trial on varied values
+# shows): the elementwise ones, fills, and the foreach updates optimizers make.
+_FILLS = frozenset({"aten::fill_", "aten::zero_", "aten::masked_fill_"})
+
+
+def launches_in_place(op: torch._ops.OpOverload) -> bool:
+    """Is in-place ``op`` queued on an asynchronous runtime's stream? Elementwise ops,
+    fills and foreach updates are: their errors (shapes, dtypes, overlaps) are decided by
+    the arguments' layouts, which a trial checks once per layout. Index writes
+    (``index_put_``, ``scatter_``) are not: a bad index is the host's error, at the call."""
+    name = op._schema.name
+    return (torch.Tag.pointwise in op.tags or name in _FILLS
+            or name.startswith("aten::_foreach_"))
+
+
+def launching_inplace_kernel(backend: DeviceBackend, op: torch._ops.OpOverload,
+                             views: hostviews.HostViews, layouts: LayoutCache, general: Call,
+                             slow: Call | None, trace: bool = False) -> Callable[..., Any]:
+    """Queue an in-place op on the current stream and return its argument at once
+    (sub-path ``launch``), as a real device's host enqueues an ``add_``.
+
+    Trusted for a layout of its arguments (and the types of its numbers) once the meta
+    kernel and the CPU kernel, on copies of varied stand-in values in that layout, accept
+    it silently (:func:`.trials.inplace_launchable`); a call whose written tensor shares
+    memory with another argument in another layout (a partial overlap, which the CPU
+    refuses) is decided by the host. Everything else takes ``general``: the host
+    computes after the stream, raising the CPU's errors at the call."""
+    fb = fallback
+    rt = backend.runtime
+    label = str(op)
+    plan = plan_for(op)
+    returns_self = bool(plan.return_alias)
+    boxed = op._handle.redispatch_boxed
+    bits = schema.sees_view_bits(op)
+    slots = plan.number_slots
+    number_in_tensor_slot = schema.number_in_tensor_slot
+    general = stats.noted(general, "general", trace)
+    visible = backend.visible
+    stream_of = backend.current_stream_handle
+    on_cpu = functools.partial(boxed, CPU_KS)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if slow is not None and fb.SLOW:
+            return slow(args, kwargs)
+        key: list = []
+        cargs = device_views(args, kwargs, views, bits, key)
+        if cargs is None or _overlaps(args):
+            return general(args, kwargs)
+        if kwargs:
+            key.extend((k, argument_key(v)) for k, v in kwargs.items())
+        k = tuple(key)
+        ok = layouts.get(k)
+        if ok is None:
+            ok = trials.inplace_launchable(op, args, kwargs)
+            layouts.put(k, ok)
+        if not ok:
+            return general(args, kwargs)
+        if number_in_tensor_slot(args, slots):
+            cargs = numbers_as_tensors(plan, cargs)
+        first = args[0]
+        index = (first if isinstance(first, Tensor) else first[0]).device.index
+        rt.launch(visible[index], stream_of(index), lambda: device_side(on_cpu, cargs, kwargs),
+                  label)
+        return first if returns_self else None
+
+    return stats.traced(kernel, "launch", trace)
+
+
+def _overlaps(args: tuple) -> bool:
+    """Does the written tensor (the first argument) share memory with another tensor
+    argument laid out otherwise (not the same view)? Tensor lists are not looked at."""
+    out = args[0]
+    if not isinstance(out, Tensor) or len(args) < 2:
+        return False
+    storage = out.untyped_storage().data_ptr()
+    for a in args[1:]:
+        if isinstance(a, Tensor) and a.untyped_storage().data_ptr() == storage and (
+                a.data_ptr(), a.shape, a.stride()) != (out.data_ptr(), out.shape, out.stride()):
+            return True
+    return False

@@ -49,8 +49,8 @@ def call_out(call: Callable[..., Any], fast: Callable[..., Any] | None, cargs: l
     return call(CPU_KS, *cargs, **kwargs)
 
 
-def _device_side(out: Callable[..., Any], cargs: list, ckw: dict) -> None:
-    """A queued ``out=`` call. Device work knows no autograd: on a runtime's own thread
+def device_side(out: Callable[..., Any], cargs: list, ckw: dict) -> None:
+    """A queued call (an ``out=`` overload, an in-place op). Device work knows no autograd: on a runtime's own thread
     it runs in inference mode, where it may write host views made inside the caller's
     ``torch.inference_mode()`` (inference tensors)."""
     with torch._C._InferenceMode(True):
@@ -250,5 +250,5 @@ class IntoDevice:
         ckw = {k: to_cpu(v) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
         ckw.update({n: to_cpu(o) for n, o in zip(self.out_names, outs, strict=True)})
         out = self.out
-        rt.launch(phys, stream, lambda: _device_side(out, cargs, ckw), label)
+        rt.launch(phys, stream, lambda: device_side(out, cargs, ckw), label)
         return outs[0] if self.single else tuple(outs)

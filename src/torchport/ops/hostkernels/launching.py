@@ -62,3 +62,4 @@ def launching_kernel(backend: DeviceBackend, into: IntoDevice, general: Call,
                            backend.current_stream_handle(index), label)
 
     return stats.traced(kernel, "launch", trace)
+

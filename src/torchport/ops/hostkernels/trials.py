@@ -196,3 +196,30 @@ def specs_on_stand_ins(op: torch._ops.OpOverload, out: Callable[..., Any],
                                             flat_tensors(copies), strict=True)):
         return None  # the out= overload computes other bits for this layout
     return specs
+
+
+def inplace_launchable(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    """Can in-place ``op`` called with arguments laid out as ``args``/``kwargs`` be queued
+    without the host looking at values? Its meta kernel accepts the layouts, and its CPU
+    kernel runs on copies of varied stand-in values in those layouts (tensor lists too)
+    without an error or a warning. An op that refuses some values (an integer division
+    by zero among the stand-ins) is not: its error belongs to the call."""
+    try:
+        derive.output_specs(op, args, kwargs, quiet=True)
+    except Exception:
+        return False
+
+    def stand_in(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            n = tensors.storage_nbytes(v.shape, v.stride(), v.element_size()) // v.element_size()
+            return stand_in_values(n, v.dtype, None).as_strided(v.shape, v.stride())
+        if isinstance(v, (list, tuple)) and any(isinstance(x, Tensor) for x in v):
+            return type(v)(stand_in(x) for x in v)
+        return v
+
+    sargs = [stand_in(a) for a in args]
+    skw = {k: stand_in(v) for k, v in kwargs.items()}
+    try:
+        return not warnings_of(lambda: op._op(*sargs, **skw))
+    except Exception:
+        return False
