@@ -25,7 +25,11 @@ def _pass():
             "errors": [], "skip_reasons": []}
 
 
-def test_known_limitation_is_counted_apart_never_passed():
+_LIMITATION = (r"to_sparse/.*", "limitation", "sparse layouts: not on this backend")
+
+
+def test_known_limitation_is_counted_apart_never_passed(monkeypatch):
+    monkeypatch.setattr(run, "KNOWN", [*run.KNOWN, _LIMITATION])
     r = _result("to_sparse", {"float32": _fail(), "float64": _pass()})
     assert r["dtypes"]["float32"]["status"] == "known"
     assert "sparse" in r["dtypes"]["float32"]["known"]["reason"]
@@ -33,7 +37,8 @@ def test_known_limitation_is_counted_apart_never_passed():
     assert r["status"] == "known"
 
 
-def test_known_entries_never_touch_passing_results():
+def test_known_entries_never_touch_passing_results(monkeypatch):
+    monkeypatch.setattr(run, "KNOWN", [*run.KNOWN, _LIMITATION])
     r = _result("to_sparse", {"float32": _pass()})
     assert r["status"] == "pass" and "known" not in r["dtypes"]["float32"]
 
@@ -52,7 +57,8 @@ def test_unknown_failure_stays_a_failure():
     assert r["status"] == "fail" and "known" not in r["dtypes"]["bfloat16"]
 
 
-def test_report_lists_failures_known_paths_and_skips(tmp_path):
+def test_report_lists_failures_known_paths_and_skips(tmp_path, monkeypatch):
+    monkeypatch.setattr(run, "KNOWN", [*run.KNOWN, _LIMITATION])
     results = [
         _result("add", {"float32": _pass(), "bfloat16": _fail(),
                         "bool": {"status": "skip", "reason": "dtype not supported by the op "
@@ -77,9 +83,10 @@ def test_report_lists_failures_known_paths_and_skips(tmp_path):
     assert "TORCHPORT_SIM_STRICT=1" in md
 
 
-def test_report_of_another_backend_names_it(tmp_path):
+def test_report_of_another_backend_names_it(tmp_path, monkeypatch):
     """A vendor's run (``--backend``) names its device and backend where the sim's gives
     its memory mode; the sim's own report keeps its header."""
+    monkeypatch.setattr(run, "KNOWN", [*run.KNOWN, _LIMITATION])
     meta = {"command": "x", "torch": "2.13", "strict": False, "dtypes": ["float32"],
             "max_samples": 2, "seconds": 1.0, "complete": True, "device": "mychip",
             "backend": "mychip_torchport"}
