@@ -67,8 +67,11 @@ def _get(q: queue.Queue, proc: multiprocessing.process.BaseProcess):
 
 
 def _collected(base: int) -> int:
-    """Device memory allocated above ``base`` once released sends are let go."""
+    """Device memory allocated above ``base`` once released sends are let go (and blocks
+    freed behind queued work, an opened segment among them, released)."""
     gc.collect()
+    torch.sim.synchronize()
+    torch.sim.empty_cache()
     torch.sim.ipc_collect()
     return torch.sim.memory_allocated() - base
 

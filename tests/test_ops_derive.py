@@ -25,9 +25,11 @@ def hypot_calls():
     @ks.out_kernel("hypot.out", dtypes=[torch.float32, torch.float64])
     def hypot_out(self, other, *, out):
         calls.append((tuple(self.shape), tuple(other.shape), tuple(out.shape), out.dtype))
-        # the "device" computes on its own views of its memory
+        # the "device" computes on its own views of its memory, in the stream's order (on
+        # an asynchronous runtime, after the work queued before the call)
         h = chip_view
-        torch.hypot(h(self), h(other), out=h(out))
+        views = h(self), h(other), h(out)
+        torchport.launch(out, lambda: torch.hypot(views[0], views[1], out=views[2]), "hypot")
         return out
 
     done = b.add_kernels(ks)
