@@ -177,6 +177,34 @@ def test_in_place_updates_are_queued_and_match_cpu():
     assert "ok" in out
 
 
+def test_in_place_trial_is_once_per_layout_not_per_step_size():
+    """An optimizer's foreach update passes new step sizes each step (a list of floats):
+    the layout trial runs once, not every step (it runs the op on stand-ins of every
+    parameter: a large model's step doubled)."""
+    out = run("""
+        from torchport.ops.hostkernels import trials
+        n = [0]
+        tried = trials.inplace_launchable
+        def counted(*a, **k):
+            n[0] += 1
+            return tried(*a, **k)
+        trials.inplace_launchable = counted
+        ps = [torch.randn(3, device="sim"), torch.randn(2, 2, device="sim")]
+        gs = [torch.rand(3, device="sim") + 1, torch.rand(2, 2, device="sim") + 1]
+        want = [p.cpu() for p in ps]
+        for step in range(1, 6):
+            sizes = [0.1 / step, 0.2 / step]
+            torch._foreach_addcdiv_(ps, gs, gs, sizes)
+            torch._foreach_addcdiv_(want, [g.cpu() for g in gs], [g.cpu() for g in gs], sizes)
+            ps[0].mul_(1.0 - 0.01 * step)
+            want[0].mul_(1.0 - 0.01 * step)
+        assert n[0] == 2, n                       # one per op and layout
+        assert all(torch.equal(p.cpu(), w) for p, w in zip(ps, want))
+        print("ok")
+    """)
+    assert "ok" in out
+
+
 def test_in_place_errors_stay_at_the_call():
     """What the CPU refuses for the arguments' dtypes or layouts raises at the call, as
     on CUDA (the host checks before it enqueues), leaving the tensor as it was: a float

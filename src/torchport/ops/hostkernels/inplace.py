@@ -142,7 +142,7 @@ def launching_inplace_kernel(backend: DeviceBackend, op: torch._ops.OpOverload,
             return general(args, kwargs)
         if kwargs:
             key.extend((k, argument_key(v)) for k, v in kwargs.items())
-        k = tuple(key)
+        k = _by_float_types(key)
         ok = layouts.get(k)
         if ok is None:
             ok = trials.inplace_launchable(op, args, kwargs)
@@ -158,6 +158,17 @@ def launching_inplace_kernel(backend: DeviceBackend, op: torch._ops.OpOverload,
         return first if returns_self else None
 
     return stats.traced(kernel, "launch", trace)
+
+
+def _by_float_types(key: list) -> tuple:
+    """``key`` with the values of float lists (a foreach update's per-tensor step sizes,
+    new every step) replaced by their length: no float value decides an elementwise op's
+    errors."""
+    for i, e in enumerate(key):
+        if type(e) is tuple and len(e) == 2 and e[0] is list and e[1] \
+                and type(e[1][0]) is float:
+            key[i] = (list, len(e[1]), float)
+    return tuple(key)
 
 
 def _overlaps(args: tuple) -> bool:
