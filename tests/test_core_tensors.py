@@ -86,6 +86,42 @@ def test_resize_grows_and_keeps_data():
     assert torch.equal(d.cpu(), torch.arange(2.0))
 
 
+@pytest.mark.parametrize("size, message", [
+    ([2, 4, 2**29, 2**29], "Storage size calculation overflowed"),  # 2**64 bytes
+    ([8, 8, 2**29, 2**29], "numel: integer multiplication overflow"),
+    ([0, 4, 2**61], "Stride calculation overflowed"),  # no elements, a stride of 2**63
+])
+def test_resize_past_int64_raises_the_cpus_error_and_keeps_the_tensor(size, message):
+    for dev in ("cpu", "sim"):
+        x = torch.full((), 3.0, dtype=torch.float64, device=dev)
+        with pytest.raises(RuntimeError, match=message):
+            x.resize_(size)
+        if dev == "sim":  # the CPU sets the sizes before its storage check; the device not
+            assert x.shape == () and x.item() == 3.0
+
+
+_PAST_INT64 = {  # layouts past int64 (Python's integers would carry them to C++ unchecked)
+    "empty, 2**64 bytes": lambda d: torch.empty([2, 4, 2**29, 2**29], device=d),
+    "empty, a stride of 2**63": lambda d: torch.empty([0, 4, 2**61], device=d),
+    "empty_strided": lambda d: torch.empty_strided([2, 2**62], [2**62, 1], device=d),
+    "new_empty_strided": lambda d: torch.empty(3, device=d).new_empty_strided([2, 2**62],
+                                                                              [2**62, 1]),
+    "set_, 2**64 elements": lambda d: torch.empty(3, device=d).set_(
+        torch.empty(3, device=d).untyped_storage(), 0, [2**62, 4], [1, 1]),
+    "set_, 2**64 bytes": lambda d: torch.empty(3, device=d).set_(
+        torch.empty(3, device=d).untyped_storage(), 0, [2**31, 2**31], [2**31, 1]),
+}
+
+
+@pytest.mark.parametrize("make", list(_PAST_INT64.values()), ids=list(_PAST_INT64))
+def test_layouts_past_int64_raise_the_cpus_error(make):
+    with pytest.raises(RuntimeError) as cpu:
+        make("cpu")
+    with pytest.raises(RuntimeError) as sim:  # not an OOM, OverflowError or ValueError
+        make("sim")
+    assert type(sim.value) is type(cpu.value) and str(sim.value) == str(cpu.value)
+
+
 def test_resize_and_set_grow_the_shared_storage_in_place():
     # as on CUDA (and the CPU): the storage itself grows, so every tensor on it sees the
     # new memory, and set_ past the storage's end grows it too

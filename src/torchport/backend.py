@@ -47,26 +47,6 @@ def parse_visible_devices(text: str | None, count: int) -> list[int]:
     return out
 
 
-def check_layout(size: list[int], stride: list[int]) -> int:
-    """The CPU's errors for sizes and strides no tensor can have, before any memory is
-    taken (DLPack's import would abort the process on them); returns the elements the
-    layout spans (``storage_nbytes`` for one-byte items), so that the caller need not
-    compute it again."""
-    if any(d < 0 for d in size):
-        neg = next(d for d in size if d < 0)
-        raise RuntimeError(f"Trying to create tensor with negative dimension {neg}: {size}")
-    if len(stride) != len(size):
-        raise RuntimeError(f"dimensionality of sizes ({len(size)}) must match dimensionality "
-                           f"of strides ({len(stride)})")
-    if 0 in size:
-        return 0
-    if any(st < 0 and d > 1 for d, st in zip(size, stride, strict=True)) \
-            or (extent := tensors.storage_nbytes(size, stride, 1)) >= 1 << 63:
-        raise RuntimeError(f"Storage size calculation overflowed with sizes={size} and "
-                           f"strides={stride}")
-    return extent
-
-
 class Backend:
     """A device type made from a runtime and kernels."""
 
@@ -176,13 +156,15 @@ class Backend:
                 f"/quantize_per_channel or torch._empty_affine_quantized(..., device=...)")
 
     def empty_strided(self, size, stride, dtype: torch.dtype | None,
-                      device: Any = None) -> torch.Tensor:
-        """A new device tensor with exactly these size/strides, memory from the allocator."""
+                      device: Any = None, *, given_strides: bool = True) -> torch.Tensor:
+        """A new device tensor with exactly these size/strides, memory from the allocator
+        (``given_strides``: the caller's, not computed from a memory format, which PyTorch's
+        errors name)."""
         dtype = dtype or torch.get_default_dtype()
         self.check_dtype(dtype)
         index = self.index_of(device)
         size, stride = list(size), list(stride)
-        nbytes = check_layout(size, stride) * dtype.itemsize
+        nbytes = tensors.check_layout(size, stride, dtype.itemsize, given_strides=given_strides)
         return self._new_tensor(index, size, stride, dtype, nbytes)
 
     def _new_tensor(self, index: int, size, stride, dtype: torch.dtype,
@@ -193,7 +175,8 @@ class Backend:
                                          None if hook is None else hook(index))
 
     def empty(self, size, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
-        return self.empty_strided(size, tensors.contiguous_strides(size), dtype, device)
+        return self.empty_strided(size, tensors.contiguous_strides(size), dtype, device,
+                                  given_strides=False)
 
     def synchronize(self, index: int | None = None) -> None:
         """Wait for all work on a device (``torch.<device>.synchronize``)."""
@@ -346,8 +329,9 @@ class Backend:
         """``resize_`` semantics: grow the storage when needed, keeping its bytes -- in
         place, as CUDA does, so that every tensor sharing it sees the new memory."""
         size, stride = list(size), list(stride)
-        self.grow_storage(t.untyped_storage(), tensors.storage_nbytes(
-            size, stride, t.element_size(), t.storage_offset()))
+        self.grow_storage(t.untyped_storage(), tensors.check_layout(
+            size, stride, t.element_size(), t.storage_offset(), sizes_first=True,
+            given_strides=False))
         _set_storage.redispatch(_CPU_KS, t, t.untyped_storage(), t.storage_offset(), size,
                                 stride)
 

@@ -260,6 +260,49 @@ def new_device_tensor(device: torch.device, alloc, nbytes: int, dtype: torch.dty
     return wrap_block(device, alloc, block, nbytes, dtype, size, stride, header)
 
 
+_INT64_MAX = 2**63 - 1
+
+
+def check_layout(size, stride, itemsize: int = 1, offset: int = 0, *,
+                 sizes_first: bool = False, given_strides: bool = True) -> int:
+    """The bytes a new layout needs, after the CPU's checks and with its errors, before
+    any memory is taken: Python's integers do not overflow, so a layout past int64 would
+    reach C++ (or DLPack's import, which aborts the process) as a number it cannot take.
+
+    PyTorch checks the storage size before the strides when it makes a tensor
+    (``empty_generic``), and the element count and strides first when it resizes one
+    (``resize_``, ``set_``: ``sizes_first``); its storage error names the strides where
+    the caller gave them (``given_strides``)."""
+    if any(d < 0 for d in size):
+        neg = next(d for d in size if d < 0)
+        raise RuntimeError(f"Trying to create tensor with negative dimension {neg}: {size}")
+    if len(stride) != len(size):
+        raise RuntimeError(f"dimensionality of sizes ({len(size)}) must match dimensionality "
+                           f"of strides ({len(stride)})")
+    if sizes_first:
+        _check_sizes(size, stride)
+    nbytes = 0
+    if 0 not in size:
+        if any(st < 0 and d > 1 for d, st in zip(size, stride, strict=True)) \
+                or (nbytes := storage_nbytes(size, stride, itemsize, offset)) > _INT64_MAX:
+            strides = f" and strides={list(stride)}" if given_strides else ""
+            raise RuntimeError(f"Storage size calculation overflowed with sizes={list(size)}"
+                               f"{strides}")
+    if not sizes_first:
+        _check_sizes(size, stride)
+    return nbytes
+
+
+def _check_sizes(size, stride) -> None:
+    numel = 1
+    for d in size:
+        numel *= d
+    if numel > _INT64_MAX:
+        raise RuntimeError("numel: integer multiplication overflow")
+    if any(st > _INT64_MAX for st in stride):
+        raise RuntimeError("Stride calculation overflowed")
+
+
 def storage_nbytes(size, stride, itemsize: int, offset: int = 0) -> int:
     """Bytes a (size, stride, storage_offset) layout needs, as ``computeStorageNbytes``."""
     if any(s == 0 for s in size):

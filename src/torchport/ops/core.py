@@ -261,7 +261,7 @@ def core_kernels(backend: DeviceBackend, overrides: dict[str, Callable[..., Any]
             return new_tensor(*spec)
         _check_layout(layout)
         return remember(key, backend.empty_strided(size, strides_for(size, memory_format),
-                                                   dtype, device))
+                                                   dtype, device, given_strides=False))
 
     def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
         key = (tuple(size), tuple(stride), layout, *kind(device, dtype))
@@ -296,8 +296,8 @@ def core_kernels(backend: DeviceBackend, overrides: dict[str, Callable[..., Any]
         if stride is None:
             stride = tensors.contiguous_strides(size)
         _check_same_device(backend, self, source.device)
-        backend.grow_storage(source, tensors.storage_nbytes(size, stride, self.element_size(),
-                                                            storage_offset))
+        backend.grow_storage(source, tensors.check_layout(size, stride, self.element_size(),
+                                                          storage_offset, sizes_first=True))
         return _set_storage.redispatch(_CPU_KS, self, source, storage_offset, size, stride)
 
     def set_tensor(self, source):
