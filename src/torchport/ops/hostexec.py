@@ -419,8 +419,34 @@ def run_on_host(backend: DeviceBackend, op: Any, args: tuple, kwargs: dict,
     plan = plan_for(op)
     if plan.is_view:
         return run_view_op(op, args, kwargs)
+    if plan.stride_blind_out:
+        outs = [kwargs.get(n) for n in plan.out_args]
+        if all(isinstance(o, Tensor) for o in outs) and not all(o.is_contiguous() for o in outs):
+            return _into_contiguous(backend, op, plan, outs, args, kwargs, to_cpu, zero_copy)
+    return _run_on_host(backend, op, plan, args, kwargs, to_cpu, zero_copy)
+
+
+def _run_on_host(backend: DeviceBackend, op: Any, plan: OpPlan, args: tuple, kwargs: dict,
+                 to_cpu: Callable[[Tensor], Tensor] | None, zero_copy: bool | None) -> Any:
     index = op_device(backend, op, plan, args, kwargs)
     if to_cpu is None:
         to_cpu = backend.to_host
         zero_copy = backend.runtime.host_addressable
     return HostCall(backend, op, plan, index, to_cpu, bool(zero_copy)).run(args, kwargs)
+
+
+def _into_contiguous(backend: DeviceBackend, op: Any, plan: OpPlan, outs: list[Tensor],
+                     args: tuple, kwargs: dict, to_cpu: Callable[[Tensor], Tensor] | None,
+                     zero_copy: bool | None) -> Any:
+    """A stride-blind ``out=`` kernel (:data:`torchport.ops.plan.STRIDE_BLIND_OUT`) given
+    a non-contiguous output: what CUDA writes into it, computed into new contiguous
+    tensors and copied in (its strides kept). Outputs of another size are resized by the
+    kernel, which lays them out contiguously: those take the kernel as they are."""
+    fresh = {n: torch.empty(0, dtype=o.dtype, device=o.device)
+             for n, o in zip(plan.out_args, outs, strict=True)}
+    _run_on_host(backend, op, plan, args, {**kwargs, **fresh}, to_cpu, zero_copy)
+    if any(fresh[n].shape != o.shape for n, o in zip(plan.out_args, outs, strict=True)):
+        return _run_on_host(backend, op, plan, args, kwargs, to_cpu, zero_copy)
+    for n, o in zip(plan.out_args, outs, strict=True):
+        o.copy_(fresh[n])
+    return outs[0] if len(outs) == 1 else tuple(outs)

@@ -63,7 +63,7 @@ _RETURN_TYPES = frozenset({"Tensor", "number", "int", "float", "bool", "List[Ten
 def servable(op: torch._ops.OpOverload) -> bool:
     """Can ``op``'s host kernel be served in C++ (its schema alone decides)?"""
     p = plan_for(op)
-    if p.is_view or p.random or p.has_device_arg or p.has_generator_arg \
+    if p.is_view or p.random or p.has_device_arg or p.has_generator_arg or p.stride_blind_out \
             or (p.num_returns == 0 and not p.write_args) or torch.Tag.inplace_view in op.tags:
         return False
     name = op._schema.name.split("::")[1]
