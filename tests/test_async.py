@@ -303,6 +303,26 @@ def test_streams_run_independently_and_wait_event_orders_them():
     assert "ok" in out
 
 
+def test_in_place_ops_under_vmap_are_queued_as_elsewhere():
+    """Deciding whether an in-place op can be queued computes on stand-ins; under vmap,
+    which refuses random ops (gradcheck's batched gradients, ``torch.vmap``), those must
+    draw no random numbers: the first ``add_`` of a layout raised vmap's error."""
+    out = run("""
+        from torch._vmap_internals import vmap as old_vmap
+        def f(v):
+            y = v * 2
+            y.add_(v).mul_(0.5)
+            return y
+        for vmap in (old_vmap, lambda fn: torch.vmap(fn, randomness="error")):
+            for layout in (lambda t: t, lambda t: t.t().contiguous().t()):
+                x = layout(torch.arange(12.0).reshape(3, 4))
+                got = vmap(f)(x.to("sim"))
+                assert torch.equal(got.cpu(), vmap(f)(x)), got
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
 def test_launch_blocking_makes_every_op_synchronous():
     code = ("import torchport.sim; rt = torchport.sim.runtime; "
             "import torch; x = torch.randn(8, device='sim'); y = x * 2; "

@@ -143,13 +143,18 @@ def launch_specs(op: torch._ops.OpOverload, out: Callable[..., Any], out_names: 
     return None
 
 
+_GOLDEN = 0.6180339887498949
+
+
 def stand_in_values(n: int, dtype: torch.dtype, value: int | None) -> Tensor:
-    """``n`` values of ``dtype``: ``value``, or (``None``) varied ones, the same each time."""
+    """``n`` values of ``dtype``: ``value``, or (``None``) varied ones, the same each time.
+    No random op makes them: a trial can run under vmap, which refuses random ops
+    (gradcheck's batched gradients, ``torch.vmap(randomness="error")``)."""
     if value is not None:
         return torch.full((n,), value, dtype=dtype)
-    if dtype.is_floating_point or dtype.is_complex:
-        g = torch.Generator().manual_seed(n)
-        return torch.randn(n, dtype=torch.float64, generator=g).to(dtype)
+    if dtype.is_floating_point or dtype.is_complex:  # golden-ratio steps over [-2, 2)
+        spread = torch.arange(1, n + 1, dtype=torch.float64).mul_(_GOLDEN).remainder_(1.0)
+        return spread.mul_(4.0).sub_(2.0).to(dtype)
     return torch.arange(n).remainder_(2 if dtype is torch.bool else 3).to(dtype)
 
 
