@@ -40,6 +40,7 @@ limitations page lists what each loses); ``torchport info`` names the layer in u
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -209,11 +210,20 @@ class GuardDevice:
         self._set_unsupported = _fn(cpp.torchport_guard_set_unsupported, None,
                                     ctypes.c_char_p)
         self._callback: Any = None  # the ctypes callback object, kept alive while set
+        self._cpp = cpp
+        self._detach_registered = False
 
     def set_callback(self, fn: Callable[..., int] | None) -> None:
-        """Route the guard's stream and event work to ``fn`` (``None``: to nowhere)."""
+        """Route the guard's stream and event work to ``fn`` (``None``: to nowhere) until
+        the interpreter has finished: finalisers at exit still reach the device's streams."""
         self._callback = GUARD_CALLBACK() if fn is None else GUARD_CALLBACK(fn)  # () is NULL
         self._set_callback(self._callback)
+        if fn is not None:
+            # C++ holds the thunk's address: it must outlive the modules' teardown
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._callback))
+            if not self._detach_registered:
+                self._detach_registered = True
+                at_interpreter_end(self._cpp.torchport_guard_detach)
 
     def set_unsupported(self, dtypes: Iterable[torch.dtype]) -> None:
         """The dtypes ``torch.accelerator.get_device_capability`` reports unsupported."""
@@ -226,6 +236,18 @@ class GuardDevice:
 
 _QUANTIZED_NAMES = {torch.qint8: "QInt8", torch.quint8: "QUInt8", torch.qint32: "QInt32",
                     torch.quint4x2: "QUInt4x2", torch.quint2x4: "QUInt2x4"}
+
+
+def at_interpreter_end(fn: Any) -> None:
+    """Run the library's C function ``fn`` (no arguments) once the interpreter has finished,
+    after its last finaliser (``Py_AtExit``), so that C++ destructors at process exit never
+    call into a dead interpreter while finalisers still reach the device; at ``atexit``
+    time where the interpreter has no room for it."""
+    register = ctypes.pythonapi.Py_AtExit
+    register.argtypes = [ctypes.c_void_p]
+    register.restype = ctypes.c_int
+    if register(ctypes.cast(fn, ctypes.c_void_p)) != 0:
+        atexit.register(fn)
 
 
 def _fn(f: Any, restype: Any, *argtypes: Any) -> Any:

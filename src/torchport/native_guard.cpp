@@ -243,6 +243,10 @@ extern "C" void torchport_guard_set_stream(int index, long long id) {
 // and destroying an event does nothing).
 extern "C" void torchport_guard_set_callback(Callback fn) { callback.store(fn); }
 
+// No callback from now on: run when the interpreter has finished (Py_AtExit), after the
+// last finaliser, before C++ destructors at process exit could call into a dead Python.
+extern "C" void torchport_guard_detach() { callback.store(nullptr); }
+
 // The message of the failure the callback is about to report (it then returns -1).
 extern "C" void torchport_guard_fail(const char* message) { failure = message ? message : ""; }
 

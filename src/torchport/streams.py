@@ -15,7 +15,6 @@ so no other stream is handed memory that pending work still reads.
 
 from __future__ import annotations
 
-import atexit
 import threading
 import types
 from typing import TYPE_CHECKING, Any
@@ -164,7 +163,6 @@ class _StreamState:
                 guard.set_stream(index, cur[index].stream_id)
         if len(self.by_id) > len(self.defaults):
             self.watch()
-        atexit.register(guard.set_callback, None)  # no Python from C++ destructors at exit
 
 
 POOL_SIZE = 32  # streams per device and priority in the pool, as CUDA's
