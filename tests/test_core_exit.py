@@ -115,6 +115,42 @@ def test_streams_and_events_in_finalizers_at_exit() -> None:
         f"{where} {y} {more} True" for where in ("del", "finally", "finalize")), r.stdout
 
 
+_FINALIZER_RESULTS = """
+import torch, torchport.sim
+
+class Holder:
+    def __init__(self, device):
+        self.device = device
+        self.a = (torch.arange(30.0).reshape(6, 5) * 0.37).sin().to(device)
+        self.b = (torch.arange(20.0).reshape(5, 4) * 0.53).cos().to(device)
+        self.i = torch.tensor([0, 2, 5], device=device)
+
+    def __del__(self):
+        # results of the device's Python kernels handed back to C++ (no views of
+        # temporaries: PyTorch aborts on those at teardown on the CPU as well)
+        a, b, i = self.a, self.b, self.i
+        for name, f in [("cpu", lambda: a.cpu()), ("double", lambda: a.double()),
+                        ("mul", lambda: a * 2), ("mm", lambda: a @ b), ("index", lambda: a[i]),
+                        ("sort", lambda: a.sort(dim=1).values), ("max", lambda: a.max(0).values),
+                        ("cat", lambda: torch.cat([a, b.t()])), ("sum", lambda: a.sum().item())]:
+            v = f()
+            v = v.cpu().tolist() if isinstance(v, torch.Tensor) else v
+            print(self.device, name, v, flush=True)
+
+holders = [Holder("sim"), Holder("cpu")]
+"""
+
+
+def test_kernel_results_in_finalizers_during_teardown() -> None:
+    r = subprocess.run([sys.executable, "-c", _FINALIZER_RESULTS], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "TORCHPORT_FALLBACK_WARN": "0"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not r.stderr.strip(), r.stderr
+    lines = [ln.split(" ", 2) for ln in r.stdout.splitlines()]
+    by_device = {d: {name: v for dev, name, v in lines if dev == d} for d in ("cpu", "sim")}
+    assert len(by_device["cpu"]) == 9 and by_device["sim"] == by_device["cpu"], r.stdout
+
+
 def test_whole_tensor_reductions_in_finalizers_at_exit() -> None:
     r = subprocess.run([sys.executable, "-c", _FINALIZERS_DIMLESS], capture_output=True,
                        text=True, timeout=120, env={**os.environ, "TORCHPORT_FALLBACK_WARN": "0"})

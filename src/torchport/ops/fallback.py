@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport import settings, tensors
-from torchport.ops import derive, hooks, hostexec, paths, stats
+from torchport.ops import derive, hooks, hostexec, paths, stats, teardown
 from torchport.ops.declarations import Decline
 from torchport.ops.plan import plan_for
 
@@ -60,7 +60,8 @@ class Route:
 
 
 # ---- state ------------------------------------------------------------------
-SLOW = False  # True when any op is forced, op statistics record or a tool intercepts ops
+INTERCEPTING = False  # True when any op is forced, op statistics record or a tool intercepts
+SLOW = False  # INTERCEPTING, or the interpreter is exiting (ops.teardown)
 _PATTERNS: list[re.Pattern[str]] = []
 _ROUTES: dict[str, Route] = {}  # overload name -> route of a native kernel
 _FORCED_CACHE: dict[str, bool] = {}
@@ -77,20 +78,23 @@ _SLOW_LISTENERS: list[Callable[[bool], None]] = []
 
 
 def on_slow_change(fn: Callable[[bool], None]) -> None:
-    """Call ``fn(SLOW)`` whenever the flag changes."""
+    """Call ``fn(INTERCEPTING)`` whenever it changes: the kernels in C++, which nothing
+    intercepts, give way to Python ones while it is set."""
     _SLOW_LISTENERS.append(fn)
 
 
 def _refresh_slow() -> None:
-    global SLOW
-    was, SLOW = SLOW, bool(_PATTERNS) or stats.ENABLED or hooks.ACTIVE
-    if SLOW != was:
+    global SLOW, INTERCEPTING
+    was, INTERCEPTING = INTERCEPTING, bool(_PATTERNS) or stats.ENABLED or hooks.ACTIVE
+    SLOW = INTERCEPTING or teardown.ACTIVE
+    if INTERCEPTING != was:
         for fn in _SLOW_LISTENERS:
-            fn(SLOW)
+            fn(INTERCEPTING)
 
 
 stats.on_change(_refresh_slow)
 hooks.on_change(_refresh_slow)
+teardown.on_start(_refresh_slow)
 _refresh_slow()  # TORCHPORT_OP_STATS=1 may have started recording already
 
 
@@ -361,12 +365,15 @@ def _land(r: Any, alias: str | None, names: tuple[str, ...], args: tuple, kwargs
 
 def run_native_slow(backend: DeviceBackend, op: Any, route: Route, fn: Callable[..., Any],
                     args: tuple, kwargs: dict) -> Any:
-    """A native kernel's call while ops are forced, recorded or intercepted."""
+    """A native kernel's call while ops are forced, recorded or intercepted, or the
+    interpreter exits."""
     if hooks.ACTIVE and not hooks.busy():
-        return hooks.dispatch(
+        result = hooks.dispatch(
             op, route.name, "fallback" if route.forced else "native", args, kwargs,
             lambda call: _native(backend, op, route, fn, args, kwargs, call))
-    return _native(backend, op, route, fn, args, kwargs, None)
+    else:
+        result = _native(backend, op, route, fn, args, kwargs, None)
+    return teardown.keep(result) if teardown.ACTIVE else result
 
 
 def _native(backend: DeviceBackend, op: Any, route: Route, fn: Callable[..., Any], args: tuple,
@@ -418,6 +425,11 @@ def make_fallback(backend: DeviceBackend) -> Callable[..., Any]:
     hooks.load_env()
 
     def fallback(keyset: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if teardown.ACTIVE:
+            return teardown.keep(run(op, args, kwargs))
+        return run(op, args, kwargs)
+
+    def run(op: Any, args: tuple, kwargs: dict) -> Any:
         plan = plan_for(op)
         if hooks.ACTIVE and not hooks.busy():
             return _intercepted(backend, op, plan, args, kwargs)

@@ -81,6 +81,6 @@ def install(backend: DeviceBackend, python: dict[str, Callable[..., Any]]) -> Fa
 
     kernels = FactoryKernels(backend, python)
     SERVING[:] = [kernels]
-    kernels.use(not fallback.SLOW)
+    kernels.use(not fallback.INTERCEPTING)
     fallback.on_slow_change(lambda slow: kernels.use(not slow))
     return kernels

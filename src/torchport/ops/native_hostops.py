@@ -190,7 +190,7 @@ class HostOpKernels:
             yield
         finally:
             self._held -= 1
-            self.use(not fallback.SLOW)
+            self.use(not fallback.INTERCEPTING)
 
     def use(self, from_cpp: bool) -> None:
         """Serve the ops from C++ (where it can) or from the Python kernels."""
@@ -234,5 +234,5 @@ def install(backend: DeviceBackend) -> None:
     from torchport.ops import fallback
 
     kernels = backend.host_op_kernels
-    kernels.use(not fallback.SLOW)
+    kernels.use(not fallback.INTERCEPTING)
     fallback.on_slow_change(lambda slow: kernels.use(not slow))

@@ -85,6 +85,6 @@ def install(backend: DeviceBackend) -> None:
     from torchport.ops import fallback
 
     views = backend.view_kernels
-    views.use(not fallback.SLOW)
+    views.use(not fallback.INTERCEPTING)
     fallback.on_slow_change(lambda slow: views.use(not slow))
 

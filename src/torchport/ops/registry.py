@@ -41,6 +41,7 @@ from torchport.ops import (
     paths,
     quantized,
     sparse,
+    teardown,
 )
 from torchport.ops.declarations import Decline, KernelDecl, KernelSet
 from torchport.ops.plan import numbers_as_tensors, plan_for
@@ -171,6 +172,7 @@ def install(backend: DeviceBackend) -> None:
     native_factories.install(backend, factories)
     native_hostops.install(backend)
     _cache_argument_classes()
+    teardown.install()
 
 
 def _cache_argument_classes() -> None:
