@@ -17,12 +17,13 @@ The functional overload writes new tensors, which overlap nothing.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+
+from torchport.ops.quiet import silently
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -129,9 +130,7 @@ def output_specs(op: OpOverload, args: tuple, kwargs: dict, quiet: bool = False)
     if hit is not None:
         return hit
     if quiet:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            results = _meta_result(op, args, kwargs)
+        results = silently(lambda: _meta_result(op, args, kwargs))
     else:
         results = _meta_result(op, args, kwargs)
     specs = [(tuple(r.shape), r.stride(), r.dtype) for r in results]
@@ -286,15 +285,17 @@ def _cpu_overlap_error(op: OpOverload, args: tuple,
     for m in memory:
         m.fill_(1)  # no zero divisors: an integer op must not fail on the values
     found: tuple[type[BaseException], str] | None = None
-    with warnings.catch_warnings(), _disable_current_modes():
-        warnings.simplefilter("ignore")  # a resized out=: the CPU's warning, not ours
+
+    def run_on(memory: list[Tensor]) -> None:  # a resized out=: the CPU's warning, not ours
+        a, k = _mirror((args, kwargs), iter(memory))
+        silently(lambda: op(*a, **k))
+
+    with _disable_current_modes():
         try:
-            a, k = _mirror((args, kwargs), iter(shared))
-            op(*a, **k)
+            run_on(shared)
         except Exception as e:  # the CPU's verdict, whatever its type
             try:
-                a, k = _mirror((args, kwargs), iter(own))
-                op(*a, **k)
+                run_on(own)
             except Exception as e2:
                 if (type(e2), str(e2)) != (type(e), str(e)):
                     found = (type(e), str(e))  # else: fails without aliasing too

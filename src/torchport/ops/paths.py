@@ -20,7 +20,6 @@ never taken.
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from torchport.ops import quiet
 from torchport.ops.plan import plan_for
 
 # Decompositions whose results differ from ATen's kernels for valid input (CUDA's and the
@@ -190,10 +190,10 @@ def _probe(op: Any, args: tuple, kwargs: dict, dtype: torch.dtype | None,
         if isinstance(v, torch.device):
             return torch.device("cpu")
         return v
+    sargs, skw = tree_map(stand_in, args), tree_map(stand_in, kwargs)
     try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            op(*tree_map(stand_in, args), **tree_map(stand_in, kwargs))
+        with torch.no_grad():
+            quiet.warnings_of(lambda: op(*sargs, **skw))
     except Exception as e:  # noqa: BLE001 (the CPU kernel's own error is the answer)
         return e
     return None

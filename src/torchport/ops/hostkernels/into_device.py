@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport.allocator import ADOPT_MIN_BYTES
-from torchport.ops import derive, hostviews
+from torchport.ops import derive, hostviews, quiet
 from torchport.ops.hostkernels import outputs, schema, trials
 from torchport.ops.hostkernels.layouts import LayoutCache
 from torchport.ops.hostkernels.mapping import CPU_KS
@@ -150,7 +150,7 @@ class IntoDevice:
         ckw = dict(kwargs)
         ckw.update(zip(self.out_names, scratch, strict=True))
         try:
-            ok = not trials.warnings_of(lambda: call(CPU_KS, *trial, **ckw))
+            ok = not quiet.warnings_of(lambda: call(CPU_KS, *trial, **ckw))
         except Exception:
             ok = False
         ok = ok and all((list(x.shape), list(x.stride())) == (s.size, s.stride)
@@ -193,7 +193,7 @@ class IntoDevice:
             with seen:
                 self.binding(*copies, **ckw)
         try:
-            if trials.warnings_of(run):
+            if quiet.warnings_of(run):
                 return False
         except Exception:
             return False

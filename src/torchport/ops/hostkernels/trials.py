@@ -9,7 +9,6 @@ with a pattern no result has, and comparing the bytes with the functional kernel
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchport import tensors
 from torchport.ops import derive
+from torchport.ops.quiet import warnings_of
 
 Tensor = torch.Tensor
 
@@ -99,20 +99,6 @@ def same_bits(a: Tensor, b: Tensor) -> bool:
         flat.view(t.shape).copy_(t.resolve_conj().resolve_neg())
         return flat.view(torch.uint8)
     return torch.equal(raw(a), raw(b))
-
-
-def warnings_of(fn: Callable[[], Any]) -> list:
-    """The warnings ``fn`` gives, those of C++ (``TORCH_WARN``) included. Inside a kernel,
-    C++ warnings go to the user's outer call, which shows them when it returns; running
-    ``fn`` inside a PyTorch Python binding (``Tensor.apply_`` calls it back) makes them
-    Python warnings here."""
-    def element(_: float) -> float:
-        fn()
-        return 0.0
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.zeros(1).apply_(element)
-    return seen
 
 
 # ---- asynchronous launches: specs from stand-ins ------------------------------------
