@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from torchport.ops.plan import named_arguments, plan_for
 from torchport.ops.quiet import silently
+from torchport.tensors import storage_nbytes
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -286,8 +288,16 @@ def _cpu_overlap_error(op: OpOverload, args: tuple,
         m.fill_(1)  # no zero divisors: an integer op must not fail on the values
     found: tuple[type[BaseException], str] | None = None
 
+    index_args = plan_for(op).index_args
+
     def run_on(memory: list[Tensor]) -> None:  # a resized out=: the CPU's warning, not ours
         a, k = _mirror((args, kwargs), iter(memory))
+        for name, v in named_arguments(plan_for(op), a, k):
+            if name in index_args:  # indices a kernel may trust: 0, valid everywhere
+                for t in v if isinstance(v, (list, tuple)) else (v,):
+                    if isinstance(t, Tensor) and t.numel() and not t.is_floating_point():
+                        n = storage_nbytes(t.shape, t.stride(), t.element_size())
+                        t.as_strided((n // t.element_size(),), (1,)).zero_()  # overlaps too
         silently(lambda: op(*a, **k))
 
     with _disable_current_modes():

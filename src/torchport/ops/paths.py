@@ -180,17 +180,23 @@ def _flat(args: tuple, kwargs: dict) -> list[Any]:
 def _probe(op: Any, args: tuple, kwargs: dict, dtype: torch.dtype | None,
            bools: bool = False, fill: int = 0) -> BaseException | None:
     """The CPU kernel's error on CPU stand-ins of ``args`` (the same dims, each size 1,
-    filled with ``fill``; every non-bool tensor, and with ``bools`` every bool one, in
-    ``dtype`` when given), or ``None``."""
-    def stand_in(v: Any) -> Any:
+    filled with ``fill``, or 0 where the argument may hold indices; every non-bool tensor,
+    and with ``bools`` every bool one, in ``dtype`` when given), or ``None``."""
+    index_args = plan_for(op).index_args
+
+    def stand_in(v: Any, name: str = "") -> Any:
         if isinstance(v, torch.Tensor):
             keep = dtype is None or (v.dtype is torch.bool and not bools)
             dt = v.dtype if keep else dtype
-            return torch.full([min(n, 1) for n in v.shape], fill, dtype=dt)
+            return torch.full([min(n, 1) for n in v.shape],
+                              0 if name in index_args else fill, dtype=dt)
         if isinstance(v, torch.device):
             return torch.device("cpu")
         return v
-    sargs, skw = tree_map(stand_in, args), tree_map(stand_in, kwargs)
+    names = plan_for(op).arg_names
+    sargs = [tree_map(lambda x, n=n: stand_in(x, n), a)
+             for a, n in zip(args, names, strict=False)]
+    skw = {k: tree_map(lambda x, k=k: stand_in(x, k), v) for k, v in kwargs.items()}
     try:
         with torch.no_grad():
             quiet.warnings_of(lambda: op(*sargs, **skw))

@@ -8,6 +8,7 @@ op is a view, a factory or a random op.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,13 @@ STRIDE_BLIND_OUT = frozenset({
 })
 
 
+# Tensor arguments that may hold indices (``target``, ``indices``, ``offsets``, lengths and
+# counts): some CPU kernels trust them unchecked (``nll_loss2d_backward`` writes where its
+# target points), so an integer stand-in there is 0, the one index valid in every
+# non-empty dimension, never a value that would make the kernel write outside its memory.
+_INDEX_NAME = re.compile(r"ind|target|offset|bag|length|size|count")
+
+
 @dataclass(frozen=True)
 class OpPlan:
     name: str  # "aten::add.out"
@@ -55,6 +63,7 @@ class OpPlan:
     # positions of single-Tensor arguments: there a boxed call to Python hands a kernel a
     # Python number for a wrapped scalar (``x + 1``, ``copysign(x, 2.0)``)
     number_slots: tuple[int, ...]
+    index_args: frozenset[str]  # tensor arguments that may hold indices (_INDEX_NAME)
 
 
 def plan_for(op: torch._ops.OpOverload) -> OpPlan:
@@ -110,7 +119,14 @@ def _make_plan(op: torch._ops.OpOverload) -> OpPlan:
         num_returns=len(schema.returns),
         number_slots=tuple(i for i, a in enumerate(schema.arguments)
                            if not a.kwarg_only and str(a.type) in ("Tensor", "Optional[Tensor]")),
+        index_args=frozenset(a.name for a in schema.arguments
+                             if "Tensor" in str(a.type) and _INDEX_NAME.search(a.name)),
     )
+
+
+def named_arguments(plan: OpPlan, args: tuple | list, kwargs: dict) -> list[tuple[str, Any]]:
+    """(schema name, value) of each argument of a call."""
+    return [*zip(plan.arg_names, args, strict=False), *kwargs.items()]
 
 
 def numbers_as_tensors(plan: OpPlan, args: tuple) -> tuple:

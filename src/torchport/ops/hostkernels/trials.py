@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchport import tensors
 from torchport.ops import derive
+from torchport.ops.plan import plan_for
 from torchport.ops.quiet import warnings_of
 
 Tensor = torch.Tensor
@@ -132,16 +133,48 @@ def launch_specs(op: torch._ops.OpOverload, out: Callable[..., Any], out_names: 
 _GOLDEN = 0.6180339887498949
 
 
-def stand_in_values(n: int, dtype: torch.dtype, value: int | None) -> Tensor:
+def stand_in_values(n: int, dtype: torch.dtype, value: int | None,
+                    index: bool = False) -> Tensor:
     """``n`` values of ``dtype``: ``value``, or (``None``) varied ones, the same each time.
     No random op makes them: a trial can run under vmap, which refuses random ops
-    (gradcheck's batched gradients, ``torch.vmap(randomness="error")``)."""
+    (gradcheck's batched gradients, ``torch.vmap(randomness="error")``). Integers are
+    zeros where varied, and always for an argument that may hold indices (``index``,
+    :attr:`~torchport.ops.plan.OpPlan.index_args`): some CPU kernels trust their indices
+    unchecked (``nll_loss2d_backward`` writes where its target points), and 0 is the one
+    index valid in every non-empty dimension; another value would have them write outside
+    their outputs, into the process's heap."""
+    integer = not (dtype.is_floating_point or dtype.is_complex or dtype is torch.bool)
+    if integer and (index or value is None):
+        return torch.zeros(n, dtype=dtype)
     if value is not None:
         return torch.full((n,), value, dtype=dtype)
-    if dtype.is_floating_point or dtype.is_complex:  # golden-ratio steps over [-2, 2)
-        spread = torch.arange(1, n + 1, dtype=torch.float64).mul_(_GOLDEN).remainder_(1.0)
-        return spread.mul_(4.0).sub_(2.0).to(dtype)
-    return torch.arange(n).remainder_(2 if dtype is torch.bool else 3).to(dtype)
+    if integer:
+        return torch.zeros(n, dtype=dtype)
+    if dtype is torch.bool:  # a mask, never an index
+        return torch.arange(n).remainder_(2).to(dtype)
+    # golden-ratio steps over [-2, 2)
+    spread = torch.arange(1, n + 1, dtype=torch.float64).mul_(_GOLDEN).remainder_(1.0)
+    return spread.mul_(4.0).sub_(2.0).to(dtype)
+
+
+def stand_ins(op: torch._ops.OpOverload, args: tuple, kwargs: dict,
+              value: int | None) -> tuple[list, dict]:
+    """Host stand-ins of a call's tensors (tensor lists too), in their layouts, filled as
+    :func:`stand_in_values` says."""
+    index_args = plan_for(op).index_args
+
+    def stand_in(v: Any, name: str) -> Any:
+        if isinstance(v, Tensor):
+            n = tensors.storage_nbytes(v.shape, v.stride(), v.element_size()) // v.element_size()
+            return stand_in_values(n, v.dtype, value, name in index_args).as_strided(
+                v.shape, v.stride())
+        if isinstance(v, (list, tuple)) and any(isinstance(x, Tensor) for x in v):
+            return type(v)(stand_in(x, name) for x in v)
+        return v
+
+    names = plan_for(op).arg_names
+    return ([stand_in(a, n) for a, n in zip(args, names, strict=False)],
+            {k: stand_in(v, k) for k, v in kwargs.items()})
 
 
 def specs_on_stand_ins(op: torch._ops.OpOverload, out: Callable[..., Any],
@@ -151,14 +184,7 @@ def specs_on_stand_ins(op: torch._ops.OpOverload, out: Callable[..., Any],
     :data:`REFUSED` when the functional CPU kernel raises on them. The ``out=`` overload
     runs on copies of the stand-ins into outputs filled with a pattern, and must give
     the functional kernel's bits, in the outputs and in any input either writes."""
-    def stand_in(v: Any) -> Any:
-        if not isinstance(v, Tensor):
-            return v
-        n = tensors.storage_nbytes(v.shape, v.stride(), v.element_size()) // v.element_size()
-        return stand_in_values(n, v.dtype, value).as_strided(v.shape, v.stride())
-
-    sargs = [stand_in(a) for a in args]
-    skw = {k: stand_in(v) for k, v in kwargs.items()}
+    sargs, skw = stand_ins(op, args, kwargs, value)
     names = list(skw)
     copies = layout_copies([*sargs, *skw.values()])
     oargs, okw = copies[:len(sargs)], dict(zip(names, copies[len(sargs):], strict=True))
@@ -200,16 +226,7 @@ def inplace_launchable(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
     except Exception:
         return False
 
-    def stand_in(v: Any) -> Any:
-        if isinstance(v, Tensor):
-            n = tensors.storage_nbytes(v.shape, v.stride(), v.element_size()) // v.element_size()
-            return stand_in_values(n, v.dtype, None).as_strided(v.shape, v.stride())
-        if isinstance(v, (list, tuple)) and any(isinstance(x, Tensor) for x in v):
-            return type(v)(stand_in(x) for x in v)
-        return v
-
-    sargs = [stand_in(a) for a in args]
-    skw = {k: stand_in(v) for k, v in kwargs.items()}
+    sargs, skw = stand_ins(op, args, kwargs, None)
     try:
         return not warnings_of(lambda: op._op(*sargs, **skw))
     except Exception:
