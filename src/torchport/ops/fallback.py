@@ -425,17 +425,13 @@ def make_fallback(backend: DeviceBackend) -> Callable[..., Any]:
     hooks.load_env()
 
     def fallback(keyset: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        if teardown.ACTIVE:
-            return teardown.keep(run(op, args, kwargs))
-        return run(op, args, kwargs)
-
-    def run(op: Any, args: tuple, kwargs: dict) -> Any:
         plan = plan_for(op)
         if hooks.ACTIVE and not hooks.busy():
-            return _intercepted(backend, op, plan, args, kwargs)
-        if plan.is_view:  # metadata only: PyTorch's own kernel, no CPU round trip
-            if stats.ENABLED:
-                return _run_view(plan, op, args, kwargs)
-            return hostexec.run_view_op(op, args, kwargs)
-        return next_path(backend, op, plan.overload_name, args, kwargs)
+            result = _intercepted(backend, op, plan, args, kwargs)
+        elif plan.is_view:  # metadata only: PyTorch's own kernel, no CPU round trip
+            result = _run_view(plan, op, args, kwargs) if stats.ENABLED \
+                else hostexec.run_view_op(op, args, kwargs)
+        else:
+            result = next_path(backend, op, plan.overload_name, args, kwargs)
+        return teardown.keep(result) if teardown.ACTIVE else result
     return fallback
