@@ -25,18 +25,12 @@ on_cpu, on_sim = Holder("cpu"), Holder("sim")
 """
 
 
-_FINALIZERS_DIMLESS = """
-import weakref
-import torch, torchport.sim
-
-def show(where, t):
-    # whole-tensor reductions (no dim), large enough to be handed to the Python kernels
-    print(where, t.device.type, t.sum().item(), (t * 2).mean().item(), t.max().item(),
-          flush=True)
-
+# each tensor of TENSORS shown at exit by a __del__, a generator's finally and a
+# weakref.finalize callback (the script defines show(where, t) and TENSORS)
+_AT_EXIT = """
 class Holder:
-    def __init__(self, device):
-        self.t = torch.arange(90000.0, device=device).reshape(300, 300) / 1000
+    def __init__(self, t):
+        self.t = t
 
     def __del__(self):
         show("del", self.t)
@@ -47,13 +41,25 @@ def gen(t):
     finally:
         show("finally", t)
 
-holders = [Holder("cpu"), Holder("sim")]
+holders = [Holder(t) for t in TENSORS]
 gens = [gen(h.t) for h in holders]
 for g in gens:
     next(g)
 for h in holders:
     weakref.finalize(h, show, "finalize", h.t)
 """
+
+_FINALIZERS_DIMLESS = """
+import weakref
+import torch, torchport.sim
+
+def show(where, t):
+    # whole-tensor reductions (no dim), large enough to be handed to the Python kernels
+    print(where, t.device.type, t.sum().item(), (t * 2).mean().item(), t.max().item(),
+          flush=True)
+
+TENSORS = [torch.arange(90000.0, device=d).reshape(300, 300) / 1000 for d in ("cpu", "sim")]
+""" + _AT_EXIT
 
 
 _FINALIZERS_STREAMS = """
@@ -83,25 +89,9 @@ def show(where, t):
     torch.sim.synchronize()
     print(where, y.item(), sum(m.sum().item() for m in more), done.query(), flush=True)
 
-class Holder:
-    def __init__(self):
-        self.t = torch.arange(1000.0, device="sim").reshape(10, 100)
-
-    def __del__(self):
-        show("del", self.t)
-
-def gen(t):
-    try:
-        yield 1
-    finally:
-        show("finally", t)
-
 side_stream_before_exit = torch.sim.Stream()
-h = Holder()
-g = gen(h.t)
-next(g)
-weakref.finalize(h, show, "finalize", h.t)
-"""
+TENSORS = [torch.arange(1000.0, device="sim").reshape(10, 100)]
+""" + _AT_EXIT
 
 
 def test_streams_and_events_in_finalizers_at_exit() -> None:
