@@ -25,9 +25,10 @@ on_cpu, on_sim = Holder("cpu"), Holder("sim")
 """
 
 
-# each tensor of TENSORS shown at exit by a __del__, a generator's finally and a
-# weakref.finalize callback (the script defines show(where, t) and TENSORS)
-_AT_EXIT = """
+# each tensor of TENSORS shown at exit by a __del__ (a module global's: during the teardown),
+# then also by a generator's finally and a weakref.finalize callback (the script defines
+# show(where, t) and TENSORS)
+_AT_EXIT_DEL = """
 class Holder:
     def __init__(self, t):
         self.t = t
@@ -35,13 +36,15 @@ class Holder:
     def __del__(self):
         show("del", self.t)
 
+holders = [Holder(t) for t in TENSORS]
+"""
+_AT_EXIT = _AT_EXIT_DEL + """
 def gen(t):
     try:
         yield 1
     finally:
         show("finally", t)
 
-holders = [Holder(t) for t in TENSORS]
 gens = [gen(h.t) for h in holders]
 for g in gens:
     next(g)
@@ -139,6 +142,76 @@ def test_kernel_results_in_finalizers_during_teardown() -> None:
     lines = [ln.split(" ", 2) for ln in r.stdout.splitlines()]
     by_device = {d: {name: v for dev, name, v in lines if dev == d} for d in ("cpu", "sim")}
     assert len(by_device["cpu"]) == 9 and by_device["sim"] == by_device["cpu"], r.stdout
+
+
+_FALLBACK_OPS = """
+import os, weakref
+import torch, torchport.sim
+
+def show(where, t):
+    # ops the sim runs through the CPU fallback (no sim kernel): functional, out=, in-place,
+    # results to grow, several results, and the sparse and quantized fallbacks
+    for name, f in [("pdist", lambda: torch.pdist(t[:1].reshape(1, 1))),  # a float argument
+                    ("bessel_j0", lambda: torch.special.bessel_j0(t)),
+                    ("bessel_j1_out", lambda: torch.special.bessel_j1(t, out=torch.empty_like(t))),
+                    ("polygamma_", lambda: t.clone().polygamma_(1)),
+                    ("histc", lambda: torch.histc(t, 4)),
+                    ("kthvalue", lambda: torch.kthvalue(t, 2)),
+                    ("frexp", lambda: torch.frexp(t)),
+                    ("nanmedian", lambda: torch.nanmedian(t)),
+                    ("sparse", lambda: (t.to_sparse() * 2).to_dense()),
+                    ("quantized", lambda: torch.quantize_per_tensor(t, 0.1, 0, torch.quint8)
+                     .int_repr())]:
+        v = f()
+        v = [x.cpu().tolist() for x in v] if isinstance(v, tuple) else v.cpu().tolist()
+        print(where, t.device.type, name, v, flush=True)
+
+TENSORS = [torch.arange(1.0, 7.0, device=d) / 7 for d in ("cpu", "sim")]
+if os.environ.get("WARM_UP"):
+    show("before", TENSORS[1])
+"""
+
+
+@pytest.mark.parametrize("sites,warm_up", [
+    ("del", False),  # each op first met during the teardown
+    ("all", True),
+])
+def test_fallback_ops_in_finalizers_during_teardown(sites: str, warm_up: bool) -> None:
+    script = _FALLBACK_OPS + (_AT_EXIT if sites == "all" else _AT_EXIT_DEL)
+    env = {**os.environ, "TORCHPORT_FALLBACK_WARN": "0", "WARM_UP": "1" if warm_up else "",
+           "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=180, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not r.stderr.strip(), r.stderr[-3000:]
+    lines = [ln.split(" ", 3) for ln in r.stdout.splitlines()]
+    for where in ("del", "finally", "finalize") if sites == "all" else ("del",):
+        by_device = {d: {name: v for w, dev, name, v in lines if w == where and dev == d}
+                     for d in ("cpu", "sim")}
+        assert len(by_device["cpu"]) == 10 and by_device["sim"] == by_device["cpu"], r.stdout
+
+
+_FLOAT_ARGUMENT = """
+import torch, torchport.sim
+
+class Holder:
+    def __init__(self, device):
+        self.t = torch.ones(1, 1, device=device)  # no Python float met before the exit
+
+    def __del__(self):
+        # pdist's Python kernel calls _pdist_forward(t, 2.0): a float argument
+        print(self.t.device.type, torch.pdist(self.t).shape, flush=True)
+
+holders = [Holder("cpu"), Holder("sim")]
+"""
+
+
+def test_float_arguments_in_finalizers_during_teardown() -> None:
+    r = subprocess.run([sys.executable, "-c", _FLOAT_ARGUMENT], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "TORCHPORT_FALLBACK_WARN": "0"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not r.stderr.strip(), r.stderr[-2000:]
+    assert sorted(r.stdout.splitlines()) == ["cpu torch.Size([0])", "sim torch.Size([0])"]
 
 
 def test_whole_tensor_reductions_in_finalizers_at_exit() -> None:

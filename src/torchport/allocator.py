@@ -1175,6 +1175,7 @@ def _declare(cpp: Any) -> None:
             ("torchport_caching_enable", c_int, [ctypes.POINTER(ctypes.c_void_p), c_int, c_int,
                                                  c_int]),
             ("torchport_caching_detach", None, []),
+            ("torchport_caching_at_exit", None, []),
             ("torchport_caching_error", ctypes.c_char_p, []),
             ("torchport_caching_error_kind", c_int, []),
             ("torchport_caching_malloc", u64, [c_int, u64, i64]),
@@ -1252,7 +1253,7 @@ def _native_allocators(cpp: Any, runtime: Runtime, visible: list[int],
         cpp.torchport_caching_set_release(release)
     # from the exit on, a storage that dies keeps its block: no Python call in a
     # finalizing interpreter
-    atexit.register(cpp.torchport_caching_detach)
+    atexit.register(cpp.torchport_caching_at_exit)
     return allocs
 
 

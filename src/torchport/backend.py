@@ -20,6 +20,7 @@ from torchport import native, qtensors, settings, tensors
 from torchport.allocator import ADOPT_MIN_BYTES, DeviceAllocator, NativeAllocator, make_allocators
 from torchport.contracts import BackendError
 from torchport.libraries import keep_past_exit
+from torchport.ops.quantized import check_available
 from torchport.runtime import Runtime
 
 _ACTIVE: Backend | None = None
@@ -214,7 +215,6 @@ class Backend:
     def _quantized_to_device(self, cpu: torch.Tensor, index: int) -> torch.Tensor:
         """A quantized CPU tensor on device ``index``: its integers copied into device memory
         under a device tensor with the same quantization parameters (dense layouts kept)."""
-        from torchport.ops.quantized import check_available
         check_available(self)
         if cpu.dtype in self.runtime.unsupported_dtypes:
             self.check_dtype(cpu.dtype)

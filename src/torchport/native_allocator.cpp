@@ -278,6 +278,7 @@ struct CachingCallbacks {
 constexpr int kCachingCallbacks = sizeof(CachingCallbacks) / sizeof(void*);
 CachingCallbacks cc{};
 std::atomic<bool> caching_on{false};
+std::atomic<bool> caching_exiting{false};  // detached by the exit handler
 
 // A device's allocator lock. Python is called with it held (segments, events); a thread
 // holding the GIL that must wait for it lets the GIL go while it waits, so that the
@@ -1061,6 +1062,13 @@ extern "C" int torchport_caching_enable(void** functions, int count, int devices
 // The interpreter is exiting: blocks freed from now on stay with the process.
 extern "C" void torchport_caching_detach() { caching_on.store(false); }
 
+// The same from the interpreter's exit on; the pools stay for what Python still asks of them
+// (a resize in a finaliser), their blocks kept to the end.
+extern "C" void torchport_caching_at_exit() {
+  caching_exiting.store(true);
+  caching_on.store(false);
+}
+
 extern "C" const char* torchport_caching_error() { return caching_error.c_str(); }
 extern "C" int torchport_caching_error_kind() { return caching_error_kind; }
 
@@ -1294,7 +1302,8 @@ void replace_block(const c10::Storage& storage, c10::DataPtr fresh, size_t newsi
 void resize_device_storage(const c10::Storage& storage, size_t newsize) {
   auto n = static_cast<int64_t>(newsize);  // Python's negative sizes arrive as huge ones
   TORCH_CHECK(n >= 0, "resize_: size must be non-negative, got ", n);
-  TORCH_CHECK(caching_on.load() && live.load() && callbacks.copy != nullptr,
+  TORCH_CHECK(((caching_on.load() && live.load()) || caching_exiting.load()) &&
+                  callbacks.copy != nullptr,
               "torchport: resizing a device storage needs torchport's C++ allocator, which "
               "does not serve this process; call resize_ before the interpreter exits");
   size_t old = storage.nbytes();

@@ -76,32 +76,6 @@ std::mutex registering;
 std::unique_ptr<torch::Library> registered;
 std::vector<std::string> registered_names;
 
-[[noreturn]] void raise_python() {
-  python_error e;
-  e.persist();
-  throw std::move(e);
-}
-
-// An argument as the Python kernel receives it (dtype, layout and memory format objects,
-// not the integers the dispatcher holds them as).
-py::object argument_object(const c10::Argument& arg, const c10::IValue& v) {
-  if (v.isNone()) return py::none();
-  const c10::Type* t = arg.real_type().get();
-  if (auto opt = t->castRaw<c10::OptionalType>()) t = opt->getElementType().get();
-  switch (t->kind()) {
-    case c10::TypeKind::ScalarTypeType:
-      return py::reinterpret_borrow<py::object>(
-          reinterpret_cast<PyObject*>(torch::getTHPDtype(v.toScalarType())));
-    case c10::TypeKind::LayoutType:
-      return py::reinterpret_borrow<py::object>(
-          reinterpret_cast<PyObject*>(torch::getTHPLayout(v.toLayout())));
-    case c10::TypeKind::MemoryFormatType:
-      return py::reinterpret_borrow<py::object>(
-          torch::utils::getTHPMemoryFormat(v.toMemoryFormat()));
-    default:
-      return torch::jit::toPyObject(v);
-  }
-}
 
 class HostOp final : public c10::OperatorKernel {
  public:
@@ -441,14 +415,14 @@ class HostOp final : public c10::OperatorKernel {
     }
     pybind11::gil_scoped_acquire gil;
     PyObject* t = THPVariable_Wrap(cpu);
-    if (!t) raise_python();
+    if (!t) torchport::raise_python();
     PyObject* got = PyObject_CallFunction(python_result, "Oi", t, index);
     Py_DECREF(t);
-    if (!got) raise_python();
+    if (!got) torchport::raise_python();
     if (!THPVariable_Check(got)) {
       Py_DECREF(got);
       PyErr_SetString(PyExc_TypeError, "torchport: a host result function returned no tensor");
-      raise_python();
+      torchport::raise_python();
     }
     at::Tensor dev = THPVariable_Unpack(got);
     Py_DECREF(got);
@@ -464,40 +438,7 @@ class HostOp final : public c10::OperatorKernel {
   // The op's Python kernel on the arguments on the stack; its results replace them.
   void python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     handed.fetch_add(1, std::memory_order_relaxed);
-    const auto& schema = op.schema();
-    const auto& arguments = schema.arguments();
-    const size_t first = stack->size() - arguments.size();
-    pybind11::gil_scoped_acquire gil;
-    py::object result;
-    try {
-      py::list args;
-      py::dict kwargs;
-      for (size_t i = 0; i < arguments.size(); ++i) {
-        py::object o = argument_object(arguments[i], (*stack)[first + i]);
-        if (arguments[i].kwarg_only())
-          kwargs[py::str(arguments[i].name())] = o;
-        else
-          args.append(o);
-      }
-      stack->resize(first);
-      result = py::reinterpret_borrow<py::object>(python_)(*py::tuple(args), **kwargs);
-    } catch (py::error_already_set& e) {
-      e.restore();
-      raise_python();
-    }
-    const auto& returns = schema.returns();
-    try {
-      if (returns.size() == 1) {
-        stack->push_back(torch::jit::toIValue(result, returns[0].real_type()));
-      } else if (!returns.empty()) {
-        py::tuple items = py::reinterpret_borrow<py::tuple>(result);
-        for (size_t i = 0; i < returns.size(); ++i)
-          stack->push_back(torch::jit::toIValue(items[i], returns[i].real_type()));
-      }
-    } catch (py::error_already_set& e) {
-      e.restore();
-      raise_python();
-    }
+    torchport::python_kernel_call(python_, nullptr, op, stack);
   }
 
   PyObject* python_;
@@ -508,6 +449,78 @@ class HostOp final : public c10::OperatorKernel {
 };
 
 }  // namespace
+
+namespace torchport {
+
+[[noreturn]] void raise_python() {
+  python_error e;
+  e.persist();
+  throw std::move(e);
+}
+
+// An argument as the Python kernel receives it (dtype, layout and memory format objects,
+// not the integers the dispatcher holds them as).
+static py::object argument_object(const c10::Argument& arg, const c10::IValue& v) {
+  if (v.isNone()) return py::none();
+  const c10::Type* t = arg.real_type().get();
+  if (auto opt = t->castRaw<c10::OptionalType>()) t = opt->getElementType().get();
+  switch (t->kind()) {
+    case c10::TypeKind::ScalarTypeType:
+      return py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(torch::getTHPDtype(v.toScalarType())));
+    case c10::TypeKind::LayoutType:
+      return py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(torch::getTHPLayout(v.toLayout())));
+    case c10::TypeKind::MemoryFormatType:
+      return py::reinterpret_borrow<py::object>(
+          torch::utils::getTHPMemoryFormat(v.toMemoryFormat()));
+    default:
+      return torch::jit::toPyObject(v);
+  }
+}
+
+void python_kernel_call(PyObject* fn, PyObject* prefix, const c10::OperatorHandle& op,
+                        torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto& arguments = schema.arguments();
+  const size_t first = stack->size() - arguments.size();
+  pybind11::gil_scoped_acquire gil;
+  py::object result;
+  try {
+    py::list args;
+    if (prefix)
+      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(prefix); ++i)
+        args.append(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(prefix, i)));
+    py::dict kwargs;
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      py::object o = argument_object(arguments[i], (*stack)[first + i]);
+      if (arguments[i].kwarg_only())
+        kwargs[py::str(arguments[i].name())] = o;
+      else
+        args.append(o);
+    }
+    stack->resize(first);
+    result = py::reinterpret_borrow<py::object>(fn)(*py::tuple(args), **kwargs);
+  } catch (py::error_already_set& e) {
+    e.restore();
+    raise_python();
+  }
+  const auto& returns = schema.returns();
+  try {
+    if (returns.size() == 1) {
+      stack->push_back(torch::jit::toIValue(result, returns[0].real_type()));
+    } else if (!returns.empty()) {
+      py::tuple items = py::reinterpret_borrow<py::tuple>(result);
+      for (size_t i = 0; i < returns.size(); ++i)
+        stack->push_back(torch::jit::toIValue(items[i], returns[i].real_type()));
+    }
+  } catch (py::error_already_set& e) {
+    e.restore();
+    raise_python();
+  }
+}
+
+}  // namespace torchport
 
 // Serve the ops in `kernels` (a dict: overload name -> (Python kernel, functional flag, CPU
 // tensors of any size pass, a composite factory))

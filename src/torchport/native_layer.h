@@ -48,11 +48,21 @@ at::Generator new_generator(c10::DeviceIndex index);
 }  // namespace torchport
 
 #if __has_include(<Python.h>)
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <Python.h>
 
 #include <bitset>
 
 namespace torchport {
+// native_hostops.cpp: the pending Python error thrown to the dispatcher's caller (as
+// PyTorch's bindings rethrow it: the same exception reaches Python).
+[[noreturn]] void raise_python();
+// native_hostops.cpp: `fn(*prefix, *args, **kwargs)` (`prefix` a tuple, or null) for the op's
+// arguments on `stack` as a Python kernel receives them (dtype, layout and memory-format
+// objects; kwarg-only ones by name); its results replace them. Takes the GIL.
+void python_kernel_call(PyObject* fn, PyObject* prefix, const c10::OperatorHandle& op,
+                        torch::jit::Stack* stack);
 // native_factories.cpp: the dtypes of `list` (a Python list of torch.dtype) set in `out`;
 // false with a Python TypeError for anything else.
 bool read_dtype_set(PyObject* list, std::bitset<256>& out);

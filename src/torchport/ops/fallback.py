@@ -26,6 +26,7 @@ Porting tools (autocompare, op dumps) see every device op call through
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import sys
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import settings, tensors
+from torchport import native, settings, tensors
 from torchport.ops import derive, hooks, hostexec, paths, stats, teardown
 from torchport.ops.declarations import Decline
 from torchport.ops.plan import plan_for
@@ -435,3 +436,29 @@ def make_fallback(backend: DeviceBackend) -> Callable[..., Any]:
             result = next_path(backend, op, plan.overload_name, args, kwargs)
         return teardown.keep(result) if teardown.ACTIVE else result
     return fallback
+
+
+
+def register(backend: DeviceBackend, fn: Callable[..., Any], key: str) -> None:
+    """Register ``fn(keyset, op, *args, **kwargs)`` as the boxed fallback of dispatch key
+    ``key``. From torchport's exit handler on, the C++ library's fallback calls it instead of
+    PyTorch's registration, which imports ``torch`` to find an op it meets for the first
+    time: an op first met in a finaliser during the interpreter's teardown would raise
+    (native_exit_fallback.cpp)."""
+    lib = backend.library("_")  # this registration alone, to be replaced at exit
+    lib.fallback(fn, key, with_keyset=True)
+    teardown.on_start(lambda: _native_at_exit(backend, lib, fn, key))
+
+
+def _native_at_exit(backend: DeviceBackend, lib: torch.library.Library,
+                    fn: Callable[..., Any], key: str) -> None:
+    install = native.python_function("torchport_exit_fallback_install",
+                                     [ctypes.py_object, ctypes.py_object, ctypes.c_char_p],
+                                     ctypes.c_int)
+    if install is None:
+        return
+    lib._destroy()
+    try:
+        install(fn, torch.ops, key.encode())
+    except RuntimeError:  # the Python registration again, as before
+        backend.library("_").fallback(fn, key, with_keyset=True)

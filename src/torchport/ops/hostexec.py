@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport import native, qtensors, tensors
+from torchport.ops import teardown
 from torchport.ops.plan import OpPlan, numbers_as_tensors, plan_for
 
 if TYPE_CHECKING:
@@ -432,7 +433,11 @@ def _run_on_host(backend: DeviceBackend, op: Any, plan: OpPlan, args: tuple, kwa
     if to_cpu is None:
         to_cpu = backend.to_host
         zero_copy = backend.runtime.host_addressable
-    return HostCall(backend, op, plan, index, to_cpu, bool(zero_copy)).run(args, kwargs)
+    call = HostCall(backend, op, plan, index, to_cpu, bool(zero_copy))
+    if teardown.ACTIVE:
+        # its Python storages, which its CPU tensors use, must outlive them
+        teardown.keep(call)
+    return call.run(args, kwargs)
 
 
 def _into_contiguous(backend: DeviceBackend, op: Any, plan: OpPlan, outs: list[Tensor],

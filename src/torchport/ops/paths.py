@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from torchport.ops import quiet
+from torchport.ops import quiet, teardown
 from torchport.ops.plan import plan_for
 
 # Decompositions whose results differ from ATen's kernels for valid input (CUDA's and the
@@ -59,6 +59,9 @@ def decomposition_table() -> dict[Any, Callable[..., Any]]:
                 import torch._decomp as d
                 _TABLE = d.decomposition_table
     return _TABLE
+
+
+teardown.on_start(decomposition_table)  # a finaliser during the teardown cannot import
 
 
 class _Seen(TorchDispatchMode):

@@ -102,14 +102,13 @@ def make_fallback(backend: DeviceBackend) -> Callable[..., Any]:
     return quantized_fallback
 
 
-def install(backend: DeviceBackend, lib: torch.library.Library,
-            fallback_lib: torch.library.Library) -> None:
+def install(backend: DeviceBackend, lib: torch.library.Library) -> None:
     """Register the fallback, and the same handler as the kernel of every op PyTorch gives a
     QuantizedCPU kernel of its own: on ``QuantizedPrivateUse1`` those would otherwise take
     their CompositeExplicitAutograd kernel, which knows no quantizer (``clone`` and
     ``empty_like`` would make tensors without quantization parameters)."""
     handler = make_fallback(backend)
-    fallback_lib.fallback(handler, "QuantizedPrivateUse1", with_keyset=True)
+    fallback.register(backend, handler, "QuantizedPrivateUse1")
     registered = torch._C._dispatch_get_registrations_for_dispatch_key
     taken = set(registered("QuantizedPrivateUse1"))
     for full in sorted(registered("QuantizedCPU")):

@@ -163,9 +163,8 @@ def install(backend: DeviceBackend) -> None:
         install_kernel_set(backend, ks, lib, taken)
     from torchport.ops import device_routes  # after the backend's own: its kernels win
     install_kernel_set(backend, device_routes.make_kernel_set(backend), lib, taken, warn=False)
-    fb = backend.library("_")
-    fb.fallback(fallback.make_fallback(backend), "PrivateUse1", with_keyset=True)
-    quantized.install(backend, lib, fb)
+    fallback.register(backend, fallback.make_fallback(backend), "PrivateUse1")
+    quantized.install(backend, lib)
     quantized.install_int_mm_route()
     sparse.install(backend, lib, taken)
     native_views.install(backend)
@@ -177,15 +176,17 @@ def install(backend: DeviceBackend) -> None:
 
 def _cache_argument_classes() -> None:
     """PyTorch converts a Python argument of an op called from Python after looking its
-    SymInt/SymFloat/SymBool class up with an import, once, on first use; during the
+    SymInt/SymFloat/SymBool (or TypedStorage) class up with an import, once, on first use; during the
     interpreter's finalization that import fails. The device's Python kernels call ops so,
     and the first such call may be in a finaliser at exit (``t.sum()`` in a ``__del__``):
     one conversion of each kind now caches the classes."""
     z = torch.zeros(1)
     torch.ops.aten.sum.dim_IntList._op(z, [0], False)  # an int list, a bool
     torch.ops.aten.add.Tensor._op(z, z, alpha=1.5)  # a float Scalar
+    torch.ops.aten.dropout.default._op(z, 0.0, False)  # a float
     torch.ops.aten.select.int._op(z, 0, 0)  # SymInts
     numbers_as_tensors(plan_for(torch.ops.aten.copysign.Tensor), (z, 2.0))  # wrapped numbers
+    torch.empty(0).set_(torch.UntypedStorage(0), 0, (0,), (1,))  # a storage (TypedStorage's)
 
 
 def overload_name(op: torch._ops.OpOverload) -> str:

@@ -337,7 +337,7 @@ def install(backend: DeviceBackend, lib: torch.library.Library, taken: set[str])
     composite kernel would otherwise take; and the dense-to-sparse conversions the vendor
     has no kernel for (``taken``: overloads with a strided kernel)."""
     for key, cpu_key in KEYS.values():
-        backend.library("_").fallback(_fallback(backend, key), key, with_keyset=True)
+        fallback.register(backend, _fallback(backend, key), key)
         for name in _composite_shadowed(cpu_key):
             lib.impl(name, _kernel(backend, _resolve(name), key), key)
     for name in (*TO_SPARSE, *VALIDATE):

@@ -7,14 +7,16 @@ skips Python while the interpreter is not initialised). A Python kernel's result
 back to C++ is then freed under it, and PyTorch aborts in ``THPVariable_clear``
 (``use_count() == 1``). CUDA's kernels, in C++, never meet this; the device's Python
 kernels do. From torchport's exit handler on, the kernels take their slow path
-(``fallback.SLOW``), which hands each result to :func:`keep`: kept alive from the start of
-the teardown until the process ends. Kernels in C++ keep their path (their results never
-had a Python object).
+(``fallback.SLOW``), which hands each result to :func:`keep`, as the host runs hand their
+Python storages: kept from the start of the teardown and never freed (a Python storage
+freed while C++ still holds its memory trips PyTorch's ``THPStorage_dealloc`` assertion
+just as well). Kernels in C++ keep their path (their results never had a Python object).
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -47,4 +49,6 @@ def _start() -> None:
 
 def install() -> None:
     """Keep results from the exit handlers on (ops before them pay nothing)."""
+    # a reference no teardown step drops: what is kept is never freed under C++
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT))
     atexit.register(_start)
