@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from torchport import native
+
 pytestmark = pytest.mark.modes
 
 _FINALIZER = """
@@ -172,6 +174,7 @@ if os.environ.get("WARM_UP"):
 """
 
 
+@pytest.mark.skipif(native.load() is None, reason=f"no C++ library: {native.UNAVAILABLE}")
 @pytest.mark.parametrize("sites,warm_up", [
     ("del", False),  # each op first met during the teardown
     ("all", True),
