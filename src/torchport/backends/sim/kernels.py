@@ -66,6 +66,16 @@ MODEL_OPS = [
     "max_pool2d_with_indices", "max_pool2d_with_indices_backward", "avg_pool2d",
     "avg_pool2d_backward", "_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward",
     "adaptive_max_pool2d", "upsample_nearest2d", "upsample_bilinear2d",
+    # the 1-d and 3-d layers' backward (a 3-d CNN's training step), padding, fractional pools
+    "_adaptive_avg_pool3d_backward", "avg_pool3d_backward", "max_pool3d_with_indices_backward",
+    "adaptive_max_pool2d_backward", "adaptive_max_pool3d", "adaptive_max_pool3d_backward",
+    "fractional_max_pool2d", "fractional_max_pool2d_backward", "fractional_max_pool3d",
+    "fractional_max_pool3d_backward", "reflection_pad1d_backward", "reflection_pad2d_backward",
+    "reflection_pad3d_backward", "replication_pad1d_backward", "replication_pad2d_backward",
+    "replication_pad3d_backward", "upsample_nearest3d_backward", "_embedding_bag_backward",
+    "rrelu_with_noise",
+    # (not hardshrink or replication_pad1d: the tests' examples of a decomposed op and of a
+    # kernel a test adds)
     "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward",
     "mse_loss", "mse_loss_backward", "l1_loss", "smooth_l1_loss", "smooth_l1_loss_backward",
     "huber_loss", "huber_loss_backward", "binary_cross_entropy",
