@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchport.debug.coverage_paths import PATH_COLOR as PATH_COLOR  # re-exported
+from torchport.debug.coverage_paths import PATH_ORDER, PATH_STYLE
+from torchport.debug.report_html import render_html
+
 EXIT_NO_DEVICE_OPS = 4  # torchport coverage's exit code when no op ran on the device
-PATH_ORDER = ("fallback", "decomposed", "native", "view")  # worst first: the report's groups
-PATH_STYLE = {"fallback": "bold red", "decomposed": "yellow", "native": "green", "view": "cyan"}
-PATH_COLOR = {"fallback": "#d9534f", "decomposed": "#e0a800", "native": "#28a745",
-              "view": "#17a2b8"}
 
 
 @dataclass
@@ -185,8 +185,6 @@ class CoverageResult:
         return p
 
     def write_html(self, path: str | os.PathLike[str]) -> Path:
-        from torchport.debug.report_html import render_html
-
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(render_html(self), encoding="utf-8")

@@ -8,10 +8,28 @@ fallback ops first, since those are the ones that need kernels.
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from torchport.debug.opcoverage import CoverageResult
+from torchport.debug.coverage_paths import PATH_COLOR, PATH_ORDER
+
+
+class Coverage(Protocol):
+    """What the page reads of a :class:`torchport.debug.opcoverage.CoverageResult`."""
+
+    mode: str
+    backend: str
+    script: str | None
+    args: list[str]
+    exit_code: int
+    error: str | None
+    stopped_at: str | None
+    forced_fallback: list[str]
+
+    def calls_per_path(self) -> dict[str, int]: ...
+    def ops_per_path(self) -> dict[str, int]: ...
+    def time_per_path(self) -> dict[str, float]: ...
+    def rows(self) -> list[Any]: ...
+    def summary(self) -> str: ...
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em;color:#222}
@@ -52,10 +70,8 @@ def bar_chart_svg(values: dict[str, float], unit: str, colors: dict[str, str],
     return "".join(parts)
 
 
-def render_html(result: CoverageResult) -> str:
+def render_html(result: Coverage) -> str:
     """The whole report page for ``result``."""
-    from torchport.debug.opcoverage import PATH_COLOR, PATH_ORDER
-
     static = result.mode == "static"
     calls, nops, secs = result.calls_per_path(), result.ops_per_path(), result.time_per_path()
     title = f"torchport op coverage: {result.script or 'code block'}"
