@@ -180,9 +180,6 @@ if os.environ.get("WARM_UP"):
     ("all", True),
 ])
 def test_fallback_ops_in_finalizers_during_teardown(sites: str, warm_up: bool) -> None:
-    if not warm_up and not torch.__version__.startswith("2.13."):
-        # docs/limitations.md: on 2.14, torch.empty inside the fallback imports once
-        pytest.skip("an op first met during the teardown: torch 2.13 only")
     script = _FALLBACK_OPS + (_AT_EXIT if sites == "all" else _AT_EXIT_DEL)
     env = {**os.environ, "TORCHPORT_FALLBACK_WARN": "0", "WARM_UP": "1" if warm_up else "",
            "PYTHONWARNINGS": "ignore"}

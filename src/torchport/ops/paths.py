@@ -19,6 +19,7 @@ never taken.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -119,6 +120,10 @@ def decomposition_for(op: Any, device_type: str, args: tuple, kwargs: dict,
     d = _DECISIONS.get(op, _UNDECIDED)
     if d is not _UNDECIDED:
         return d  # type: ignore[return-value]
+    if sys.is_finalizing():
+        # the trial would meet ops (and torch._dynamo's lazy import on torch 2.14) that
+        # PyTorch finds with an import, which fails during the teardown: the CPU fallback
+        return None
     fn = decomposition_table().get(op)
     if op._schema.name in NOT_EQUIVALENT:
         fn = None
