@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.helpers import MODE_VARIABLES, ROOT, child_env, run_python
+from torchport import native
 
 MODES = {"async": {"TORCHPORT_SIM_ASYNC": "1"},
          "strict-async": {"TORCHPORT_SIM_ASYNC": "1", "TORCHPORT_SIM_STRICT": "1"},
@@ -110,6 +111,69 @@ def test_ctrl_c_abandons_queued_work() -> None:
             p.kill()
             p.wait()
     assert p.returncode != 0 and "KeyboardInterrupt" in err, err[-2000:]
+
+
+# Ctrl-C (a KeyboardInterrupt the runtime raises once, as a SIGINT arriving there would)
+# inside Python that the C++ library called: a block's free from a storage's deleter (an
+# event recorded), an allocation, an event wait, the profiler's event. Each loop must stop
+# with KeyboardInterrupt, and the memory of what it made must all return.
+_INTERRUPTED_CALLBACK = """
+    import sys, torch, torchport.sim
+    from torch.profiler import ProfilerActivity, profile
+    where, scenario = sys.argv[1], sys.argv[2]
+    rt = torchport.sim.BACKEND.runtime
+    original, calls = getattr(rt, where), [0]
+    def once(*args):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return original(*args)
+    setattr(rt, where, once)
+    a = torch.randn(64, 64, device="sim")
+    try:
+        for i in range(300):
+            if scenario == "steps":
+                a = (a @ a).tanh()
+            elif scenario == "grow":
+                b = torch.ones(1 << (10 + i % 10), device="sim")
+            elif scenario == "event":
+                e = torch.Event(device="sim")
+                e.record()
+                e.synchronize()
+            elif scenario == "profile":
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]):
+                    (a + 1).sum()
+        print("not interrupted")
+    except KeyboardInterrupt as e:
+        print("interrupted", type(e.__context__).__name__)
+    setattr(rt, where, original)
+    a = b = e = None
+    torch.sim.synchronize()
+    print("allocated", torch.sim.memory_allocated())
+"""
+
+
+@pytest.mark.skipif(native.loaded() is None, reason="callbacks of the C++ library")
+@pytest.mark.parametrize("where,scenario,modes", [
+    # a storage's deleter frees its block: the stream is queried, an event made and recorded
+    ("query_stream", "steps", ("async",)),
+    ("record_event", "steps", ("async", "strict-async")),
+    ("malloc", "grow", ("sync", "async")),
+    ("synchronize_event", "event", ("sync", "async")),
+    ("record_event", "profile", ("sync",)),
+])
+def test_ctrl_c_inside_a_callback_of_the_cpp_library_stops_the_program(
+        where: str, scenario: str, modes: tuple[str, ...]) -> None:
+    """The interrupt is raised again once the callback has returned, where the caller's
+    Python runs (it used to become a RuntimeError, or, in a deleter, to be printed and
+    lost: the program went on, the freed block neither in use nor free)."""
+    for mode in modes:
+        r = subprocess.run([sys.executable, "-c", textwrap.dedent(_INTERRUPTED_CALLBACK),
+                            where, scenario], env=_env(mode), capture_output=True, text=True,
+                           timeout=300, cwd=ROOT)
+        assert r.returncode == 0, mode + r.stdout + r.stderr
+        assert "interrupted NoneType" in r.stdout and "allocated 0" in r.stdout \
+            and "Exception ignored" not in r.stderr, mode + r.stdout + r.stderr
 
 
 def test_a_failure_nobody_synchronised_is_reported_at_exit() -> None:

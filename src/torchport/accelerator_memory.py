@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import forking, native
+from torchport import forking, interrupts, native
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -105,9 +105,10 @@ def _callback(cpp: ctypes.CDLL, fn: Callable[..., None]) -> Callable[..., int]:
     """``fn`` as a C callback: 1 when it returned, 0 after reporting its exception."""
     def call(*args: Any) -> int:
         try:
-            fn(*args)
+            interrupts.to_completion(fn, *args)  # (Ctrl-C: raised once back in C++)
             return 1
         except BaseException as e:  # noqa: BLE001 (every exception must reach C++ as an error)
+            interrupts.redeliver(e)
             _report(cpp, e)
             return 0
     return call
@@ -146,7 +147,8 @@ def install(backend: DeviceBackend) -> bool:
     def free(device: int, ptr: int) -> None:
         try:
             b.allocators[device].storage_died(_Freed(ptr))
-        except BaseException:  # noqa: BLE001 (a deleter cannot raise: report, as for __del__)
+        except BaseException as e:  # noqa: BLE001 (a deleter cannot raise: report, as for __del__)
+            interrupts.redeliver(e)
             print(f"Exception ignored in torchport's {b.name} allocator returning block "
                   f"{ptr:#x} of {b.name}:{device}:", file=sys.stderr)
             traceback.print_exc()

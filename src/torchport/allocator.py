@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from torchport import native
+from torchport import interrupts, native
 from torchport.runtime import Runtime
 
 K_MIN_BLOCK = 512
@@ -1201,9 +1201,10 @@ def _callback(cpp: Any, fn: Callable[..., None]) -> Callable[..., int]:
     (which raises it as the matching c10::Error)."""
     def call(*args: Any) -> int:
         try:
-            fn(*args)
+            interrupts.to_completion(fn, *args)  # (Ctrl-C: raised once back in C++)
             return 1
         except BaseException as e:  # noqa: BLE001 (every exception must reach C++)
+            interrupts.redeliver(e)
             kind = _OOM_KIND if isinstance(e, torch.OutOfMemoryError) else 0
             msg = str(e) if kind or type(e) is RuntimeError else f"{type(e).__name__}: {e}"
             cpp.torchport_allocator_fail(kind, msg.encode("utf-8", "replace"))

@@ -124,6 +124,7 @@ thread_local Failure failure;
 // outer call's report.
 template <typename F>
 void python(const char* what, F&& call) {
+  torchport::CallbackInterrupts interrupts;
   int gil = callbacks.gil_ensure();
   void *type = nullptr, *value = nullptr, *traceback = nullptr;
   callbacks.err_fetch(&type, &value, &traceback);

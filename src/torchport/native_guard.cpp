@@ -27,6 +27,8 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
+#include "native_layer.h"
+
 namespace {
 
 // What the callback is asked to do; the arguments are (a, b, c), results in *iout/*dout.
@@ -70,6 +72,7 @@ int call(Op op, long long a, long long b = 0, long long c = 0, long long* iout =
                              "exiting, or torchport registered no backend)");
   long long i = 0;
   double d = 0;
+  torchport::CallbackInterrupts interrupts;
   int rc = fn(op, a, b, c, iout ? iout : &i, dout ? dout : &d);
   if (rc < 0) {
     std::string message = failure.empty() ? std::string("device runtime call failed") : failure;

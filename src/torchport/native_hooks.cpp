@@ -69,6 +69,7 @@ void free_pinned(void* ptr) {
   if (!runtime_block) {
     c10::free_cpu(ptr);
   } else if (HostFree fn = host_free.load()) {  // none at exit: the process ends anyway
+    torchport::CallbackInterrupts interrupts;
     fn(reinterpret_cast<long long>(ptr));
   }
 }
@@ -78,7 +79,11 @@ struct PinnedAllocator final : public c10::Allocator {
     void* ptr = nullptr;
     bool runtime_block = false;
     if (HostAlloc fn = n ? host_alloc.load() : nullptr) {
-      long long address = fn(static_cast<long long>(n));
+      long long address;
+      {
+        torchport::CallbackInterrupts interrupts;
+        address = fn(static_cast<long long>(n));
+      }
       TORCH_CHECK(address != -1, "the device runtime's host_alloc(", n,
                   ") failed (its error was shown as a warning); pin_memory=False avoids it");
       ptr = reinterpret_cast<void*>(address);

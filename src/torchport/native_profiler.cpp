@@ -27,6 +27,8 @@
 #include <c10/util/ApproximateClock.h>
 #include <torch/csrc/profiler/stubs/base.h>
 
+#include "native_layer.h"
+
 // PyTorch's registry of kineto activity profilers for PrivateUse1
 // (torch/csrc/profiler/standalone/privateuse1_profiler.h); its header needs kineto's
 // include directory and USE_KINETO, which this build does not pass, so the two exported
@@ -60,6 +62,7 @@ bool may_call() { return !in_callback && std::uncaught_exceptions() == 0; }
 struct CallbackScope {
   CallbackScope() { in_callback = true; }
   ~CallbackScope() { in_callback = false; }
+  torchport::CallbackInterrupts interrupts;
 };
 
 void release(void* handle) {

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import native
+from torchport import interrupts, native
 from torchport.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -77,16 +77,18 @@ def _use_runtime_host_memory(backend: DeviceBackend) -> None:
 
     def alloc(nbytes: int) -> int:
         try:
-            return rt.host_alloc(nbytes) or 0
+            return interrupts.to_completion(rt.host_alloc, nbytes) or 0
         except BaseException as e:  # noqa: BLE001 -- the C++ caller raises
+            interrupts.redeliver(e)
             warnings.warn(f"torchport: {type(rt).__name__}.host_alloc({nbytes}) failed: {e}",
                           RuntimeWarning, stacklevel=1)
             return -1
 
     def free(ptr: int) -> None:
         try:
-            rt.host_free(ptr)
+            interrupts.to_completion(rt.host_free, ptr)
         except BaseException as e:  # noqa: BLE001 -- a deleter: nothing can raise
+            interrupts.redeliver(e)
             warnings.warn(f"torchport: {type(rt).__name__}.host_free failed: {e}",
                           RuntimeWarning, stacklevel=1)
 

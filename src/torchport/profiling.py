@@ -24,7 +24,6 @@ profiler runs: PyTorch calls the stubs from its profiler's callbacks only.
 
 from __future__ import annotations
 
-import _thread
 import atexit
 import ctypes
 import functools
@@ -36,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._C._profiler import ProfilerActivity, ProfilerState
 
-from torchport import native
+from torchport import interrupts, native
 
 if TYPE_CHECKING:
     from torchport.contracts import DeviceBackend
@@ -115,9 +114,9 @@ def _guarded(fn: Callable[..., Any], what: str, default: Any,
              events: _Events) -> Callable[..., Any]:
     def call(*args: Any) -> Any:
         try:
-            return fn(*args)
-        except KeyboardInterrupt:  # deliver it where Python runs again
-            _thread.interrupt_main()
+            return interrupts.to_completion(fn, *args)  # (Ctrl-C: raised once back in C++)
+        except KeyboardInterrupt as exc:  # a second one: the call is given up
+            interrupts.redeliver(exc)
         except BaseException as exc:
             events.report(what, exc)
         return default

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import device_module
+from torchport import device_module, interrupts
 from torchport.allocator import DeviceAllocator
 from torchport.runtime import shares_events
 
@@ -105,54 +105,60 @@ class _StreamState:
         def event(eid: int) -> tuple[int, Any, bool]:
             return events[eid]
 
+        def serve(op: int, a: int, b_: int, c: int, iout: Any, dout: Any) -> int:
+            if op == _NEW_STREAM:
+                iout[0] = (self.pooled(a, b_, new_stream) if c else new_stream(a, b_)).stream_id
+            elif op == _QUERY_STREAM:
+                return int(self.stream(a, b_).query())
+            elif op == _SYNC_STREAM:
+                self.stream(a, b_).synchronize()
+            elif op == _SYNC_DEVICE:
+                b.synchronize(a)
+            elif op == _EVENT_CREATE:
+                with self.lock:
+                    eid = self.next_event
+                    self.next_event += 1
+                events[eid] = (a, rt.create_event(b.phys(a), bool(b_), False), bool(b_))
+                iout[0] = eid
+            elif op == _EVENT_RECORD:
+                index, handle, _ = event(a)
+                if index != b_:
+                    raise RuntimeError(
+                        f"Event device index {index} does not match recording stream's "
+                        f"device index {b_}.")
+                rt.record_event(b.phys(index), handle, self.stream(b_, c).handle)
+            elif op == _EVENT_BLOCK:
+                rt.stream_wait_event(b.phys(b_), self.stream(b_, c).handle, event(a)[1])
+            elif op == _EVENT_QUERY:
+                index, handle, _ = event(a)
+                return int(bool(rt.query_event(b.phys(index), handle)))
+            elif op == _EVENT_SYNC:
+                index, handle, _ = event(a)
+                rt.synchronize_event(b.phys(index), handle)
+            elif op == _EVENT_ELAPSED:
+                (i0, h0, t0), (i1, h1, t1) = event(a), event(b_)
+                if not (t0 and t1):
+                    raise RuntimeError("Both events must be created with argument "
+                                       "'enable_timing=True'.")
+                rt.synchronize_event(b.phys(i0), h0)
+                rt.synchronize_event(b.phys(i1), h1)
+                dout[0] = float(rt.event_elapsed_time(b.phys(i0), h0, h1))
+            elif op == _EVENT_DESTROY:
+                found = events.pop(a, None)
+                if found is not None:
+                    rt.destroy_event(b.phys(found[0]), found[1])
+            elif op == _RECORD_DATA:
+                _record_use(b, a, b_, self.stream(b_, c))
+            return 0
+
         def call(op: int, a: int, b_: int, c: int, iout: Any, dout: Any) -> int:
+            # each call is a runtime call, which Ctrl-C does not cut half-way (as CUDA's)
             try:
-                if op == _NEW_STREAM:
-                    iout[0] = (self.pooled(a, b_, new_stream) if c else new_stream(a, b_)).stream_id
-                elif op == _QUERY_STREAM:
-                    return int(self.stream(a, b_).query())
-                elif op == _SYNC_STREAM:
-                    self.stream(a, b_).synchronize()
-                elif op == _SYNC_DEVICE:
-                    b.synchronize(a)
-                elif op == _EVENT_CREATE:
-                    with self.lock:
-                        eid = self.next_event
-                        self.next_event += 1
-                    events[eid] = (a, rt.create_event(b.phys(a), bool(b_), False), bool(b_))
-                    iout[0] = eid
-                elif op == _EVENT_RECORD:
-                    index, handle, _ = event(a)
-                    if index != b_:
-                        raise RuntimeError(
-                            f"Event device index {index} does not match recording stream's "
-                            f"device index {b_}.")
-                    rt.record_event(b.phys(index), handle, self.stream(b_, c).handle)
-                elif op == _EVENT_BLOCK:
-                    rt.stream_wait_event(b.phys(b_), self.stream(b_, c).handle, event(a)[1])
-                elif op == _EVENT_QUERY:
-                    index, handle, _ = event(a)
-                    return int(bool(rt.query_event(b.phys(index), handle)))
-                elif op == _EVENT_SYNC:
-                    index, handle, _ = event(a)
-                    rt.synchronize_event(b.phys(index), handle)
-                elif op == _EVENT_ELAPSED:
-                    (i0, h0, t0), (i1, h1, t1) = event(a), event(b_)
-                    if not (t0 and t1):
-                        raise RuntimeError("Both events must be created with argument "
-                                           "'enable_timing=True'.")
-                    rt.synchronize_event(b.phys(i0), h0)
-                    rt.synchronize_event(b.phys(i1), h1)
-                    dout[0] = float(rt.event_elapsed_time(b.phys(i0), h0, h1))
-                elif op == _EVENT_DESTROY:
-                    found = events.pop(a, None)
-                    if found is not None:
-                        rt.destroy_event(b.phys(found[0]), found[1])
-                elif op == _RECORD_DATA:
-                    _record_use(b, a, b_, self.stream(b_, c))
-                return 0
+                return interrupts.to_completion(serve, op, a, b_, c, iout, dout)
             except BaseException as e:  # noqa: BLE001 -- becomes the C++ caller's error
-                guard.fail(f"{b.name}: {e}".encode(errors="replace"))
+                interrupts.redeliver(e)
+                what = repr(e) if isinstance(e, KeyboardInterrupt) else str(e)
+                guard.fail(f"{b.name}: {what}".encode(errors="replace"))
                 return -1
 
         self.guard = guard
