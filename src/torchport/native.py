@@ -4,29 +4,8 @@ PyTorch asks a device type for a device guard, accelerator hooks, generators, an
 allocator and profiler stubs in C++; its support for Python backends fills them with
 stand-ins that answer "device 0, one device, default stream" or raise. torchport compiles
 its own, vendor-neutral (they call the Python runtime only where the hardware must act),
-into one small library, with PyTorch's C++ view kernels:
-
-* the view ops (``ops/native_views.cpp``, switched by :mod:`torchport.ops.native_views`):
-  PyTorch's own C++ view kernels, registered for the device;
-* ``empty`` and ``empty_strided`` (``native_factories.cpp``, switched by
-  :mod:`torchport.ops.native_factories`): new tensors from the C++ caching allocator;
-* host-op kernels (``native_hostops.cpp``, switched by :mod:`torchport.ops.native_hostops`):
-  the CPU kernel on CPU tensors over device memory, for devices whose memory the host
-  reaches at the device address, handing uncommon calls to the Python host kernels;
-* the device guard (``native_guard.cpp``): the per-thread current device and current
-  stream of each device, read without Python; streams, events and synchronization through
-  the stream layer (:mod:`torchport.streams`);
-* the accelerator hooks (``native_hooks.cpp``): pinned host memory (:mod:`torchport.pinned`,
-  a runtime's ``host_alloc`` where it has one), the device count and current device;
-* the device generators (``native_generator.cpp``): ``torch.Generator(device="sim")`` and
-  the per-device default generators, each over a CPU generator's state, which the device's
-  CPU kernels draw from;
-* the caching allocator and the device allocator (``native_allocator.cpp``,
-  :mod:`torchport.allocator`, :mod:`torchport.accelerator_memory`): the device's memory
-  pools, whose storages return their blocks from their deleters, ``torch.accelerator``'s
-  memory API, storages PyTorch's C++ makes, and their ``resize_`` (through the hooks);
-* the profiler stubs (``native_profiler.cpp``, :mod:`torchport.profiling`) and backend
-  metadata in checkpoints (``native_metadata.cpp``).
+into one small library, with PyTorch's C++ view kernels, from the sources in ``csrc/``
+(its README says what each file gives PyTorch and which module switches it on).
 
 The library is compiled once per source, torch and Python version (``$CXX``, default
 ``c++``, with the headers in the torch wheel) into ``TORCHPORT_CACHE_DIR`` (default
@@ -58,10 +37,10 @@ import torch
 
 from torchport import compat, settings
 
-_HERE = Path(__file__).parent
-# every ``native_*.cpp`` beside this file is a part of the one library
-SOURCES = (_HERE / "ops" / "native_views.cpp", *sorted(_HERE.glob("native_*.cpp")))
-HEADERS = tuple(sorted(_HERE.glob("native_*.h")))  # what the sources share (in the build's hash)
+CSRC = Path(__file__).parent / "csrc"
+# every ``.cpp`` of ``csrc/`` is a part of the one library (its README says what each gives)
+SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
+HEADERS = tuple(sorted(CSRC.glob("*.h")))  # what the sources share (in the build's hash)
 _cpp: ctypes.CDLL | None = None
 _py: ctypes.PyDLL | None = None  # the same library, for the functions taking Python objects
 _tried = False

@@ -15,7 +15,7 @@
 // failed), and none is made while an exception unwinds (Python's error indicator may be
 // set then) or from inside another callback on the same thread (a runtime whose event
 // calls run torch ops would recurse): those ops get no device time.
-// Built with the other native_*.cpp by torchport/native.py; enabled by
+// Built with the other csrc/*.cpp by torchport/native.py; enabled by
 // torchport_profiler_enable().
 #include <atomic>
 #include <cstdint>

@@ -23,7 +23,7 @@
 // Python's error indicator is saved around every call: a storage may die while an exception
 // is in flight (the interpreter drops a call's arguments after the call raised), and a
 // Python call made then would replace that exception with a SystemError.
-// Built with the other native_*.cpp by torchport/native.py; enabled by
+// Built with the other csrc/*.cpp by torchport/native.py; enabled by
 // torchport_allocator_enable().
 #include <algorithm>
 #include <array>
