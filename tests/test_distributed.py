@@ -54,7 +54,7 @@ def test_dead_peer_is_named() -> None:
 def test_exit_with_collectives_in_flight() -> None:
     # Regression: a communication thread that still held a Python callback when the
     # interpreter finalized took the GIL in a destructor and aborted the process with
-    # "terminate called without an active exception" (see distributed._then).
+    # "terminate called without an active exception" (see torchport.distributed.work.then).
     for r, res in enumerate(launch_workers(HERE, "exit_in_flight", timeout=60.0)):
         assert res.returncode == 0 and "terminate called" not in res.stderr, \
             f"rank {r} (rc {res.returncode}):\n{res.stderr[-4000:]}"
@@ -64,7 +64,7 @@ def test_exit_with_collectives_in_flight() -> None:
 def test_exit_of_a_process_without_groups_skips_the_collections() -> None:
     # The exit handler's two gc.collect() cost 0.4 s at every exit that imports torchport;
     # only a process that made a group has Gloo objects to release.
-    code = ("import gc, torch, torchport.sim, torchport.distributed as d\n"
+    code = ("import gc, torch, torchport.sim, torchport.distributed.process_group as d\n"
             "x = (torch.ones(3, device='sim') * 2).sum()\n"
             "calls = []\n"
             "gc.collect = lambda *a: calls.append(a) or 0\n"

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import torchport.sim
 from tests.helpers import ExactNet, check_python, exact_batches, exact_net, train_exact
 from torchport import compat, native
-from torchport.parallel_comm import NAMES, route
+from torchport.distributed.parallel_comm import NAMES, route
 from torchport.pinned import PinnedMemoryWarning
 
 B = torchport.sim.BACKEND
@@ -28,7 +28,7 @@ def test_comm_functions_are_the_devices_or_route_to_it():
     # a CPU build has none: they are new; a CUDA build's are wrapped, kept for CUDA tensors
     for name in NAMES:
         fn = getattr(torch._C, name)
-        assert fn.__module__ == "torchport.parallel_comm"
+        assert fn.__module__ == "torchport.distributed.parallel_comm"
         assert (getattr(fn, "__wrapped__", None) is not None) == (name in compat.BUILD_COMM)
 
 
@@ -286,7 +286,7 @@ def test_fresh_process_without_the_cpp_library():
     # all name device 0).
     out = check_python(
         "import warnings, torch, torchport\n"
-        "from torchport.parallel_comm import NAMES\n"
+        "from torchport.distributed.parallel_comm import NAMES\n"
         "from torchport.compat import BUILD_COMM\n"
         "assert {n for n in NAMES if hasattr(torch._C, n)} == BUILD_COMM  # the build's\n"
         "mine = lambda *a: 'pytorch'\n"

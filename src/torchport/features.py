@@ -27,7 +27,7 @@ FEATURE_MODULES: list[str] = [
     "torchport.amp",
     "torchport.transfer_env",
     "torchport.sharing",
-    "torchport.parallel_comm",
+    "torchport.distributed.parallel_comm",
     "torchport.integrations.huggingface",
     "torchport.integrations.lightning",
     "torchport.debug.env",
