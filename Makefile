@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test,opencl]'  # opencl: pyopencl + PoCL wheels
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
-	$(BIN)/python -c "from torchport import native; native.load()"  # views, device guard
+	$(BIN)/python -c "from torchport.core import native; native.load()"  # views, device guard
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -75,7 +75,7 @@ $(TORCH_VENV)/.installed: pyproject.toml
 	$(TORCH_PIP) install -q torch==$(TORCH)
 	$(TORCH_PIP) install -q -e '.[test]'
 	$(TORCH_BIN)/python -c "import torch; assert torch.__version__.split('+')[0] == '$(TORCH)', torch.__version__"
-	$(TORCH_BIN)/python -c "from torchport import native; native.load()"
+	$(TORCH_BIN)/python -c "from torchport.core import native; native.load()"
 	touch $@
 
 test-torch: $(TORCH_VENV)/.installed

@@ -1,6 +1,6 @@
 """torch.accelerator's memory API on the device: the C++ DeviceAllocator of
 native_allocator.cpp answering from torchport's caching allocator
-(torchport.accelerator_memory), in every sim mode; without the C++ library, PyTorch's error."""
+(torchport.device.accelerator_memory), in every sim mode; without the C++ library, PyTorch's error."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import sys
 import pytest
 import torch
 
-from torchport import accelerator_memory, native
-from torchport.allocator import round_size
 from torchport.backend import active_backend
+from torchport.core import native
+from torchport.device import accelerator_memory
+from torchport.memory.allocator import round_size
 
 pytestmark = pytest.mark.modes
 
@@ -283,7 +284,7 @@ def test_statistics_before_first_use_and_after_all_memory_returned():
 def test_without_the_library_pytorchs_error_remains():
     r = _run_child(
         "import torch, torchport.sim\n"
-        "from torchport import accelerator_memory\n"
+        "from torchport.device import accelerator_memory\n"
         "assert not accelerator_memory.installed()\n"
         "x = torch.empty(1000, dtype=torch.uint8, device='sim:1')\n"
         "assert torch.sim.memory_allocated(1) == 1024\n"

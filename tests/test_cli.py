@@ -67,7 +67,7 @@ def test_info_json(app: typer.Typer, monkeypatch: pytest.MonkeyPatch) -> None:
     assert dev["device"] == "sim:0" and dev["total_memory"] > 0
     assert {"allocated", "reserved", "name"} <= dev.keys()
     assert data["environment"]["TORCHPORT_FALLBACK_WARN"] == "0"
-    from torchport import native
+    from torchport.core import native
 
     layer = data["backend"]["layer"]
     if native.loaded() is not None:

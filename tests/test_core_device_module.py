@@ -8,8 +8,8 @@ import torch
 
 import torchport
 from tests.helpers import run_python
-from torchport import native
 from torchport.backends.sim.runtime import SimRuntime
+from torchport.core import native
 
 pytestmark = pytest.mark.modes
 
@@ -229,7 +229,7 @@ FEATURE_NAMES = {"Stream", "Event", "StreamContext", "current_stream", "default_
 
 
 def test_public_names_are_the_declared_ones():
-    from torchport import device_module
+    from torchport.device import device_module
     public = {n for n in dir(torch.sim) if not n.startswith("_")}
     assert public == set(torch.sim.__all__)
     assert set(torch.sim.__all__) == set(device_module.EXPORTS) | FEATURE_NAMES
@@ -239,7 +239,7 @@ def test_public_names_are_the_declared_ones():
 
 
 def test_declared_names_mirror_torch_cuda():
-    from torchport import device_module
+    from torchport.device import device_module
     ours = {"backend", "get_amp_supported_dtype", "init_device_from_env"}
     names = set(device_module.EXPORTS) | FEATURE_NAMES | set(device_module.PYTORCH_PRIVATE)
     assert names - ours <= set(dir(torch.cuda)), sorted(names - ours - set(dir(torch.cuda)))
@@ -248,7 +248,7 @@ def test_declared_names_mirror_torch_cuda():
 
 
 def test_a_feature_adds_names_through_add_only():
-    from torchport import device_module
+    from torchport.device import device_module
     mod = types.ModuleType("torch.fake")
     mod.__all__ = ["is_available"]
     device_module.add(mod, thing=1, _state=2)

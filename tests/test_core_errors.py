@@ -49,7 +49,7 @@ for make in (lambda: x.to(torch.float64), lambda: x.sum(dtype=torch.float64),
     except TypeError as e:
         print("ERR", e)
 print(x.cpu().tolist(), torch.sim.get_amp_supported_dtype())
-from torchport import native
+from torchport.core import native
 if native.loaded() is not None:
     cap = torch.accelerator.get_device_capability()["supported_dtypes"]
     print("CAP", torch.float64 in cap, torch.qint8 in cap, torch.float32 in cap)

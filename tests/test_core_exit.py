@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from torchport import native
+from torchport.core import native
 
 pytestmark = pytest.mark.modes
 

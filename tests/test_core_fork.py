@@ -15,7 +15,7 @@ pytestmark = pytest.mark.modes
 # test process (stream worker threads in async mode) is never forked.
 _FORK = """
 import os, sys, torch, torchport.sim
-from torchport.forking import ForkedDeviceError
+from torchport.device.forking import ForkedDeviceError
 if {survives}:
     torchport.sim.BACKEND.runtime.survives_fork = True
 {used}

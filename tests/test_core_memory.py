@@ -5,8 +5,8 @@ import gc
 import pytest
 import torch
 
-from torchport.allocator import K_SMALL_BUFFER, round_size
 from torchport.backend import active_backend
+from torchport.memory.allocator import K_SMALL_BUFFER, round_size
 
 pytestmark = pytest.mark.modes
 

@@ -60,7 +60,7 @@ def test_load_with_fewer_devices_is_clear(tmp_path):
 
 
 def test_backend_metadata_travels_through_a_checkpoint(tmp_path):
-    from torchport import native
+    from torchport.core import native
 
     x = torch.randn(3, device="sim:1")
     torch._utils.set_tensor_metadata(x, {"nz_format": True, "cached": False})
@@ -76,7 +76,7 @@ def test_backend_metadata_travels_through_a_checkpoint(tmp_path):
 
 
 def test_storages_come_from_pytorchs_own_constructor_with_the_cpp_allocator():
-    from torchport import accelerator_memory
+    from torchport.device import accelerator_memory
 
     if not accelerator_memory.installed():
         pytest.skip("no C++ allocator: torchport's Python constructor serves")

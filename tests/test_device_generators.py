@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torchport.sim  # noqa: F401
-from torchport import native
+from torchport.core import native
 from torchport.ops.hostexec import GeneratorDeviceError
 
 pytestmark = pytest.mark.modes
@@ -251,7 +251,7 @@ def test_cuda_default_generators_are_the_device_ones(xfer) -> None:
 
 _WITHOUT_CPP = """
 import torch, torchport.sim
-from torchport import native
+from torchport.core import native
 assert native.loaded() is None
 gens = torch.sim.default_generators
 assert len(gens) == 2 and all(g.device.type == "cpu" for g in gens)

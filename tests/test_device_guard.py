@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torchport.sim  # noqa: F401
-from torchport import native
+from torchport.core import native
 
 pytestmark = pytest.mark.modes
 
@@ -227,7 +227,7 @@ def test_backward_runs_on_the_forward_stream():
 
 _THREAD_BACKWARD = """
 import threading, torch, torchport.sim
-from torchport import native
+from torchport.core import native
 assert native.loaded() is None
 out = []
 def grads():

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tests import ipc_workers
 from tests.helpers import check_python, child_env
 from tests.opencl_support import ocl  # noqa: F401  (the OpenCL worker fixture)
-from torchport import sharing
+from torchport.device import sharing
 from torchport.runtime import Runtime
 
 pytestmark = pytest.mark.modes
@@ -43,7 +43,7 @@ def _sends_let_go():
     their memory is held for receivers until the process ends, as on CUDA. After the module
     it is let go, so that the allocator's later tests start from an empty cache."""
     yield
-    from torchport import sharing
+    from torchport.device import sharing
 
     for sent in list(sharing._SENT):
         sent.slots.bytes[sent.slot] = 0
@@ -248,7 +248,7 @@ def test_python_allocator_shares_and_frees_too():
         import gc
         import torch, torchport.sim
         from multiprocessing.reduction import ForkingPickler
-        from torchport.allocator import DeviceAllocator
+        from torchport.memory.allocator import DeviceAllocator
         assert isinstance(torchport.sim.BACKEND.allocators[0], DeviceAllocator)
         t = torch.arange(1000.0, device="sim")
         v = ForkingPickler.loads(ForkingPickler.dumps(t[5:]))
@@ -289,7 +289,7 @@ def test_opencl_refuses_to_share_naming_the_backend(ocl):  # noqa: F811
     interprocess events raise too."""
     msg = ocl.run("""
         from multiprocessing.reduction import ForkingPickler
-        from torchport.sharing import DeviceSharingError, shares_memory
+        from torchport.device.sharing import DeviceSharingError, shares_memory
         import torchport.opencl
         assert not shares_memory(torchport.opencl.runtime)
         t = torch.arange(4.0, device="ocl")

@@ -69,8 +69,8 @@ def _python(code: str, **env: str) -> str:
 
 
 # What each leaf module loads of torchport today: itself and its packages.
-# (each with its packages and torchport.lazy, which resolves their names)
-LEAF_MODULES = {"torchport.ops.plan": 4, "torchport.settings": 3, "torchport.runtime": 3}
+# (each with its packages, and torchport.core.lazy, which resolves their names)
+LEAF_MODULES = {"torchport.ops.plan": 5, "torchport.core.settings": 4, "torchport.runtime": 4}
 
 
 @pytest.mark.parametrize("leaf", sorted(LEAF_MODULES))
@@ -132,7 +132,7 @@ def test_importing_a_feature_module_changes_no_device_module():
         "from multiprocessing.reduction import ForkingPickler\n"
         "import torch, torch.multiprocessing.reductions\n"
         "reducer = ForkingPickler._extra_reducers.get(torch.UntypedStorage)\n"
-        "from torchport import device_module, features\n"
+        "from torchport import features\nfrom torchport.device import device_module\n"
         "from torchport.ops import hooks\n"
         "for name in features.FEATURE_MODULES:\n"
         "    importlib.import_module(name)\n"
@@ -154,7 +154,7 @@ def test_importing_a_feature_module_changes_no_device_module():
 
 def test_two_hooks_on_one_module_import_both_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the ocl backend and torchport's dynamo feature both wait for dynamo's trace_rules
-    from torchport import lazy
+    from torchport.core import lazy
 
     (tmp_path / "tp_lazy_probe.py").write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -166,3 +166,24 @@ def test_two_hooks_on_one_module_import_both_run(tmp_path: Path, monkeypatch: py
     assert seen == ["first 1", "second 1"]
     lazy.when_imported("tp_lazy_probe", lambda m: seen.append("later"))  # already imported
     assert seen[-1] == "later"
+
+
+def test_the_old_paths_of_moved_modules_are_the_moved_modules():
+    """``torchport.allocator`` and the others moved into core/, memory/ and device/: the old
+    name is the same module object (monkeypatch targets, pickles), with a DeprecationWarning."""
+    out = _python(
+        "import importlib, warnings\n"
+        "moved = {'settings': 'core', 'native': 'core', 'allocator': 'memory',\n"
+        "         'tensors': 'memory', 'device_module': 'device', 'streams': 'device'}\n"
+        "for old, folder in moved.items():\n"
+        "    with warnings.catch_warnings(record=True) as caught:\n"
+        "        warnings.simplefilter('always')\n"
+        "        m = importlib.import_module('torchport.' + old)\n"
+        "    assert m is importlib.import_module(f'torchport.{folder}.{old}'), old\n"
+        "    assert any(issubclass(w.category, DeprecationWarning)\n"
+        "               and f'torchport.{folder}.{old}' in str(w.message) for w in caught), old\n"
+        "from torchport.allocator import DeviceAllocator\n"
+        "from torchport.memory.allocator import DeviceAllocator as again\n"
+        "assert DeviceAllocator is again\n"
+        "print('ok')\n")
+    assert out.strip() == "ok", out

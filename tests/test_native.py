@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import python_views_serve, run_python
-from torchport import native
+from torchport.core import native
 
 # Backward passes on sim:0 and sim:1, one inside a stream context, counting the Python
 # guard's calls; checks the gradients against the CPU's and prints "calls <n>".
@@ -40,7 +40,7 @@ def test_the_cpp_guard_serves_without_entering_python():
 
 def test_switched_off_by_the_environment():
     r = run_python("import torch, torchport.sim\n"
-                   "from torchport import native\n"
+                   "from torchport.core import native\n"
                    "from torchport.backend import active_backend\n"
                    + python_views_serve() + "assert native.loaded() is None\nprint('ok')",
                    TORCHPORT_NATIVE="0")

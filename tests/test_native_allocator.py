@@ -12,8 +12,8 @@ import torch
 
 import torchport.sim  # noqa: F401
 from tests.helpers import MODE_VARIABLES, check_python, child_env
-from torchport import allocator, tensors
 from torchport.backend import active_backend
+from torchport.memory import allocator, tensors
 
 pytestmark = pytest.mark.modes
 
@@ -169,7 +169,7 @@ def test_threads_allocating_and_freeing_at_once() -> None:
 
 _SEQUENCE = """
     import random, torch, torchport.sim
-    from torchport import tensors
+    from torchport.memory import tensors
     from torchport.backend import active_backend
     b = active_backend()
     print(type(b.allocators[0]).__name__)

@@ -13,8 +13,8 @@ import torch
 
 import torchport.sim  # noqa: F401
 from tests.helpers import check_python, child_env, privateuse1_registrations
-from torchport import allocator, tensors
 from torchport.backend import active_backend
+from torchport.memory import allocator, tensors
 from torchport.ops import fallback, native_factories, stats
 
 pytestmark = pytest.mark.modes

@@ -500,7 +500,7 @@ def test_new_tensors_have_the_asked_layout_and_free_their_block(dtype: torch.dty
 
 
 def test_a_rewritten_header_takes_the_slow_way(monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchport import tensors
+    from torchport.memory import tensors
     real = tensors._new_capsule
 
     def racing(address: int, name: bytes, destructor: object) -> object:
@@ -518,7 +518,7 @@ def test_a_rewritten_header_takes_the_slow_way(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_layout_headers_are_bounded() -> None:
-    from torchport import tensors
+    from torchport.memory import tensors
     kept = tensors.header_count()
     old = tensors.set_max_headers(kept)
     try:

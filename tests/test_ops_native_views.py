@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from tests.helpers import python_views_serve, run_python
-from torchport import native, ops
+from torchport import ops
 from torchport.backend import active_backend
+from torchport.core import native
 from torchport.ops import native_views
 
 pytestmark = pytest.mark.skipif(native.load() is None,

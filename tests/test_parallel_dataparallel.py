@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchport.sim
 from tests.helpers import ExactNet, check_python, exact_batches, exact_net, train_exact
-from torchport import compat, native
+from torchport.core import compat, native
 from torchport.distributed.parallel_comm import NAMES, route
-from torchport.pinned import PinnedMemoryWarning
+from torchport.memory.pinned import PinnedMemoryWarning
 
 B = torchport.sim.BACKEND
 NO_NCCL = pytest.mark.filterwarnings("ignore:PyTorch is not compiled with NCCL support")
@@ -287,7 +287,7 @@ def test_fresh_process_without_the_cpp_library():
     out = check_python(
         "import warnings, torch, torchport\n"
         "from torchport.distributed.parallel_comm import NAMES\n"
-        "from torchport.compat import BUILD_COMM\n"
+        "from torchport.core.compat import BUILD_COMM\n"
         "assert {n for n in NAMES if hasattr(torch._C, n)} == BUILD_COMM  # the build's\n"
         "mine = lambda *a: 'pytorch'\n"
         "torch._C._gather_out = mine\n"
@@ -295,7 +295,7 @@ def test_fresh_process_without_the_cpp_library():
         "assert torch._C._gather_out.__wrapped__ is mine  # kept, for CUDA tensors\n"
         "assert all(hasattr(torch._C, n) for n in NAMES)\n"
         "from torch.utils.data import DataLoader, TensorDataset\n"
-        "from torchport.pinned import PinnedMemoryWarning\n"
+        "from torchport.memory.pinned import PinnedMemoryWarning\n"
         "from tests.helpers import exact_net, exact_batches, train_exact\n"
         "warnings.simplefilter('ignore')\n"
         "assert not torchport.sim.BACKEND.pinned_memory\n"

@@ -15,7 +15,8 @@ from torch.autograd.profiler import profile as autograd_profile
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import torchport.sim  # noqa: F401
-from torchport import native, profiling
+from torchport.core import native
+from torchport.device import profiling
 
 pytestmark = pytest.mark.modes
 
@@ -230,7 +231,8 @@ import warnings
 import torch, torchport.sim
 from torch.profiler import profile, ProfilerActivity
 from torch.autograd.profiler import profile as autograd_profile
-from torchport import native, profiling
+from torchport.core import native
+from torchport.device import profiling
 assert native.loaded() is None and not profiling.device_time()
 a = torch.randn(64, 64, device="sim")
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as p:

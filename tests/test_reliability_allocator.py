@@ -37,7 +37,7 @@ def test_parked_blocks_cause_no_more_ooms_than_merged_ones() -> None:
     exact-size parking against the same sequence with parking off (every free merges)."""
     out = _run("""
         import random, torch, torchport.sim
-        import torchport.allocator as allocator
+        import torchport.memory.allocator as allocator
 
         def ooms(seed):
             rng = random.Random(seed)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.helpers import MODE_VARIABLES, ROOT, child_env, run_python
-from torchport import native
+from torchport.core import native
 
 MODES = {"async": {"TORCHPORT_SIM_ASYNC": "1"},
          "strict-async": {"TORCHPORT_SIM_ASYNC": "1", "TORCHPORT_SIM_STRICT": "1"},
@@ -191,7 +191,7 @@ def test_a_failure_nobody_synchronised_is_reported_at_exit() -> None:
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_backward_in_threads_on_both_devices(mode: str) -> None:
     import torchport.sim  # noqa: F401
-    from torchport import native
+    from torchport.core import native
     if native.loaded() is None:
         pytest.skip("the C++ device guard is not built: autograd's device threads "
                     "serve device 0 only")
@@ -219,7 +219,7 @@ def test_processes_ending_right_after_backward_exit_cleanly() -> None:
     script ends (PyTorch's engine; an abort in finalization without torchport's exit
     handler, about 1 run in 8 here): six processes, all exit 0."""
     import torchport.sim  # noqa: F401
-    from torchport import native
+    from torchport.core import native
     if native.loaded() is None:
         pytest.skip("the C++ device guard is not built: backward runs in the calling thread")
     code = textwrap.dedent("""

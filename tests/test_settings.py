@@ -1,4 +1,4 @@
-"""``torchport.settings``: every TORCHPORT_* variable declared once, parsed at call time,
+"""``torchport.core.settings``: every TORCHPORT_* variable declared once, parsed at call time,
 documented, reported by ``torchport info``, and read nowhere else."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from torchport import info, settings
-from torchport.settings import SETTINGS, SettingError
+from torchport import info
+from torchport.core import settings
+from torchport.core.settings import SETTINGS, SettingError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +32,7 @@ def test_every_declared_setting_is_documented() -> None:
 
 def test_the_settings_module_is_a_leaf() -> None:
     """Any layer may import it: it imports the standard library only (no torch)."""
-    tree = ast.parse((ROOT / "src" / "torchport" / "settings.py").read_text())
+    tree = ast.parse((ROOT / "src" / "torchport" / "core" / "settings.py").read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
                 for a in n.names}
     imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree)
@@ -116,7 +117,7 @@ def test_a_bad_flag_stops_the_import_with_its_name() -> None:
                        timeout=120, env={**env, "TORCHPORT_FALLBACK": "nope"})
     assert r.returncode == 1, r.stdout
     assert r.stderr.strip().splitlines()[-1] == (
-        "torchport.settings.SettingError: TORCHPORT_FALLBACK='nope' is not a flag; use 0 or 1 "
+        "torchport.core.settings.SettingError: TORCHPORT_FALLBACK='nope' is not a flag; use 0 or 1 "
         "(or true/false, yes/no, on/off)"), r.stderr
 
 
@@ -137,6 +138,6 @@ def test_the_reading_pattern_catches_reads_and_leaves_writes() -> None:
 def test_torchport_reads_its_variables_through_settings_only() -> None:
     src = ROOT / "src" / "torchport"
     found = [f"{f.relative_to(ROOT)}:{i}: {line.strip()}"
-             for f in sorted(src.rglob("*.py")) if f.name != "settings.py" or f.parent != src
+             for f in sorted(src.rglob("*.py")) if f != src / "core" / "settings.py"
              for i, line in enumerate(f.read_text().splitlines(), 1) if _ENV_READ.search(line)]
-    assert not found, "read these through torchport.settings.get:\n" + "\n".join(found)
+    assert not found, "read these through torchport.core.settings.get:\n" + "\n".join(found)

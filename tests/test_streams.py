@@ -260,8 +260,8 @@ def test_launch_blocking_disables_async(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_non_blocking_copy_from_pinned_memory_is_queued() -> None:
-    from torchport import native
     from torchport.backend import active_backend
+    from torchport.core import native
 
     b = active_backend()
     if not b.runtime.asynchronous or native.loaded() is None:

@@ -8,7 +8,7 @@ built-in simulated accelerator. A kernel reaches its tensors' device memory thro
 ``launch``), also exported here; ``docs/vendor-guide.md`` is the walkthrough.
 
 The public names are resolved on first use (PEP 562), so that importing one module
-(``torchport.settings``, ``torchport.ops.plan``) loads only what that module needs,
+(``torchport.core.settings``, ``torchport.ops.plan``) loads only what that module needs,
 not registration and the op layer.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torchport.lazy import exports
+from torchport.core.lazy import exports
 
 if TYPE_CHECKING:
     from torchport.backend import Backend, BackendError, active_backend

@@ -16,10 +16,16 @@ from typing import Any
 
 import torch
 
-from torchport import native, qtensors, settings, tensors
-from torchport.allocator import ADOPT_MIN_BYTES, DeviceAllocator, NativeAllocator, make_allocators
-from torchport.contracts import BackendError
-from torchport.libraries import keep_past_exit
+from torchport.core import native, settings
+from torchport.core.contracts import BackendError
+from torchport.core.libraries import keep_past_exit
+from torchport.memory import qtensors, tensors
+from torchport.memory.allocator import (
+    ADOPT_MIN_BYTES,
+    DeviceAllocator,
+    NativeAllocator,
+    make_allocators,
+)
 from torchport.ops.quantized import check_available
 from torchport.runtime import Runtime
 
@@ -364,18 +370,17 @@ class Backend:
         current = torch._C._get_privateuse1_backend_name()
         if current != "privateuseone" and current != self.name:
             raise BackendError(f"PrivateUse1 is already renamed to {current!r} by another plug-in")
-        from torchport import (
+        from torchport import dynamo_device, features
+        from torchport.device import (
             accelerator_memory,
             device_module,
-            dynamo_device,
-            features,
             forking,
-            pinned,
             profiling,
             serialization,
             streams,
             tensor_types,
         )
+        from torchport.memory import pinned
         from torchport.ops import registry
 
         # the device's caching allocators: C++ where the library loads (nothing was
@@ -431,7 +436,7 @@ class Backend:
         view's backward and the leaf's gradient accumulator, which takes the view as it is:
         no kernel runs (an error an asynchronous device still holds stays for the handler
         that reports it), and its graph task holds nothing of Python's."""
-        from torchport import forking
+        from torchport.device import forking
 
         if not forking.used(self) or self.bad_fork \
                 or isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):

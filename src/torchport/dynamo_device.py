@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import lazy
+from torchport.core import lazy
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 _MODULE = "torch._dynamo.device_interface"
 

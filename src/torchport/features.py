@@ -2,7 +2,7 @@
 
 Each module named here defines ``on_register(backend, module)``: it installs the
 feature for ``backend`` and adds its names to the device ``module`` with
-:func:`torchport.device_module.add`. :meth:`torchport.backend.Backend.register` calls
+:func:`torchport.device.device_module.add`. :meth:`torchport.backend.Backend.register` calls
 :func:`install` right after making the device module, before PyTorch's PrivateUse1
 set-up. Importing a feature module changes no device module and registers nothing.
 The modules are named, not imported: ``transfer_env`` and ``debug.env`` are tools
@@ -18,15 +18,15 @@ import types
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 FEATURE_MODULES: list[str] = [
-    "torchport.storage",
-    "torchport.streams",
+    "torchport.memory.storage",
+    "torchport.device.streams",
     "torchport.distributed",
     "torchport.amp",
     "torchport.transfer_env",
-    "torchport.sharing",
+    "torchport.device.sharing",
     "torchport.distributed.parallel_comm",
     "torchport.integrations.huggingface",
     "torchport.integrations.lightning",

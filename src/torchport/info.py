@@ -14,9 +14,9 @@ from typing import Any
 
 import typer
 
-from torchport import settings as declared
+from torchport.core import settings as declared
 
-# Views of the declarations in torchport.settings, for `torchport info` and its tests.
+# Views of the declarations in torchport.core.settings, for `torchport info` and its tests.
 # KNOWN_VARIABLES: what torchport reads, name -> (default, short meaning) (default None:
 # unset means "all"/"off"); TEST_VARIABLES: what the test suite reads (listed as "test"
 # when set instead of "unknown"), name -> (default, short meaning, long description).
@@ -32,7 +32,7 @@ CONFIGURATION_INTRO = (
     "does not read, usually a typo). The last ones are settings of the test suite, not of "
     "torchport. Flags take `0` or `1` (also `true`/`false`, `yes`/`no`, `on`/`off`); a "
     "value of the wrong type stops torchport with an error naming the variable and what it "
-    "allows. This page is generated from `src/torchport/settings.py`, where every "
+    "allows. This page is generated from `src/torchport/core/settings.py`, where every "
     "variable is declared: edit it there and run "
     "`python -m torchport.info --markdown > docs/configuration.md`."
 )
@@ -91,7 +91,7 @@ def collect(backend: str = "sim") -> dict[str, Any]:
     import torch
 
     import torchport
-    from torchport import compat, native
+    from torchport.core import compat, native
     from torchport.run import load_backend
 
     versions = {"torchport": torchport.__version__, "torch": torch.__version__,

@@ -23,7 +23,7 @@ from typing import Any
 
 import typer
 
-from torchport import settings
+from torchport.core import settings
 
 
 def load_backend(name: str) -> Any:

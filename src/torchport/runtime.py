@@ -176,7 +176,7 @@ class Runtime(abc.ABC):
     # CUDA's IPC: memory one process exports and another maps; torchport passes device
     # tensors to ``torch.multiprocessing`` children through these three methods and does
     # the rest (the storage reductions, keeping the memory alive until every receiver let
-    # go: :mod:`torchport.sharing`). A runtime that keeps the defaults cannot share: its
+    # go: :mod:`torchport.device.sharing`). A runtime that keeps the defaults cannot share: its
     # tensors raise ``DeviceSharingError`` when sent (move them to the CPU first).
     def malloc_shareable(self, index: int, nbytes: int) -> int | None:
         """Optional: ``nbytes`` (> 0) of device memory that :meth:`ipc_export` can hand to

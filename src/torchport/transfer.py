@@ -675,7 +675,7 @@ def _install(b: Backend) -> None:
     device_ctx._device_constructors()
     p(torch, "device", _Device)
     p(torch, "Generator", _Generator)
-    from torchport import lazy
+    from torchport.core import lazy
 
     lazy.when_imported("torch._dynamo.utils", _dynamo_knows_real_devices)
     copyreg.pickle(_RealDevice, _reduce_device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from torchport import settings
+from torchport.core import settings
 
 
 def on_register(backend: Any, module: Any) -> None:

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchport import device_module
 from torchport.amp import policy
 from torchport.amp.apex import initialize, scale_loss
+from torchport.device import device_module
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 __all__ = ["initialize", "make_amp_module", "policy", "scale_loss"]
 

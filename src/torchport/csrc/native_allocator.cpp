@@ -12,8 +12,8 @@
 // torchport_caching_enable() ran: allocate, free from the DataPtr's deleter, statistics and
 // their resets without Python), and otherwise -- or for what needs the runtime: empty_cache,
 // memory info, copies, record_stream -- calls a Python function that
-// torchport.accelerator_memory sets, which acts on the device's allocator
-// (torchport/allocator.py), so torch.accelerator and torch.<device> report the same
+// torchport.device.accelerator_memory sets, which acts on the device's allocator
+// (torchport/memory/allocator.py), so torch.accelerator and torch.<device> report the same
 // statistics, and a storage made here is a block of that allocator, counted as a tensor of
 // its size.
 //
@@ -23,7 +23,7 @@
 // Python's error indicator is saved around every call: a storage may die while an exception
 // is in flight (the interpreter drops a call's arguments after the call raised), and a
 // Python call made then would replace that exception with a SystemError.
-// Built with the other csrc/*.cpp by torchport/native.py; enabled by
+// Built with the other csrc/*.cpp by torchport/core/native.py; enabled by
 // torchport_allocator_enable().
 #include <algorithm>
 #include <array>
@@ -56,7 +56,7 @@ constexpr auto kDevice = c10::DeviceType::PrivateUse1;
 // afterwards), which would take the device from the allocator that owns its memory.
 constexpr uint8_t kPriority = 1;
 
-// The statistics' layout, shared with torchport/accelerator_memory.py (STATS_LAYOUT): the
+// The statistics' layout, shared with torchport/device/accelerator_memory.py (STATS_LAYOUT): the
 // nine stat arrays in DeviceStats order, each for the pools all, small_pool, large_pool
 // (c10::CachingAllocator::StatType order), each current, peak, allocated, freed; then six
 // counters; then oversize_allocations and oversize_segments, each with the four metrics.
@@ -66,7 +66,7 @@ constexpr int kMetrics = 4;
 constexpr int kCounters = 6;
 constexpr int kStats = kArrays * kPools * kMetrics + kCounters + 2 * kMetrics;
 
-// The Python functions, in the order torchport/accelerator_memory.py passes them.
+// The Python functions, in the order torchport/device/accelerator_memory.py passes them.
 struct Callbacks {
   int (*allocate)(int device, uint64_t nbytes, uint64_t* ptr);
   int (*free)(int device, uint64_t ptr);
@@ -171,7 +171,7 @@ void free_allocation(void* ctx) {
 
 // ---- the caching allocator in C++ ----------------------------------------------------
 //
-// The device's caching allocator (the Python one of torchport/allocator.py, the same
+// The device's caching allocator (the Python one of torchport/memory/allocator.py, the same
 // rules): segments from the runtime (a Python callback: the runtime is Python), carved into
 // blocks by CUDA's size classes, pools and split rules, free blocks parked for an
 // exact-size reuse (capped), statistics named and counted as CUDA's. Allocations and frees
@@ -266,7 +266,7 @@ struct Segment {
   bool small;
 };
 
-// Python's side of the caching allocator (torchport/allocator.py, NativeAllocator).
+// Python's side of the caching allocator (torchport/memory/allocator.py, NativeAllocator).
 struct CachingCallbacks {
   int (*segment_malloc)(int device, uint64_t nbytes, uint64_t* ptr);  // *ptr = 0: no room
   int (*segment_free)(int device, uint64_t ptr, uint64_t nbytes);
@@ -1033,7 +1033,7 @@ extern "C" int torchport_allocator_copy_data(uint64_t dest, uint64_t src, uint64
   });
 }
 
-// ---- the caching allocator's entry points (torchport/allocator.py, NativeAllocator) --------
+// ---- the caching allocator's entry points (torchport/memory/allocator.py, NativeAllocator) --------
 // Each answers 1 (or a value), or 0 after recording the error for torchport_caching_error.
 
 // Sets Python's side (`count` pointers in CachingCallbacks order, then the interpreter's
@@ -1250,7 +1250,7 @@ extern "C" int torchport_caching_record_use(int device, uint64_t ptr, int stream
 // a device storage resized in place (native_hooks.cpp's resizePrivateUse1Bytes).
 
 // Python's side of a resize: the block at `ptr` of `device` that a storage made in Python
-// held (a weak reference frees it, torchport/tensors.py watch) leaves that storage now.
+// held (a weak reference frees it, torchport/memory/tensors.py watch) leaves that storage now.
 using ReleaseBlock = int (*)(int device, uint64_t ptr);
 std::atomic<ReleaseBlock> release_block_cb{nullptr};
 

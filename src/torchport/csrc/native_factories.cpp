@@ -61,7 +61,7 @@ bool plain_layout(const std::optional<c10::Layout>& layout,
   return (!layout || *layout == c10::Layout::Strided) && !pin_memory.value_or(false);
 }
 
-// Bytes of the layout as torchport.tensors.storage_nbytes counts them; false where the
+// Bytes of the layout as torchport.memory.tensors.storage_nbytes counts them; false where the
 // layout is invalid or does not fit in int64 (the Python kernel says which error).
 bool layout_bytes(c10::IntArrayRef sizes, c10::IntArrayRef strides, size_t itemsize,
                   uint64_t& nbytes) {

@@ -13,7 +13,7 @@
 // (Backend.generators[i], handed over by torchport_generators_adopt), so that
 // torch.sim.manual_seed, torch.manual_seed, torch.sim.default_generators[i] and
 // get/set_rng_state all act on one state.
-// Built with the other csrc/*.cpp by torchport/native.py; the parts that take or return
+// Built with the other csrc/*.cpp by torchport/core/native.py; the parts that take or return
 // Python objects need Python's headers (and libtorch_python), and are left out without them.
 #include <cstdint>
 #include <memory>

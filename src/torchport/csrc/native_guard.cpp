@@ -13,7 +13,7 @@
 // ids to the runtime's stream handles (id 0 is a device's default stream) and event ids to
 // the runtime's events, and reports a failure by returning -1 after
 // torchport_guard_fail(message).
-// Built with the other csrc/*.cpp by torchport/native.py; enabled by
+// Built with the other csrc/*.cpp by torchport/core/native.py; enabled by
 // torchport_guard_enable().
 #include <array>
 #include <atomic>

@@ -15,7 +15,7 @@
 // (register) the block with its driver here.
 // The device's generators (torch.Generator(device="sim:1"), the default ones) come from
 // native_generator.cpp; UntypedStorage.resize_ of a device storage from native_allocator.cpp.
-// Built with native_views.cpp and native_guard.cpp by torchport/native.py; enabled by
+// Built with native_views.cpp and native_guard.cpp by torchport/core/native.py; enabled by
 // torchport_hooks_enable().
 #include <atomic>
 #include <cstdint>

@@ -1,5 +1,5 @@
 // Ctrl-C inside the Python callbacks this library calls (the allocator's, the stream layer's,
-// pinned memory's, the profiler's): torchport/interrupts.py says why it cannot be left to
+// pinned memory's, the profiler's): torchport/core/interrupts.py says why it cannot be left to
 // Python. A callback that caught the KeyboardInterrupt finishes and asks for it to be raised
 // again (torchport_interrupt_requested); the CallbackInterrupts around the call then raises
 // SIGINT again once the callback has returned (PyErr_SetInterrupt), and Python handles it at
@@ -8,7 +8,7 @@
 // lost. So a CallbackInterrupts made while one raised so may still be pending runs the
 // pending signal handlers itself (PyErr_CheckSignals), holds a KeyboardInterrupt over its
 // callback and raises it again after.
-// No Python headers: torchport/interrupts.py passes the interpreter's functions.
+// No Python headers: torchport/core/interrupts.py passes the interpreter's functions.
 #include <atomic>
 
 #include "native_layer.h"

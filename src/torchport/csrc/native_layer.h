@@ -1,5 +1,5 @@
 // What the parts of torchport's one C++ library call of each other (they are compiled
-// together by torchport/native.py): the caching allocator (native_allocator.cpp), the device
+// together by torchport/core/native.py): the caching allocator (native_allocator.cpp), the device
 // guard (native_guard.cpp), the device generators (native_generator.cpp) and the rest.
 #pragma once
 #include <ATen/core/Generator.h>
@@ -43,7 +43,7 @@ c10::DeviceIndex guard_current_device();
 void guard_set_device(c10::DeviceIndex index);
 int guard_call(int op, long long a, long long b, long long c, long long* iout);
 // native_interrupts.cpp: alive around every call into a Python callback. A Ctrl-C the
-// callback caught (torchport/interrupts.py) is raised again once it returned, where Python's
+// callback caught (torchport/core/interrupts.py) is raised again once it returned, where Python's
 // next bytecode is its C++ caller's caller's; and one raised again so and not yet handled
 // is held over the next callback (it would fire at that callback's first bytecode, where
 // nothing can catch it) and raised again after it.

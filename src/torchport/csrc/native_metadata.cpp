@@ -7,7 +7,7 @@
 // the tensor, so that a vendor's per-tensor flags (a layout, a format) travel with the
 // tensor through a checkpoint as they do on other accelerators. Views and copies made by
 // PyTorch do not carry it (a BackendMeta belongs to one TensorImpl).
-// Built with the other csrc/*.cpp by torchport/native.py; enabled by
+// Built with the other csrc/*.cpp by torchport/core/native.py; enabled by
 // torchport_metadata_enable().
 #include <map>
 #include <string>

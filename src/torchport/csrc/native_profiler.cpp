@@ -8,14 +8,14 @@
 // profiler but not enabled"), caught and printed with a C++ backtrace for every op.
 //
 // These do what CUDA's stubs (torch/csrc/profiler/stubs/cuda.cpp) do with CUDA events, with
-// the vendor runtime's events, through callbacks that torchport/profiling.py sets: record
+// the vendor runtime's events, through callbacks that torchport/device/profiling.py sets: record
 // creates a timing event on the current device's current stream and records it; elapsed
 // synchronises two events and gives the microseconds between them; releasing the last
 // reference destroys the event. A callback never throws (it answers 0 where the runtime
 // failed), and none is made while an exception unwinds (Python's error indicator may be
 // set then) or from inside another callback on the same thread (a runtime whose event
 // calls run torch ops would recurse): those ops get no device time.
-// Built with the other csrc/*.cpp by torchport/native.py; enabled by
+// Built with the other csrc/*.cpp by torchport/core/native.py; enabled by
 // torchport_profiler_enable().
 #include <atomic>
 #include <cstdint>

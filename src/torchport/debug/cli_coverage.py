@@ -13,7 +13,7 @@ from pathlib import Path
 
 import typer
 
-from torchport import settings
+from torchport.core import settings
 from torchport.debug.opcoverage import EXIT_NO_DEVICE_OPS
 
 EXIT_FALLBACK = 3

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from torchport import settings
+from torchport.core import settings
 from torchport.debug.compare import UNINITIALISED, TensorDiff, tensor_diff, value_diff
 from torchport.ops import hooks
 from torchport.ops.fallback import OpMatcher

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchport import settings
+from torchport.core import settings
 from torchport.ops import hooks
 
 

@@ -36,12 +36,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchport import settings
+from torchport.core import settings
+from torchport.core.settings import parse_bytes, parse_range  # noqa: F401  (public here too)
 from torchport.debug.compare import FORMAT, MANIFEST
 from torchport.ops import hooks
 from torchport.ops.fallback import OpMatcher
 from torchport.ops.plan import plan_for
-from torchport.settings import parse_bytes, parse_range  # noqa: F401  (public here too)
 
 _FILE_RE = re.compile(r"^\d{6}_.*\.(safetensors|pt)$")
 _VALUES_SHOWN = 8

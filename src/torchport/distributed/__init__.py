@@ -27,7 +27,7 @@ come from the backend, see ``backends/sim/syncbn_kernels.py``), FSDP2
 (``fully_shard``; needs the in-place storage resize installed here) and
 ``torch.distributed.checkpoint``. DDP's ``find_unused_parameters`` / ``static_graph``
 need pinned host memory (the C++ Reducer stages its used-parameter map there): they work
-where torchport's C++ hooks give it (:mod:`torchport.pinned`), and raise without them.
+where torchport's C++ hooks give it (:mod:`torchport.memory.pinned`), and raise without them.
 
 The package, bottom up: ``work`` (the ``Work`` a collective returns, its future and
 callbacks, :class:`CollectiveError`), ``collectives`` (the vendor interface),
@@ -47,15 +47,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from torchport import device_module, settings
-from torchport.contracts import BackendError
+from torchport.core import settings
+from torchport.core.contracts import BackendError
+from torchport.device import device_module
 from torchport.distributed.collectives import Collectives, backend_name
 from torchport.distributed.host_staged import HostStagedCollectives
 from torchport.distributed.process_group import DeviceProcessGroup, set_collectives
 from torchport.distributed.work import CollectiveError
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 
 __all__ = [

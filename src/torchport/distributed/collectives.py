@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 
 Tensor = torch.Tensor

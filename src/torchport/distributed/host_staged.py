@@ -15,7 +15,7 @@ from torchport.distributed.collectives import GLOO_OPS, Collectives, backend_nam
 from torchport.distributed.work import CollectiveError, DeviceWork, future_of, then
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 
 Tensor = torch.Tensor

@@ -25,10 +25,10 @@ import torch
 from torch._prims_common import suggest_memory_format
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from torchport import compat
+from torchport.core import compat
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 #: The names this layer adds to ``torch._C`` (or wraps, where the build has them).
 NAMES = compat.COMM_NAMES

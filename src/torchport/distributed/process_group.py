@@ -27,7 +27,7 @@ from torchport.distributed.work import (
 )
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 
 Tensor = torch.Tensor

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from torchport.lazy import exports
+from torchport.core.lazy import exports
 
 if TYPE_CHECKING:
     from torchport.graph.compilers import GraphInfo, graph_info, register_graph_compiler

@@ -34,7 +34,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from torchport import lazy
+from torchport.core import lazy
 
 __all__ = ["GraphCompiler", "GraphInfo", "NodeSupport", "graph_info", "register_graph_compiler"]
 

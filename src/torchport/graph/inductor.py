@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import lazy
+from torchport.core import lazy
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 Tensor = torch.Tensor
 #: device name -> its registered backend, when that asked for compilation

@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import settings
+from torchport.core import settings
 from torchport.integrations import claim
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 __all__ = ["install", "installed", "patched", "uninstall"]
 

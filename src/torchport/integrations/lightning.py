@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import lazy, settings
+from torchport.core import lazy, settings
 from torchport.integrations import claim
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 __all__ = ["PACKAGES", "accelerator_class", "install", "installed", "patched", "uninstall"]
 

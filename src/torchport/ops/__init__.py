@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torchport.lazy import exports
+from torchport.core.lazy import exports
 
 if TYPE_CHECKING:
     from torchport.ops.fallback import (

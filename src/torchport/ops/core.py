@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import native, tensors
+from torchport.core import native
+from torchport.memory import tensors
 from torchport.ops import hostviews
 from torchport.ops.declarations import Decline
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 _CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 #: Core overloads a vendor's kernel set may take over: a ``copy_`` kernel does the

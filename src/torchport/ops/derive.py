@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from torchport.memory.tensors import storage_nbytes
 from torchport.ops.plan import named_arguments, plan_for
 from torchport.ops.quiet import silently
-from torchport.tensors import storage_nbytes
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 Tensor = torch.Tensor
 OpOverload = torch._ops.OpOverload

@@ -45,7 +45,7 @@ from torchport.ops.fused_rnn import (
 )
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 Tensor = torch.Tensor
 _CONV = torch.ops.aten.convolution.default

@@ -37,13 +37,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import native, settings, tensors
+from torchport.core import native, settings
+from torchport.memory import tensors
 from torchport.ops import derive, hooks, hostexec, paths, stats, teardown
 from torchport.ops.declarations import Decline
 from torchport.ops.plan import plan_for
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 
 class FallbackWarning(UserWarning):

@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import native, qtensors, tensors
+from torchport.core import native
+from torchport.memory import qtensors, tensors
 from torchport.ops import teardown
 from torchport.ops.plan import OpPlan, numbers_as_tensors, plan_for
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 _CPU = torch.device("cpu")
 _CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)

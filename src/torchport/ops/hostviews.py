@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from torchport import allocator
+from torchport.memory import allocator
 
 Tensor = torch.Tensor
 _MAX_ENTRIES = 8192

@@ -1,7 +1,7 @@
 """Allocation without Python: ``empty.memory_format`` and ``empty_strided`` in C++.
 
 Every new device tensor of a model's ops starts with one of these two; as Python kernels
-each costs a Python entry. ``native_factories.cpp`` (part of :mod:`torchport.native`)
+each costs a Python entry. ``native_factories.cpp`` (part of :mod:`torchport.core.native`)
 registers both for PrivateUse1 from C++: a tensor over a block of the C++ caching
 allocator on the current stream, with the Python kernels' sizes, strides and dtypes. What
 it does not serve itself (an error to raise, an unusual layout) it hands to the Python
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import native
-from torchport.libraries import keep_past_exit
+from torchport.core import native
+from torchport.core.libraries import keep_past_exit
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 # The overloads the C++ library registers (native_factories.cpp).
 OPS = ("empty.memory_format", "empty_strided")

@@ -3,7 +3,7 @@
 A host-op kernel (:mod:`torchport.ops.hostkernels`) runs PyTorch's CPU kernel on the
 chip's views of device memory. Where the host reads device memory at the device address
 itself and the runtime is synchronous (the sim by default, a unified-memory device),
-``native_hostops.cpp`` (part of :mod:`torchport.native`) does the same from C++ for an
+``native_hostops.cpp`` (part of :mod:`torchport.core.native`) does the same from C++ for an
 op's common calls: tensors of one device, CPU tensors over the same memory, the CPU
 kernel, new results (and ``out=`` arguments it grows) in blocks of the C++ caching
 allocator. Its uncommon calls (another device, conjugate views, CPU tensors with
@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import native
-from torchport.libraries import keep_past_exit
+from torchport.core import native
+from torchport.core.libraries import keep_past_exit
 from torchport.ops.plan import plan_for
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 #: Where the CPU allocator's wrapper cannot serve (another CPU allocator outranks it), a
 #: functional op whose first tensor is larger takes the Python kernel, which computes into
@@ -145,7 +145,7 @@ class HostOpKernels:
              ctypes.c_int64], ctypes.c_int)
 
     def _enable(self, kernels: dict[str, Entry]) -> bool:
-        from torchport.allocator import ADOPT_MIN_BYTES
+        from torchport.memory.allocator import ADOPT_MIN_BYTES
 
         enable = self._library()
         if enable is None:

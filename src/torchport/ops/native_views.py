@@ -3,7 +3,7 @@
 A view op (``view``, ``as_strided``, ``select``, ``permute``...) only makes a tensor
 header over the same storage, and ATen's CPU kernels do that for any device. As Python
 kernels they cost a Python entry each, more in a training step, whose large kernels evict
-the interpreter from the caches (docs/performance.md). ``native_views.cpp`` (part of :mod:`torchport.native`)
+the interpreter from the caches (docs/performance.md). ``native_views.cpp`` (part of :mod:`torchport.core.native`)
 registers the same ATen functions for PrivateUse1 from C++, and the composite views
 (``select``, ``t``...) then run PyTorch's composite kernels, all without Python.
 
@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import native
-from torchport.libraries import keep_past_exit
+from torchport.core import native
+from torchport.core.libraries import keep_past_exit
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 # The ops the C++ library registers (native_views.cpp): views with no composite kernel.
 OPS = ("as_strided", "view", "_reshape_alias", "unfold", "view_as_real", "view_as_complex")

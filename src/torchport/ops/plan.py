@@ -152,11 +152,11 @@ _native: Any = None
 
 
 def _wrapped_number(value: bool | int | float | complex) -> torch.Tensor:
-    """:func:`torchport.native.wrapped_number`, the module imported on first use (importing
+    """:func:`torchport.core.native.wrapped_number`, the module imported on first use (importing
     the plans alone stays light) and kept: the op layer's registration makes that first use,
     as a finaliser at exit could no longer import."""
     global _native
     if _native is None:
-        from torchport import native
+        from torchport.core import native
         _native = native
     return _native.wrapped_number(value)

@@ -12,7 +12,7 @@ paths:
   registered allocator (``new_qtensor``), so it serves device tensors as they are;
 * values -- everything else (``dequantize``, ``int_repr``, ``clone``, ``equal``, quantized
   arithmetic): the CPU fallback, which runs PyTorch's CPU quantized kernel on the host's
-  view (or copy) of the device tensors (:mod:`torchport.qtensors` makes those views) and
+  view (or copy) of the device tensors (:mod:`torchport.memory.qtensors` makes those views) and
   returns results to the device. Results are the CPU's, bit for bit.
 
 Copies (``copy_``, ``.to``) reach ``_copy_from`` here, served by :func:`copy`.
@@ -29,13 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import native, qtensors, tensors
-from torchport.allocator import NativeAllocator
+from torchport.core import native
+from torchport.memory import qtensors, tensors
+from torchport.memory.allocator import NativeAllocator
 from torchport.ops import fallback
 from torchport.ops.plan import plan_for
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 # Ops whose QuantizedCPU kernel reads and writes metadata only (device-generic).
 METADATA = frozenset({

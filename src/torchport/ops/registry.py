@@ -47,7 +47,7 @@ from torchport.ops.declarations import Decline, KernelDecl, KernelSet
 from torchport.ops.plan import numbers_as_tensors, plan_for
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 
 def resolve_overloads(name: str) -> list[torch._ops.OpOverload]:

@@ -36,7 +36,7 @@ from torchport.ops.declarations import Decline, KernelDecl
 from torchport.ops.plan import plan_for
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 Tensor = torch.Tensor
 _K = torch._C.DispatchKey

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from torchport import settings
+from torchport.core import settings
 from torchport.ops.switch import Registry
 
 PATHS = ("native", "decomposed", "fallback", "view")

@@ -20,8 +20,8 @@ from __future__ import annotations
 import os
 
 from torchport import backend as _backend
-from torchport import settings
-from torchport.contracts import BackendError
+from torchport.core import settings
+from torchport.core.contracts import BackendError
 
 __all__ = ["BACKEND", "OpenCLUnavailable", "make_backend", "runtime"]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import types
 
-from torchport import lazy
-from torchport.contracts import DeviceBackend
+from torchport.core import lazy
+from torchport.core.contracts import DeviceBackend
 from torchport.graph.inductor import enable_inductor
 
 SCHEDULING = "torchport.backends.opencl.inductor:OpenCLScheduling"

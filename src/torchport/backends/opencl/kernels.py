@@ -32,8 +32,8 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as PROMOTE
 from torch._prims_common import elementwise_dtypes
 
 import torchport
-from torchport import settings
 from torchport.backends.opencl.runtime import REPORT_INDEX, OpenCLRuntime
+from torchport.core import settings
 from torchport.ops import Decline, KernelSet
 
 _CL = {torch.float32: "float", torch.float64: "double", torch.float16: "half",

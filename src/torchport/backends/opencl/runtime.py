@@ -21,7 +21,7 @@ clears the word, so the device stays usable.
 Memory shared between processes: none. OpenCL has no IPC handles for buffers, so the
 runtime keeps :class:`~torchport.runtime.Runtime`'s ``malloc_shareable``/``ipc_export``/
 ``ipc_open`` defaults, and an ``ocl`` tensor sent to another process (``torch.multiprocessing``)
-raises ``torchport.sharing.DeviceSharingError``, naming the backend and saying to move it
+raises ``torchport.device.sharing.DeviceSharingError``, naming the backend and saying to move it
 to the CPU first.
 """
 
@@ -36,7 +36,7 @@ import numpy as np
 import pyopencl as cl
 import torch
 
-from torchport import settings
+from torchport.core import settings
 from torchport.kernel_api import current_backend
 from torchport.runtime import DeviceProperties, Runtime
 

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from torchport import settings
+from torchport.core import settings
+from torchport.core.settings import parse_size  # noqa: F401  (torchport.backends.sim exports it)
 from torchport.runtime import DeviceProperties, Runtime
-from torchport.settings import parse_size  # noqa: F401  (torchport.backends.sim exports it)
 
 _ALIGN = 256
 _FAKE_BASE = 0x7A00_0000_0000

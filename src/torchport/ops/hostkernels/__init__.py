@@ -60,7 +60,7 @@ from torchport.ops.hostkernels.views import view_kernel
 from torchport.ops.plan import plan_for
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 Tensor = torch.Tensor
 

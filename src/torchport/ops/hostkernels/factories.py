@@ -13,7 +13,7 @@ from torchport.ops.hostkernels.layouts import LayoutCache
 from torchport.ops.hostkernels.mapping import CPU_KS, Call
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 Tensor = torch.Tensor
 # Factory composites that are one allocation and one fill (PyTorch's kernels call

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import tensors
+from torchport.memory import tensors
 from torchport.ops import fallback, hostexec, stats
 from torchport.ops.hostkernels import schema
 from torchport.ops.hostkernels.into_device import IntoDevice
 from torchport.ops.hostkernels.mapping import CPU_KS, Call, on_views
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 Tensor = torch.Tensor
 

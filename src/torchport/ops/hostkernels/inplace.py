@@ -17,7 +17,7 @@ from torchport.ops.hostkernels.mapping import CPU_KS, Call, device_index, device
 from torchport.ops.plan import numbers_as_tensors, plan_for
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 Tensor = torch.Tensor
 

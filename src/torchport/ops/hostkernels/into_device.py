@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport.allocator import ADOPT_MIN_BYTES
+from torchport.memory.allocator import ADOPT_MIN_BYTES
+from torchport.memory.tensors import storage_ptr
 from torchport.ops import derive, hostviews, quiet
 from torchport.ops.hostkernels import outputs, schema, trials
 from torchport.ops.hostkernels.layouts import LayoutCache
 from torchport.ops.hostkernels.mapping import CPU_KS
 from torchport.ops.plan import numbers_as_tensors, plan_for
-from torchport.tensors import storage_ptr
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 Tensor = torch.Tensor
 _CLONE = torch.ops.aten.clone.default

@@ -13,7 +13,7 @@ from torchport.ops.hostkernels.layouts import layout_of
 from torchport.ops.hostkernels.mapping import Call
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 Tensor = torch.Tensor
 

@@ -7,16 +7,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport import tensors
+from torchport.memory import tensors
+from torchport.memory.tensors import storage_ptr
 from torchport.ops import derive, fallback, hostviews, stats
 from torchport.ops.hostkernels import outputs, schema
 from torchport.ops.hostkernels.into_device import IntoDevice, call_out
 from torchport.ops.hostkernels.layouts import argument_key
 from torchport.ops.hostkernels.mapping import CPU_KS, Call, device_index, device_views, on_views
-from torchport.tensors import storage_ptr
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 Tensor = torch.Tensor
 _foreach_copy_boxed = torch.ops.aten._foreach_copy_.default._handle.redispatch_boxed

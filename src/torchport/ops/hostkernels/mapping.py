@@ -16,7 +16,7 @@ import torch
 from torchport.ops import fallback, hostexec, hostviews
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 Tensor = torch.Tensor
 CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from torchport import tensors
-from torchport.allocator import ADOPT_MIN_BYTES
+from torchport.memory import tensors
+from torchport.memory.allocator import ADOPT_MIN_BYTES
+from torchport.memory.tensors import storage_ptr
 from torchport.ops import hostviews
 from torchport.ops.hostkernels.mapping import CPU_KS
-from torchport.tensors import storage_ptr
 
 if TYPE_CHECKING:
-    from torchport.contracts import DeviceBackend
+    from torchport.core.contracts import DeviceBackend
 
 Tensor = torch.Tensor
 _as_strided = torch.ops.aten.as_strided.default

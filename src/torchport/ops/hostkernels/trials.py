@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchport import tensors
+from torchport.memory import tensors
 from torchport.ops import derive
 from torchport.ops.plan import plan_for
 from torchport.ops.quiet import warnings_of

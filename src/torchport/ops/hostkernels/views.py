@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
+from torchport.memory.tensors import storage_ptr
 from torchport.ops import fallback, stats
 from torchport.ops.hostkernels import schema
 from torchport.ops.hostkernels.layouts import LayoutCache
 from torchport.ops.hostkernels.mapping import CPU_KS, Call
-from torchport.tensors import storage_ptr
 
 Tensor = torch.Tensor
 _as_strided = torch.ops.aten.as_strided.default
