@@ -70,7 +70,7 @@ def main() -> None:
     only = set(filter(None, a.only.split(",")))
     with tempfile.TemporaryDirectory() as tmp:
         migrated = Path(tmp) / "zoo"
-        subprocess.run([sys.executable, "-m", "torchport.cli", "migrate", str(ZOO), "-o",
+        subprocess.run([sys.executable, "-m", "torchport.tools.cli", "migrate", str(ZOO), "-o",
                         str(migrated), "--report", str(Path(tmp) / "report")], check=True,
                        capture_output=True, env=_env(True))
         print(f"{'case':<16} {'CPU ms':>8} {'sim ms':>8} {'sim/CPU':>8}")

@@ -87,7 +87,7 @@ def launcher(case: Case, unchanged_on_device: bool) -> list[str]:
                 str(case.torchrun), "--master-port", str(free_port())]
         return [*head, "--no-python", "torchport", "run"] if unchanged_on_device else head
     if unchanged_on_device:
-        return [sys.executable, "-m", "torchport.cli", "run"]
+        return [sys.executable, "-m", "torchport.tools.cli", "run"]
     return [sys.executable]
 
 
@@ -111,7 +111,7 @@ def cpu_run(case: Case, scripts: Path, tmp: Path) -> subprocess.CompletedProcess
 
 def migrate(scripts: Path, dst: Path) -> Path:
     """``torchport migrate`` of a folder of scripts into ``dst``; returns ``dst``."""
-    subprocess.run([sys.executable, "-m", "torchport.cli", "migrate", str(scripts), "-o",
+    subprocess.run([sys.executable, "-m", "torchport.tools.cli", "migrate", str(scripts), "-o",
                     str(dst), "--report", str(dst.parent / f"{dst.name}-report")],
                    check=True, capture_output=True, text=True, env=env_for({}, torchport=True),
                    timeout=300)
@@ -128,7 +128,7 @@ def device_run(case: Case, way: str, scripts: Path, migrated: Path, tmp: Path
     elif way == "migrate":
         cmd = [*launcher(case, False), str(migrated / case.script), *args]
     else:
-        cmd = [sys.executable, "-m", "torchport.cli", "coverage", "--json",
+        cmd = [sys.executable, "-m", "torchport.tools.cli", "coverage", "--json",
                str(tmp / "cov.json"), "-q", str(scripts / case.script), *args]
     out = call(cmd, tmp, env, case.timeout)
     if way == "migrate":

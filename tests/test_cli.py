@@ -12,8 +12,8 @@ import typer
 from typer.testing import CliRunner
 
 import torchport.sim  # noqa: F401
-from torchport import cli
-from torchport.info import KNOWN_VARIABLES, TEST_VARIABLES, settings
+from torchport.tools import cli
+from torchport.tools.info import KNOWN_VARIABLES, TEST_VARIABLES, settings
 
 pytestmark = pytest.mark.tools
 
@@ -127,7 +127,7 @@ def test_console_script_subprocess(tmp_path: Path) -> None:
 def test_info_flags_a_bad_setting_instead_of_a_traceback(as_json: bool) -> None:
     import os
     env = dict(os.environ, TORCHPORT_SIM_MEMORY="banana")
-    args = [sys.executable, "-m", "torchport.cli", "info"] + (["--json"] if as_json else [])
+    args = [sys.executable, "-m", "torchport.tools.cli", "info"] + (["--json"] if as_json else [])
     out = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "Traceback" not in out.stdout + out.stderr

@@ -8,8 +8,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import torchport.cli
 import torchport.ops as ops
+import torchport.tools.cli
 from torchport import debug
 from torchport.debug.compare import DumpFormatError, tensor_diff
 from torchport.ops import registry
@@ -111,9 +111,9 @@ def test_bad_input(tmp_path):
 
 
 def test_cli_exit_codes_and_reports(dumps, tmp_path):
-    torchport.cli._load()
+    torchport.tools.cli._load()
     runner = CliRunner()
-    app = torchport.cli.app
+    app = torchport.tools.cli.app
     r = runner.invoke(app, ["compare-dumps", "--help"])
     assert r.exit_code == 0 and "--rtol" in r.output and "--report" in r.output
     r = runner.invoke(app, ["compare-dumps", str(dumps / "good"), str(dumps / "cpu")])
@@ -181,8 +181,8 @@ def test_a_binary_manifest_is_bad_input(dumps, tmp_path):
     (bad / "manifest.jsonl").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe binary")
     with pytest.raises(DumpFormatError, match="not a text manifest"):
         debug.compare_dumps(bad, dumps / "cpu")
-    torchport.cli._load()
-    r = CliRunner().invoke(torchport.cli.app, ["compare-dumps", str(bad), str(dumps / "cpu")])
+    torchport.tools.cli._load()
+    r = CliRunner().invoke(torchport.tools.cli.app, ["compare-dumps", str(bad), str(dumps / "cpu")])
     assert r.exit_code == 2 and "not a text manifest" in r.output, r.output
     assert str(bad / "manifest.jsonl") in r.output, r.output
 
@@ -198,6 +198,6 @@ def test_a_truncated_tensor_file_is_not_no_divergence(dumps, tmp_path):
     r = debug.compare_dumps(damaged, dumps / "cpu")
     assert not r.ok and r.unreadable and r.unreadable[0].op.startswith("addmm")
     assert "unreadable" in r.summary() and "no divergence among the readable calls" in r.summary()
-    torchport.cli._load()
-    res = CliRunner().invoke(torchport.cli.app, ["compare-dumps", str(damaged), str(dumps / "cpu")])
+    torchport.tools.cli._load()
+    res = CliRunner().invoke(torchport.tools.cli.app, ["compare-dumps", str(damaged), str(dumps / "cpu")])
     assert res.exit_code == 2, res.output

@@ -101,7 +101,7 @@ def test_run_coverage_script_matches_record_and_json(tmp_path):
 def test_cli_html_json_and_exit_codes(tmp_path, forced_addmm):
     from typer.testing import CliRunner
 
-    from torchport import cli
+    from torchport.tools import cli
 
     if not cli.app.registered_commands:
         cli._load()
@@ -245,7 +245,7 @@ def test_no_device_op_is_not_silent(tmp_path):
     """A script that computed only on the CPU measured nothing: say so, exit 4."""
     from typer.testing import CliRunner
 
-    from torchport import cli
+    from torchport.tools import cli
 
     if not cli.app.registered_commands:
         cli._load()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from torchport.info import configuration_markdown
+from torchport.tools.info import configuration_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -17,8 +17,8 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 def test_configuration_page_is_generated() -> None:
     page = (ROOT / "docs" / "configuration.md").read_text()
     assert page == configuration_markdown(), (
-        "docs/configuration.md is out of date with src/torchport/info.py; regenerate it: "
-        ".venv/bin/python -m torchport.info --markdown > docs/configuration.md")
+        "docs/configuration.md is out of date with src/torchport/tools/info.py; regenerate it: "
+        ".venv/bin/python -m torchport.tools.info --markdown > docs/configuration.md")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))

@@ -152,7 +152,7 @@ def scripts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     src.mkdir()
     for name, text in SCRIPTS.items():
         (src / name).write_text(text)
-    out = subprocess.run([sys.executable, "-m", "torchport.cli", "migrate", str(src), "-o",
+    out = subprocess.run([sys.executable, "-m", "torchport.tools.cli", "migrate", str(src), "-o",
                           str(root / "migrated"), "--report", str(root / "report")],
                          env=_env(False), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _torchport(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, COLUMNS="80", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "torchport.cli", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "torchport.tools.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=180)
 
 

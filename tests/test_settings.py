@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from torchport import info
 from torchport.core import settings
 from torchport.core.settings import SETTINGS, SettingError
+from torchport.tools import info
 
 ROOT = Path(__file__).resolve().parents[1]
 

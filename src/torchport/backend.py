@@ -370,7 +370,7 @@ class Backend:
         current = torch._C._get_privateuse1_backend_name()
         if current != "privateuseone" and current != self.name:
             raise BackendError(f"PrivateUse1 is already renamed to {current!r} by another plug-in")
-        from torchport import dynamo_device, features
+        from torchport import features
         from torchport.device import (
             accelerator_memory,
             device_module,
@@ -380,6 +380,7 @@ class Backend:
             streams,
             tensor_types,
         )
+        from torchport.graph import dynamo_device
         from torchport.memory import pinned
         from torchport.ops import registry
 

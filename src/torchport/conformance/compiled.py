@@ -175,7 +175,7 @@ class Comparison:
             self.detail = detail
 
 
-# Dynamo skips torchport's own frames (torchport.dynamo_device), so the lambda a user
+# Dynamo skips torchport's own frames (torchport.graph.dynamo_device), so the lambda a user
 # writes in a script is made from code that is not in a torchport file.
 _USER_CODE = compile("def make(fn):\n    return lambda *a, **k: fn(*a, **k)\n",
                      "<compiled-opinfo>", "exec")
