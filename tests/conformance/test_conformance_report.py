@@ -6,6 +6,7 @@ import types
 
 import torch
 
+from torchport.conformance import catalog
 from torchport.conformance import opinfo as run
 
 
@@ -29,7 +30,7 @@ _LIMITATION = (r"to_sparse/.*", "limitation", "sparse layouts: not on this backe
 
 
 def test_known_limitation_is_counted_apart_never_passed(monkeypatch):
-    monkeypatch.setattr(run, "KNOWN", [*run.KNOWN, _LIMITATION])
+    monkeypatch.setattr(catalog, "KNOWN", [*catalog.KNOWN, _LIMITATION])
     r = _result("to_sparse", {"float32": _fail(), "float64": _pass()})
     assert r["dtypes"]["float32"]["status"] == "known"
     assert "sparse" in r["dtypes"]["float32"]["known"]["reason"]
@@ -38,13 +39,13 @@ def test_known_limitation_is_counted_apart_never_passed(monkeypatch):
 
 
 def test_known_entries_never_touch_passing_results(monkeypatch):
-    monkeypatch.setattr(run, "KNOWN", [*run.KNOWN, _LIMITATION])
+    monkeypatch.setattr(catalog, "KNOWN", [*catalog.KNOWN, _LIMITATION])
     r = _result("to_sparse", {"float32": _pass()})
     assert r["status"] == "pass" and "known" not in r["dtypes"]["float32"]
 
 
 def test_a_diagnosed_bug_stays_a_failure(monkeypatch):
-    monkeypatch.setattr(run, "KNOWN", [*run.KNOWN, (r"fft\.ihfft/float32/grad", "bug",
+    monkeypatch.setattr(catalog, "KNOWN", [*catalog.KNOWN, (r"fft\.ihfft/float32/grad", "bug",
                                                     "a diagnosed bug")])
     r = _result("fft.ihfft", {"float32": _pass()}, {"float32": _fail()})
     assert r["grad"]["float32"]["status"] == "fail"
@@ -58,7 +59,7 @@ def test_unknown_failure_stays_a_failure():
 
 
 def test_report_lists_failures_known_paths_and_skips(tmp_path, monkeypatch):
-    monkeypatch.setattr(run, "KNOWN", [*run.KNOWN, _LIMITATION])
+    monkeypatch.setattr(catalog, "KNOWN", [*catalog.KNOWN, _LIMITATION])
     results = [
         _result("add", {"float32": _pass(), "bfloat16": _fail(),
                         "bool": {"status": "skip", "reason": "dtype not supported by the op "
@@ -86,7 +87,7 @@ def test_report_lists_failures_known_paths_and_skips(tmp_path, monkeypatch):
 def test_report_of_another_backend_names_it(tmp_path, monkeypatch):
     """A vendor's run (``--backend``) names its device and backend where the sim's gives
     its memory mode; the sim's own report keeps its header."""
-    monkeypatch.setattr(run, "KNOWN", [*run.KNOWN, _LIMITATION])
+    monkeypatch.setattr(catalog, "KNOWN", [*catalog.KNOWN, _LIMITATION])
     meta = {"command": "x", "torch": "2.13", "strict": False, "dtypes": ["float32"],
             "max_samples": 2, "seconds": 1.0, "complete": True, "device": "mychip",
             "backend": "mychip_torchport"}
