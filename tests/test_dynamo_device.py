@@ -55,3 +55,20 @@ def test_registered_when_dynamo_is_imported_after_torchport() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=300, env={**os.environ, "TORCHPORT_FALLBACK_WARN": "0"})
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def test_dynamo_skips_every_module_of_torchport_but_transfers_stand_ins() -> None:
+    """Dynamo must not trace torchport's own frames (the device's kernels, which the
+    dispatcher runs inside a compiled region), whichever layer folder holds them: only
+    transfer's stand-ins for torch's functions are traced."""
+    from pathlib import Path
+
+    from torch._dynamo import trace_rules
+
+    import torchport
+    import torchport.sim  # noqa: F401
+
+    root = Path(torchport.__file__).parent
+    traced = [str(p.relative_to(root)) for p in sorted(root.rglob("*.py"))
+              if not trace_rules.check_file(str(p)).skipped]
+    assert traced == ["transfer.py"], traced

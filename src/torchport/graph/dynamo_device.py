@@ -105,10 +105,10 @@ def _skip_torchport(trace_rules: types.ModuleType) -> None:
     import pkgutil
     from pathlib import Path
 
-    package = Path(__file__).parent  # torchport's folder (this module sits at its top)
+    package = Path(__file__).parents[1]  # torchport's folder (this module is in graph/)
     for module in pkgutil.iter_modules([str(package)]):
         if module.name not in _TRACED:
-            trace_rules.add(f"{__package__}.{module.name}")
+            trace_rules.add(f"{package.name}.{module.name}")
     trace_rules.SKIP_DIRS.append(str(package / "__init__.py"))
     recompile = trace_rules._recompile_re
     getattr(recompile, "cache_clear", lambda: None)()
