@@ -101,7 +101,7 @@ test-opencl: $(STAMP)
 test-graph: $(STAMP)
 	TORCHPORT_FULL_MODELS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m graph tests
 
-# Every OpInfo of PyTorch's op_db, sim vs CPU (python -m torchport.conformance, which a vendor
+# Every OpInfo of PyTorch's op_db, sim vs CPU (python -m torchport.tools.conformance, which a vendor
 # runs with --backend against its own), in both sim memory modes, default
 # (reports/conformance.{json,md}) and TORCHPORT_SIM_STRICT=1 (reports/conformance-strict.*),
 # and with kernels queued on stream workers, TORCHPORT_SIM_ASYNC=1
@@ -113,9 +113,9 @@ CONFORMANCE_ARGS ?= --full --max-samples 5 --op-timeout 120 --quiet
 MODULES_ARGS ?= --max-samples 3 --quiet
 conformance: $(STAMP)
 	rc=0; \
-	$(BIN)/python -m torchport.conformance $(CONFORMANCE_ARGS) || rc=1; \
-	$(BIN)/python -m torchport.conformance $(CONFORMANCE_ARGS) --strict || rc=1; \
-	$(BIN)/python -m torchport.conformance $(CONFORMANCE_ARGS) --async || rc=1; \
+	$(BIN)/python -m torchport.tools.conformance $(CONFORMANCE_ARGS) || rc=1; \
+	$(BIN)/python -m torchport.tools.conformance $(CONFORMANCE_ARGS) --strict || rc=1; \
+	$(BIN)/python -m torchport.tools.conformance $(CONFORMANCE_ARGS) --async || rc=1; \
 	$(BIN)/python -m tests.conformance.modules $(MODULES_ARGS) || rc=1; \
 	$(BIN)/python -m tests.conformance.modules $(MODULES_ARGS) --strict || rc=1; \
 	$(BIN)/python -m tests.conformance.modules $(MODULES_ARGS) --async || rc=1; \
@@ -127,12 +127,12 @@ conformance: $(STAMP)
 	exit $$rc
 
 # torch.compile on sim against torch.compile on the CPU, every OpInfo of op_db (float32, two
-# samples each; python -m torchport.conformance.compiled): equal / close / both-error /
+# samples each; python -m torchport.tools.conformance.compiled): equal / close / both-error /
 # MISMATCH per sample, each mismatch diagnosed (reports/compiled-opinfo.{md,json}). About 30
 # minutes on 2 cores with a cold kernel cache. Fails on an undiagnosed mismatch.
 COMPILED_ARGS ?= --quiet
 compiled-conformance: $(STAMP)
-	$(BIN)/python -m torchport.conformance.compiled $(COMPILED_ARGS)
+	$(BIN)/python -m torchport.tools.conformance.compiled $(COMPILED_ARGS)
 
 # Typical CUDA training scripts (examples/scripts/: torch.accelerator, .cuda() with checkpoint
 # resume, mp.spawn DDP, DataParallel, Hugging Face Trainer in fp32/bf16/fp16, accelerate), each

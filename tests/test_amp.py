@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import torchport.amp as tamp
+import torchport.device.amp as tamp
 import torchport.sim  # noqa: F401
-from torchport.amp import policy
+from torchport.device.amp import policy
 
 LOW, FP32, WIDEST = "low", "fp32", "widest"
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import torchport.ops as ops
-from torchport import debug
-from torchport.debug.crosscheck import AutocompareMismatchError, AutocompareReport
 from torchport.ops import fallback, hooks, registry
+from torchport.tools import debug
+from torchport.tools.debug.crosscheck import AutocompareMismatchError, AutocompareReport
 
 pytestmark = pytest.mark.tools
 

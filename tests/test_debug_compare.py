@@ -10,9 +10,9 @@ from typer.testing import CliRunner
 
 import torchport.ops as ops
 import torchport.tools.cli
-from torchport import debug
-from torchport.debug.compare import DumpFormatError, tensor_diff
 from torchport.ops import registry
+from torchport.tools import debug
+from torchport.tools.debug.compare import DumpFormatError, tensor_diff
 
 pytestmark = pytest.mark.tools
 

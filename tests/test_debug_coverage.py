@@ -1,4 +1,4 @@
-"""Op coverage (``torchport.debug.opcoverage``, ``torchport coverage``): run and static modes."""
+"""Op coverage (``torchport.tools.debug.opcoverage``, ``torchport coverage``): run and static modes."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 
 import torchport.sim  # noqa: F401
 from torchport import ops
-from torchport.debug import coverage
-from torchport.debug.opcoverage import PATH_ORDER, CoverageResult, OpCoverage, run_coverage
+from torchport.tools.debug import coverage
+from torchport.tools.debug.opcoverage import PATH_ORDER, CoverageResult, OpCoverage, run_coverage
 
 pytestmark = pytest.mark.tools
 
@@ -84,7 +84,7 @@ def test_forced_fallback_on_top(forced_addmm):
 
 
 def test_run_coverage_script_matches_record_and_json(tmp_path):
-    from torchport.run import exec_main
+    from torchport.tools.run import exec_main
 
     args = ["--steps", "2"]
     with ops.record() as rec:
@@ -176,7 +176,7 @@ def test_static_subprocess_cli(tmp_path):
     """A fresh process: nothing was ever allocated on the device."""
     js = tmp_path / "s.json"
     code = ("import sys, torch, torchport.sim\n"
-            "from torchport.debug.cli_coverage import main\n"
+            "from torchport.tools.debug.cli_coverage import main\n"
             "sys.argv = ['torchport coverage', '--static', '--json', sys.argv[1], sys.argv[2]]\n"
             "try:\n    main()\n"
             "except SystemExit as e:\n"

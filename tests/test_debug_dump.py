@@ -9,9 +9,9 @@ from safetensors.torch import load_file
 
 import torchport.ops as ops
 from tests.helpers import run_python
-from torchport import debug
-from torchport.debug.opdump import parse_bytes, parse_range
 from torchport.ops import fallback, hooks
+from torchport.tools import debug
+from torchport.tools.debug.opdump import parse_bytes, parse_range
 
 pytestmark = pytest.mark.tools
 

@@ -1,5 +1,5 @@
 """``torch.compile`` on sim against ``torch.compile`` on the CPU over OpInfos: a
-representative subset of ``python -m torchport.conformance.compiled`` (``make
+representative subset of ``python -m torchport.tools.conformance.compiled`` (``make
 compiled-conformance`` runs all of op_db), the sweep's classification, and the bugs the
 sweep found."""
 
@@ -13,7 +13,7 @@ import torch._inductor.config
 from torch import nn
 
 import torchport.sim  # noqa: F401
-from torchport.conformance.compiled import Comparison, CompiledRunner, run_in_process
+from torchport.tools.conformance.compiled import Comparison, CompiledRunner, run_in_process
 
 pytestmark = pytest.mark.graph  # compiling: the tools slot of make test
 

@@ -180,7 +180,7 @@ def test_backend_import_rule_for_device_choosing_libraries() -> None:
     """The rule itself: a module importing transformers/accelerate/trl/Lightning (also in a
     function) gets the import, noted with the library; one importing none of them, or
     already importing the backend, is left as it was."""
-    from torchport.migrate import rewrite_source
+    from torchport.tools.migrate import rewrite_source
 
     for code, libs in [("from transformers import Trainer\n", ("transformers",)),
                        ("import accelerate, trl\n", ("accelerate", "trl")),

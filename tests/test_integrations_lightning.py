@@ -229,7 +229,7 @@ _CPU_DDP: dict[str, dict[int, list[float]]] = {}
 def _two(tmp: Path, accelerator: str, strategy: str) -> dict[int, tuple[list[Any], list[float]]]:
     """Run the script on two devices (migrated first unless on the CPU); each rank's
     devices seen and losses."""
-    from torchport.migrate import rewrite_source
+    from torchport.tools.migrate import rewrite_source
 
     script = tmp / "lit.py"
     if accelerator == "cpu":

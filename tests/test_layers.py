@@ -187,3 +187,46 @@ def test_the_old_paths_of_moved_modules_are_the_moved_modules():
         "assert DeviceAllocator is again\n"
         "print('ok')\n")
     assert out.strip() == "ok", out
+
+
+def test_the_old_paths_of_moved_packages_are_the_moved_packages_with_their_submodules():
+    """``torchport.debug``, ``.migrate``, ``.conformance`` (now under tools/) and ``.amp`` (now
+    device/amp): the package and each submodule, imported by the old name, are the moved
+    module objects, which keep their own ``__name__``/``__spec__`` (pickles of their classes
+    name the new path); the old package's import warns once with the new path."""
+    out = _python(
+        "import importlib, pickle, sys, warnings\n"
+        "moved = {'debug': 'tools.debug', 'migrate': 'tools.migrate',\n"
+        "         'conformance': 'tools.conformance', 'amp': 'device.amp'}\n"
+        "subs = {'debug': 'compare', 'migrate': 'rewriter', 'conformance': 'catalog',\n"
+        "        'amp': 'policy'}\n"
+        "for old, new in moved.items():\n"
+        "    with warnings.catch_warnings(record=True) as caught:\n"
+        "        warnings.simplefilter('always')\n"
+        "        sub = importlib.import_module(f'torchport.{old}.{subs[old]}')\n"
+        "    real = importlib.import_module(f'torchport.{new}.{subs[old]}')\n"
+        "    assert sub is real, old\n"
+        "    assert real.__spec__.name == real.__name__ == f'torchport.{new}.{subs[old]}', old\n"
+        "    assert importlib.import_module(f'torchport.{old}') is importlib.import_module(\n"
+        "        f'torchport.{new}'), old\n"
+        "    assert any(issubclass(w.category, DeprecationWarning)\n"
+        "               and f'torchport.{new}' in str(w.message) for w in caught), old\n"
+        "from torchport.debug.compare import TensorDiff\n"
+        "from torchport.tools.debug.compare import TensorDiff as again\n"
+        "assert TensorDiff is again and TensorDiff.__module__ == 'torchport.tools.debug.compare'\n"
+        "import torchport.debug\n"
+        "assert torchport.debug.autocompare is importlib.import_module(\n"
+        "    'torchport.tools.debug.crosscheck').autocompare\n"
+        "print('ok')\n")
+    assert out.strip() == "ok", out
+
+
+def test_python_m_runs_the_moved_package_by_its_old_name():
+    """``python -m torchport.conformance`` (a package's ``__main__``) and ``python -m
+    torchport.conformance.compiled`` (a submodule) run the moved code as ``__main__``."""
+    for name, prog in (("torchport.conformance", "torchport.tools.conformance"),
+                       ("torchport.conformance.compiled", "torchport.tools.conformance.compiled")):
+        proc = subprocess.run([sys.executable, "-m", name, "--help"], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert f"usage: python -m {prog}" in " ".join(proc.stdout.split()), proc.stdout

@@ -17,7 +17,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from torchport.migrate import (
+from torchport.tools.migrate import (
     TORCH_BACKEND_MIRROR_APIS,
     Backend,
     BackendSpecError,
@@ -26,7 +26,7 @@ from torchport.migrate import (
     migrate_source,
     rewrite_source,
 )
-from torchport.migrate.cli import register
+from torchport.tools.migrate.cli import register
 
 pytestmark = pytest.mark.tools
 
@@ -654,7 +654,7 @@ def test_cli_internal_failure_exits_1(
     def explode(*args: object, **kwargs: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("torchport.migrate.cli.migrate_path", explode)
+    monkeypatch.setattr("torchport.tools.migrate.cli.migrate_path", explode)
     outcome = CliRunner().invoke(cli, ["migrate", str(tmp_path), "-o", str(tmp_path / "o")])
     assert outcome.exit_code == 1
 
@@ -662,7 +662,7 @@ def test_cli_internal_failure_exits_1(
 def test_analyse_says_when_the_coverage_tool_is_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(sys.modules, "torchport.debug.opcoverage", None)  # import -> ImportError
+    monkeypatch.setitem(sys.modules, "torchport.tools.debug.opcoverage", None)  # import -> ImportError
     src = make_tree(tmp_path) / "train.py"
     result = migrate_path(src, tmp_path / "o.py", analyse=True, report_dir=tmp_path / "r")
     assert result.analysis is not None and "not available" in result.analysis
@@ -679,9 +679,9 @@ def test_analyse_links_the_coverage_report(tmp_path: Path, monkeypatch: pytest.M
         out.write_text("ok")
         return out
 
-    fake = types.ModuleType("torchport.debug.opcoverage")
+    fake = types.ModuleType("torchport.tools.debug.opcoverage")
     fake.run_script_coverage = run_script_coverage  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "torchport.debug.opcoverage", fake)
+    monkeypatch.setitem(sys.modules, "torchport.tools.debug.opcoverage", fake)
     src = make_tree(tmp_path)
     migrate_path(src, tmp_path / "o", analyse=True, entry="train.py", report_dir=tmp_path / "r")
     assert calls == [tmp_path / "o" / "train.py"]

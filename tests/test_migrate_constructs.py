@@ -33,9 +33,9 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from torchport.debug import opcoverage
-from torchport.migrate import migrate_path, migrate_source, rewrite_source
-from torchport.migrate.cli import register
+from torchport.tools.debug import opcoverage
+from torchport.tools.migrate import migrate_path, migrate_source, rewrite_source
+from torchport.tools.migrate.cli import register
 
 pytestmark = pytest.mark.tools
 

@@ -21,7 +21,7 @@ import torch
 
 import torchport.sim  # noqa: F401
 from tests.helpers import child_env, example_values, free_port, run_gloo_reference, save_as_cuda
-from torchport.migrate import migrate_path
+from torchport.tools.migrate import migrate_path
 
 pytestmark = [pytest.mark.asynchronous, pytest.mark.tools]
 

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.opencl, pytest.mark.opencl_full]
 
 def test_conformance_subset_passes_with_native_and_fallback_paths(tmp_path):
     pytest.importorskip("pyopencl", reason="the opencl extra is not installed")
-    cmd = [sys.executable, "-m", "torchport.conformance", "--backend", "opencl", "--ops",
+    cmd = [sys.executable, "-m", "torchport.tools.conformance", "--backend", "opencl", "--ops",
            "add|mm|sum|cumsum|nn.functional.dropout", "--dtypes", "float32,int64",
            "--max-samples", "3", "--jobs", "1", "--out", str(tmp_path), "--quiet"]
     run = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True,

@@ -40,7 +40,7 @@ def argv_path(monkeypatch):
 def _run_example(name: str, args: list[str], capsys, transfer: bool) -> dict[str, str]:
     script = str(EXAMPLES / name)
     if transfer:
-        from torchport.run import run_script
+        from torchport.tools.run import run_script
 
         run_script(script, args)
     else:
@@ -93,7 +93,7 @@ def test_factories_inside_compiled_code(xfer):
     import torchport.transfer
 
     assert trace_rules.check_file(torchport.ops.fallback.__file__).skipped
-    assert not trace_rules.check_file(torchport.transfer.__file__).skipped
+    assert not trace_rules.check_file(torchport.transfer.mapping.__file__).skipped
 
     @torch.compile(backend="eager", fullgraph=True)
     def f(x: torch.Tensor) -> torch.Tensor:
@@ -220,6 +220,8 @@ def test_torch_cuda_streams_events(xfer):
 
 
 def test_amp_mapping(xfer):
+    from torchport.transfer import amp as transfer_amp
+
     m = torch.nn.Linear(4, 4).cuda()
     x = torch.randn(2, 4, device="cuda")
     with warnings.catch_warnings():
@@ -229,7 +231,7 @@ def test_amp_mapping(xfer):
             with ctx:
                 assert torch.is_autocast_enabled() == torch.is_autocast_enabled("cuda")
                 y = m(x)
-            if xfer._amp_works():
+            if transfer_amp._amp_works():
                 assert y.dtype == torch.float16
         with torch.cuda.amp.autocast(enabled=False):
             assert m(x).dtype == torch.float32
@@ -443,7 +445,7 @@ def test_cli_register_run_command(xfer, capsys, argv_path, tmp_path):
     typer = pytest.importorskip("typer")
     from typer.testing import CliRunner
 
-    from torchport.run import register
+    from torchport.tools.run import register
 
     script = tmp_path / "s.py"
     script.write_text("import sys, torch\n"
@@ -476,7 +478,7 @@ def test_env_var_and_ddp_subprocesses():
         port = str(free_port())
         for r in (0, 1):
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "torchport.run", str(EXAMPLES / "ddp_nccl.py"),
+                [sys.executable, "-m", "torchport.tools.run", str(EXAMPLES / "ddp_nccl.py"),
                  "--steps", "6"],
                 env=child_env(importable=True, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=port),

@@ -117,7 +117,7 @@ def test_autoload_entry_point_is_inert_without_the_variable():
 
 
 def test_run_exports_the_child_environment(xfer, tmp_path, monkeypatch, capsys):
-    from torchport.run import run_script
+    from torchport.tools.run import run_script
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
@@ -162,7 +162,7 @@ def test_spawned_workers_run_on_the_device(xfer, tmp_path, monkeypatch):
     selects its device, allocates on "cuda" and all-reduces over "nccl"."""
     import torch.distributed as dist
 
-    from torchport.run import run_script
+    from torchport.tools.run import run_script
 
     if "simccl" not in dist.Backend.backend_list:
         pytest.skip("no simccl distributed backend")

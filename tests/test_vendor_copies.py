@@ -93,7 +93,7 @@ def test_an_ignored_declaration_warns():
 def test_a_backend_that_cannot_be_imported_is_named_with_the_fix():
     import typer
 
-    from torchport.run import load_backend
+    from torchport.tools.run import load_backend
 
     with pytest.raises(typer.BadParameter, match=r"-b examples\.walk\.backend \(importable"):
         load_backend("examples/walk/backend.py")

@@ -1,7 +1,7 @@
 """The vendor contract end to end: the walkthrough backend (examples/vendor_walkthrough/,
 written from docs/vendor-guide.md alone: device-only memory, streams as in-order queues,
 out= kernels launched through torchport.kernel_api) passes a conformance subset run with
-``python -m torchport.conformance --backend``, and the same run fails when a kernel is wrong."""
+``python -m torchport.tools.conformance --backend``, and the same run fails when a kernel is wrong."""
 
 import json
 import os
@@ -34,7 +34,7 @@ def _conformance(backend: str, out: Path, extra_path: str = "") -> subprocess.Po
         filter(None, [str(ROOT / "src"), extra_path, os.environ.get("PYTHONPATH")]))}
     for k in ("TORCHPORT_SIM_STRICT", "TORCHPORT_SIM_ASYNC", "TORCHPORT_AUTOLOAD"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "torchport.conformance", "--backend", backend, "--subset",
+    cmd = [sys.executable, "-m", "torchport.tools.conformance", "--backend", backend, "--subset",
            "--ops", OPS, "--dtypes", "float32,int64", "--max-samples", "3", "--jobs", "1",
            "--out", str(out), "--quiet"]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,

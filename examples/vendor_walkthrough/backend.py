@@ -3,7 +3,7 @@
 Device-only memory (fake addresses over ctypes blocks: every byte moves through the
 runtime's copies), streams as in-order queues run when the host synchronises, and four
 out= kernels launched on the current stream. Importing this module registers the device:
-    python -m torchport.conformance --backend examples.vendor_walkthrough.backend --subset
+    python -m torchport.tools.conformance --backend examples.vendor_walkthrough.backend --subset
 """
 
 from __future__ import annotations

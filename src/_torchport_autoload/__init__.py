@@ -20,11 +20,11 @@ def load() -> None:
     name = os.environ.get(VARIABLE, "").strip()
     if name.lower() in ("", "0", "false", "no", "off"):
         return
-    from torchport.run import load_backend
+    from torchport.tools.run import load_backend
 
     load_backend(name)
     children = os.environ.get("TORCHPORT_COVERAGE_CHILDREN")
     if children:  # a child of a script under ``torchport coverage``: report its ops too
-        from torchport.debug.opcoverage import record_child_process
+        from torchport.tools.debug.opcoverage import record_child_process
 
         record_child_process(children)

@@ -5,7 +5,7 @@ feature for ``backend`` and adds its names to the device ``module`` with
 :func:`torchport.device.device_module.add`. :meth:`torchport.backend.Backend.register` calls
 :func:`install` right after making the device module, before PyTorch's PrivateUse1
 set-up. Importing a feature module changes no device module and registers nothing.
-The modules are named, not imported: ``transfer_env`` and ``debug.env`` are tools
+The modules are named, not imported: ``transfer_env`` and ``tools.debug.env`` are tools
 above registration (the one reach the layer contract does not see).
 Append-only: one line per layer; a later layer may use an earlier one's names
 (``parallel_comm`` uses the streams').
@@ -24,13 +24,13 @@ FEATURE_MODULES: list[str] = [
     "torchport.memory.storage",
     "torchport.device.streams",
     "torchport.distributed",
-    "torchport.amp",
+    "torchport.device.amp",
     "torchport.transfer_env",
     "torchport.device.sharing",
     "torchport.distributed.parallel_comm",
     "torchport.integrations.huggingface",
     "torchport.integrations.lightning",
-    "torchport.debug.env",
+    "torchport.tools.debug.env",
     "torchport.graph.inductor",
 ]
 

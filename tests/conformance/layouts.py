@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from torchport.conformance.opinfo import (
+from torchport.tools.conformance.opinfo import (
     Runner,
     _short,
     _uninitialized,

@@ -1,6 +1,6 @@
 """Conformance of the sim device against the CPU, over PyTorch's nn.Module database.
 
-A second yardstick next to the OpInfo run (:mod:`torchport.conformance`): op-level
+A second yardstick next to the OpInfo run (:mod:`torchport.tools.conformance`): op-level
 conformance misses what only whole modules do (fused RNN cells, batch norm running
 statistics, attention fast paths, ``Module.to`` and serialization of device modules).
 
@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from torchport.conformance.opinfo import (
+from torchport.tools.conformance.opinfo import (
     _md,
     _short,
     _stub_expecttest,

@@ -1,11 +1,11 @@
-"""The OpInfo conformance runner now lives in the package, :mod:`torchport.conformance`
-(``python -m torchport.conformance``, which also takes ``--backend``); this module keeps
+"""The OpInfo conformance runner now lives in the package, :mod:`torchport.tools.conformance`
+(``python -m torchport.tools.conformance``, which also takes ``--backend``); this module keeps
 ``python -m tests.conformance.run`` and the drivers beside it (modules, layouts) working."""
 
 import sys
 
-from torchport.conformance.opinfo import *  # noqa: F403
-from torchport.conformance.opinfo import (  # noqa: F401  (the drivers' shared helpers)
+from torchport.tools.conformance.opinfo import *  # noqa: F403
+from torchport.tools.conformance.opinfo import (  # noqa: F401  (the drivers' shared helpers)
     Runner,
     _alarm,
     _md,

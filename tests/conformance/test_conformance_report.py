@@ -6,8 +6,8 @@ import types
 
 import torch
 
-from torchport.conformance import catalog
-from torchport.conformance import opinfo as run
+from torchport.tools.conformance import catalog
+from torchport.tools.conformance import opinfo as run
 
 
 def _result(oid, fwd, grad=None):

@@ -1,11 +1,11 @@
 """A representative subset of the OpInfo conformance run (sim vs CPU), in the default suite.
 
-The full run is ``make conformance`` (``python -m torchport.conformance --full``).
+The full run is ``make conformance`` (``python -m torchport.tools.conformance --full``).
 """
 
 import pytest
 
-from torchport.conformance import SUBSET, SUBSET_DTYPES, SUBSET_MAX_SAMPLES, run_in_process
+from torchport.tools.conformance import SUBSET, SUBSET_DTYPES, SUBSET_MAX_SAMPLES, run_in_process
 
 
 @pytest.fixture(scope="module")

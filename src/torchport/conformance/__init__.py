@@ -1,24 +1,5 @@
-"""Conformance of a backend against the CPU over PyTorch's OpInfo database.
+"""Moved to :mod:`torchport.tools.conformance`; this old path is an alias of it (and of its submodules)."""
 
-``python -m torchport.conformance --backend NAME`` runs it against any backend (``sim``, a
-``torchport.backends`` name, or the module path of a vendor's backend) and writes
-``reports/conformance.{json,md}``; ``docs/conformance.md`` and ``docs/vendor-guide.md``
-say how to read them. The runner is :mod:`torchport.conformance.opinfo`.
-"""
+from torchport._moved import alias_package
 
-from torchport.conformance.opinfo import (
-    DEFAULT_DTYPES,
-    KNOWN,
-    SUBSET,
-    SUBSET_DTYPES,
-    SUBSET_MAX_SAMPLES,
-    Runner,
-    load_op_db,
-    main,
-    run_in_process,
-    select,
-    write_reports,
-)
-
-__all__ = ["DEFAULT_DTYPES", "KNOWN", "SUBSET", "SUBSET_DTYPES", "SUBSET_MAX_SAMPLES", "Runner",
-           "load_op_db", "main", "run_in_process", "select", "write_reports"]
+alias_package(__name__, "torchport.tools.conformance")

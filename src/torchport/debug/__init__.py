@@ -1,30 +1,5 @@
-"""Porting tools: autocompare against CPU, op dumps and their comparison, coverage.
+"""Moved to :mod:`torchport.tools.debug`; this old path is an alias of it (and of its submodules)."""
 
-Names are imported lazily so that ``import torchport`` pays nothing for tools that
-are off (the op layer checks one flag per call).
-"""
+from torchport._moved import alias_package
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-_EXPORTS = {
-    "autocompare": "torchport.debug.crosscheck",
-    "AutocompareReport": "torchport.debug.crosscheck",
-    "Mismatch": "torchport.debug.crosscheck",
-    "AutocompareMismatchError": "torchport.debug.crosscheck",
-    "dump": "torchport.debug.opdump",
-    "compare_dumps": "torchport.debug.compare",
-    "compare_modules": "torchport.debug.modules",
-    "coverage": "torchport.debug.opcoverage",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'torchport.debug' has no attribute {name!r}")
-    return getattr(importlib.import_module(mod), name)
+alias_package(__name__, "torchport.tools.debug")

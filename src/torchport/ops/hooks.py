@@ -127,7 +127,7 @@ def dispatch(op: Any, name: str, path: str, args: tuple, kwargs: dict,
 
 def on_load_env(start: Callable[[], None]) -> None:
     """Call ``start`` at :func:`load_env`: a tool that environment variables switch on
-    (the porting tools register theirs, :mod:`torchport.debug.env`); once per ``start``."""
+    (the porting tools register theirs, :mod:`torchport.tools.debug.env`); once per ``start``."""
     if start not in _ENV_STARTERS:
         _ENV_STARTERS.append(start)
 

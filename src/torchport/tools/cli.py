@@ -11,8 +11,8 @@ app = typer.Typer(help="torchport: run PyTorch on a new accelerator, and port mo
                   pretty_exceptions_enable=False)  # tracebacks as Python prints them
 
 # Modules exposing ``register(app)``; a missing optional layer is skipped.
-_SUBCOMMANDS = ["torchport.tools.info", "torchport.migrate.cli", "torchport.run",
-                "torchport.debug.cli_coverage", "torchport.debug.cli_compare"]
+_SUBCOMMANDS = ["torchport.tools.info", "torchport.tools.migrate.cli", "torchport.tools.run",
+                "torchport.tools.debug.cli_coverage", "torchport.tools.debug.cli_compare"]
 
 
 def _load() -> None:

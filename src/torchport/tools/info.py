@@ -92,7 +92,7 @@ def collect(backend: str = "sim") -> dict[str, Any]:
 
     import torchport
     from torchport.core import compat, native
-    from torchport.run import load_backend
+    from torchport.tools.run import load_backend
 
     versions = {"torchport": torchport.__version__, "torch": torch.__version__,
                 "torch_build": compat.build_summary(), "python": platform.python_version()}
