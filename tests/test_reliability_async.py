@@ -176,6 +176,60 @@ def test_ctrl_c_inside_a_callback_of_the_cpp_library_stops_the_program(
             and "Exception ignored" not in r.stderr, mode + r.stdout + r.stderr
 
 
+# SIGINT arriving as the C++ library enters a Python callback: after any check C++ can make,
+# before the callback's first bytecode, where Python would raise it and the C function
+# pointer's caller (ctypes) could only print and drop it. A profile function (it runs as a
+# frame starts, before its first bytecode) raises the real signal there, once.
+_SIGNAL_AT_CALLBACK_ENTRY = """
+    import signal, sys, torch, torchport.sim
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    filename, name, scenario = sys.argv[1], sys.argv[2], sys.argv[3]
+    a = torch.randn(64, 64, device="sim")
+    fired = []
+    def at_entry(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and not fired and code.co_name == name \\
+                and code.co_filename.endswith(filename):
+            fired.append(code.co_name)
+            signal.raise_signal(signal.SIGINT)
+    try:
+        sys.setprofile(at_entry)
+        for i in range(300):
+            if scenario == "steps":
+                a = (a @ a).tanh()
+            elif scenario == "grow":
+                b = torch.ones(1 << (10 + i % 10), device="sim")
+        sys.setprofile(None)
+        print("not interrupted", fired)
+    except KeyboardInterrupt:
+        sys.setprofile(None)
+        print("interrupted", fired)
+    a = b = None
+    torch.sim.synchronize()
+    print("allocated", torch.sim.memory_allocated())
+"""
+
+
+@pytest.mark.skipif(native.loaded() is None, reason="callbacks of the C++ library")
+@pytest.mark.parametrize("filename,name,scenario,mode", [
+    # the stream layer's entry (a deleter's free: the stream queried, an event recorded)
+    ("streams.py", "call", "steps", "async"),
+    # the C++ caching allocator's segment allocation
+    ("allocator.py", "call", "grow", "sync"),
+])
+def test_ctrl_c_as_the_cpp_library_enters_a_callback_stops_the_program(
+        filename: str, name: str, scenario: str, mode: str) -> None:
+    """The signal is held until the callback has returned, then raised in the caller's
+    Python (it was raised at the callback's first bytecode: printed as "Exception ignored
+    on calling ctypes callback function" and lost, the loop went on)."""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_SIGNAL_AT_CALLBACK_ENTRY),
+                        filename, name, scenario], env=_env(mode), capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"interrupted ['{name}']" in r.stdout and "allocated 0" in r.stdout \
+        and "Exception ignored" not in r.stderr, r.stdout + r.stderr
+
+
 def test_a_failure_nobody_synchronised_is_reported_at_exit() -> None:
     r = _python("""
         import torch, torchport.sim

@@ -384,9 +384,14 @@ class Backend:
         from torchport.memory import pinned
         from torchport.ops import registry
 
+        from torchport.core import interrupts
+
         # the device's caching allocators: C++ where the library loads (nothing was
         # allocated before registration)
         self.allocators = make_allocators(self.runtime, self.visible, self.name)
+        # Ctrl-C as C++ calls into Python (the allocator's, the streams' callbacks) is held
+        # until the callback returned
+        interrupts.enable()
         self.device_module = device_module.make_device_module(self)
         features.install(self, self.device_module)
         _ACTIVE = self

@@ -42,11 +42,11 @@ c10::DeviceIndex guard_device_count();
 c10::DeviceIndex guard_current_device();
 void guard_set_device(c10::DeviceIndex index);
 int guard_call(int op, long long a, long long b, long long c, long long* iout);
-// native_interrupts.cpp: alive around every call into a Python callback. A Ctrl-C the
-// callback caught (torchport/core/interrupts.py) is raised again once it returned, where Python's
-// next bytecode is its C++ caller's caller's; and one raised again so and not yet handled
-// is held over the next callback (it would fire at that callback's first bytecode, where
-// nothing can catch it) and raised again after it.
+// native_interrupts.cpp: alive around every call into a Python callback. While the main
+// thread is inside one, SIGINT is held and raised again once the callback has returned, where
+// Python's next bytecode is its C++ caller's caller's (a SIGINT raised inside the callback
+// could fire before any try of the callback's, where nothing can catch it); so is a Ctrl-C
+// the callback caught itself (torchport/core/interrupts.py).
 class CallbackInterrupts {
  public:
   CallbackInterrupts();
@@ -55,7 +55,7 @@ class CallbackInterrupts {
   CallbackInterrupts& operator=(const CallbackInterrupts&) = delete;
 
  private:
-  bool held_;
+  bool main_;
 };
 // native_generator.cpp
 const at::Generator& default_generator(c10::DeviceIndex index);
