@@ -19,7 +19,6 @@ import atexit
 import bisect
 import ctypes
 import os
-import queue
 import sys
 import threading
 import time
@@ -29,6 +28,10 @@ from typing import Any
 
 import torch
 
+from torchport.backends.sim.ipc_events import _IpcMarks
+from torchport.backends.sim.queues import MAX_QUEUED as MAX_QUEUED  # the bound tests read
+from torchport.backends.sim.queues import SimAsyncError as SimAsyncError  # raised to users
+from torchport.backends.sim.queues import _Worker
 from torchport.core import settings
 from torchport.core.settings import parse_size  # noqa: F401  (torchport.backends.sim exports it)
 from torchport.runtime import DeviceProperties, Runtime
@@ -87,168 +90,6 @@ class SimEvent:
     worker: _Worker | None = None  # asynchronous mode: the stream it was recorded on
     seq: int = 0  # ... and the ticket of its marker on that stream
     ipc: _IpcMarks | None = None  # an interprocess event: its marks, shared with others
-
-
-class _IpcMarks:
-    """An interprocess event's state, in a small shared-memory file every process that
-    holds the event maps: the generation of its latest record (any process) and of the
-    latest one whose work completed. Its work is done when the two are equal; the file
-    is removed when the exporting event dies (processes that mapped it keep it)."""
-
-    _next = 0
-
-    def __init__(self, path: str, create: bool) -> None:
-        import mmap
-
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        try:
-            fd = os.open(path, flags, 0o600)
-        except FileNotFoundError:
-            raise RuntimeError(f"sim: no interprocess event behind the handle {path!r}: the "
-                               f"event that exported it was destroyed (keep it alive in the "
-                               f"exporting process while others wait for it)") from None
-        try:
-            if create:
-                os.ftruncate(fd, 16)
-            self.map = mmap.mmap(fd, 16)
-        finally:
-            os.close(fd)
-        self.path = path
-        self.words = (ctypes.c_int64 * 2).from_buffer(self.map)
-        if create:
-            import weakref
-
-            weakref.finalize(self, _unlink, path)
-
-    @classmethod
-    def new(cls) -> _IpcMarks:
-        import tempfile
-
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        cls._next += 1
-        return cls(os.path.join(folder, f"torchport-sim-event-{os.getpid()}-{cls._next}-"
-                                        f"{os.urandom(4).hex()}"), create=True)
-
-    def record(self) -> int:
-        """A new generation for a record; the caller marks it :meth:`done` once reached."""
-        gen = self.words[0] + 1
-        self.words[0] = gen
-        return gen
-
-    def done(self, gen: int) -> None:
-        if self.words[1] < gen:
-            self.words[1] = gen
-
-    def pending(self) -> int:
-        """The generation to wait for (0: nothing outstanding)."""
-        gen = self.words[0]
-        return 0 if self.words[1] >= gen else gen
-
-    def wait(self, gen: int, stop: Callable[[], bool] = bool) -> None:
-        """Block until generation ``gen`` completed (in whichever process recorded it)."""
-        pause = 1e-5
-        while self.words[1] < gen and not stop():
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-class SimAsyncError(RuntimeError):
-    """Work queued on a sim stream failed; raised at the next synchronising call."""
-
-
-# Launches a stream may hold before the host waits for it to catch up (CUDA blocks the
-# host at about this depth): bounds memory in flight and what an interrupt abandons.
-MAX_QUEUED = 1024
-
-
-class _Worker:
-    """One sim stream in asynchronous mode: a thread running its work in issue order.
-
-    ``submitted``/``completed`` count tickets; the first failure is kept (with the
-    op's name) until a synchronising call reports it; later work still runs, so the
-    device stays usable. The host waits once :data:`MAX_QUEUED` launches are queued;
-    ``abandon()`` drops what is queued (at interrupt and exit)."""
-
-    def __init__(self, label: str, inline: bool = False) -> None:
-        self.label = label
-        self.q: queue.SimpleQueue[tuple[int, Callable[[], Any], str]] = queue.SimpleQueue()
-        self.cv = threading.Condition()
-        self.submitted = 0
-        self.completed = 0
-        self.abandoned = False
-        # at exit, after the queue drained: work runs in the caller (the interpreter no
-        # longer schedules this thread once it finalizes: a finaliser's op would wait forever)
-        self.inline = inline
-        self.error: tuple[str, BaseException] | None = None
-        self.thread = threading.Thread(target=self._loop, name=f"torchport-{label}", daemon=True)
-        if not inline:
-            self.thread.start()
-
-    def submit(self, fn: Callable[[], Any], name: str, bounded: bool = False) -> int:
-        """Queue ``fn``; a ``bounded`` launch first waits for room (kernels and copies,
-        never markers: an event is recorded while the allocator's lock is held, and
-        work that finishes frees memory under that lock)."""
-        if self.inline:
-            with self.cv:
-                self.submitted += 1
-                ticket = self.submitted
-            self._run(ticket, fn, name)
-            return ticket
-        with self.cv:
-            if bounded and self.submitted - self.completed >= MAX_QUEUED \
-                    and threading.current_thread() is not self.thread:
-                self.cv.wait_for(lambda: self.submitted - self.completed < MAX_QUEUED)
-            self.submitted += 1
-            ticket = self.submitted
-        self.q.put((ticket, fn, name))
-        return ticket
-
-    def _loop(self) -> None:
-        while True:
-            self._run(*self.q.get())
-
-    def _run(self, ticket: int, fn: Callable[[], Any], name: str) -> None:
-        if not self.abandoned:
-            try:
-                fn()
-            except BaseException as exc:  # reported at the next synchronising call
-                with self.cv:
-                    if self.error is None:
-                        self.error = (name, exc)
-        with self.cv:
-            self.completed = ticket
-            self.cv.notify_all()
-
-    def abandon(self) -> None:
-        """Drop the queued work: what runs now finishes, the rest is skipped."""
-        self.abandoned = True
-
-    def queued(self) -> int:
-        return self.submitted - self.completed
-
-    def done(self, ticket: int | None = None) -> bool:
-        return self.completed >= (self.submitted if ticket is None else ticket)
-
-    def wait(self, ticket: int | None = None) -> None:
-        with self.cv:
-            target = self.submitted if ticket is None else ticket
-            self.cv.wait_for(lambda: self.completed >= target)
-
-    def raise_error(self) -> None:
-        with self.cv:
-            err, self.error = self.error, None
-        if err is not None:
-            name, exc = err
-            raise SimAsyncError(f"sim: {name or 'work'} failed asynchronously on {self.label}: "
-                                f"{type(exc).__name__}: {exc} (set TORCHPORT_LAUNCH_BLOCKING=1 "
-                                f"to get the error where the op is called)") from exc
 
 
 class SimRuntime(Runtime):
