@@ -6,31 +6,70 @@ into blocks, and freed blocks are kept for reuse. Sizes, pools and split rules
 follow CUDA's (512-byte rounding; a small pool of 2 MiB segments for requests up
 to 1 MiB; 20 MiB segments for requests up to 10 MiB; larger ones rounded to
 2 MiB). Statistics use the key names of ``torch.cuda.memory_stats()``.
+
+This module holds :class:`DeviceAllocator`, the Python allocator (its malloc, stream-aware
+freeing and parking of blocks), and :func:`make_allocators`, which chooses it or the C++
+one; the names other layers import from here stay here. The rest is beside it:
+:mod:`~torchport.memory.blocks` (sizes, pools, blocks, segments),
+:mod:`~torchport.memory.allocator_stats` (statistics, snapshots, the out-of-memory
+message) and :mod:`~torchport.memory.native_allocator` (the glue to the C++ allocator).
 """
 
 from __future__ import annotations
 
-import atexit
-import bisect
-import ctypes
 import threading
-import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from torchport.core import interrupts, native
+from torchport.core import native
+from torchport.memory.allocator_stats import AllocatorStatistics, format_size
+from torchport.memory.blocks import (
+    K_LARGE_BUFFER,
+    K_MIN_BLOCK,
+    K_MIN_LARGE_ALLOC,
+    K_ROUND_LARGE,
+    K_SMALL_BUFFER,
+    K_SMALL_SIZE,
+    SEGMENT_FREED,
+    Block,
+    _Pool,
+    _segment_size,
+    round_size,
+)
+from torchport.memory.native_allocator import (
+    BlockInfo,
+    NativeAllocator,
+    NativeBlock,
+    SegmentInfo,
+    _native_allocators,
+)
 from torchport.runtime import Runtime
 
-K_MIN_BLOCK = 512
-K_SMALL_SIZE = 1 << 20
-K_SMALL_BUFFER = 2 << 20
-K_LARGE_BUFFER = 20 << 20
-K_MIN_LARGE_ALLOC = 10 << 20
-K_ROUND_LARGE = 2 << 20
+__all__ = [
+    "ADOPT_MIN_BYTES",
+    "K_LARGE_BUFFER",
+    "K_MIN_BLOCK",
+    "K_MIN_LARGE_ALLOC",
+    "K_ROUND_LARGE",
+    "K_SMALL_BUFFER",
+    "K_SMALL_SIZE",
+    "SEGMENT_FREED",
+    "Block",
+    "BlockInfo",
+    "DeviceAllocator",
+    "NativeAllocator",
+    "NativeBlock",
+    "SegmentInfo",
+    "format_size",
+    "make_allocators",
+    "round_size",
+]
+
+# The most blocks parked at once, for both allocators (the C++ one reads it at each
+# configure: :func:`_max_parked`).
 _MAX_PARKED = 256
 # Parked blocks may hold up to the peak of the bytes allocated, or this much on a device
 # with little allocated: a training step's transient tensors fit, random sizes cannot
@@ -40,113 +79,9 @@ _PARK_FLOOR = 8 << 20
 # runtime can (:meth:`DeviceAllocator.adopt`; below, copying costs less than a segment of
 # its own).
 ADOPT_MIN_BYTES = 1 << 20
-_ALLOC_STATS = ("allocation", "active", "allocated_bytes", "active_bytes", "requested_bytes")
-
-_STAT_NAMES = ("allocation", "segment", "active", "inactive_split")
-_BYTE_STAT_NAMES = ("allocated_bytes", "reserved_bytes", "active_bytes",
-                    "inactive_split_bytes", "requested_bytes")
-_POOLS = ("all", "small_pool", "large_pool")
-
-# Called with (address, size) after a segment goes back to the runtime: caches of host
-# views of device memory (torchport.ops.hostviews) drop what points into it.
-SEGMENT_FREED: list[Callable[[int, int], None]] = []
 
 
-class _Stat:
-    __slots__ = ("current", "peak", "allocated", "freed")
-
-    def __init__(self) -> None:
-        self.current = self.peak = self.allocated = self.freed = 0
-
-    def add(self, n: int) -> None:
-        self.current += n
-        if n > 0:
-            self.allocated += n
-        else:
-            self.freed -= n
-        if self.current > self.peak:
-            self.peak = self.current
-
-
-@dataclass(eq=False)
-class Block:
-    """A range of a segment; ``allocated`` blocks belong to a live storage."""
-
-    ptr: int
-    size: int
-    segment_size: int
-    small: bool
-    stream: Any = None
-    allocated: bool = False
-    requested: int = 0
-    prev: Block | None = None
-    next: Block | None = None
-    is_segment_head: bool = False
-    parked: bool = False  # free, held for an exact-size reuse, not merged yet
-    stream_uses: set = field(default_factory=set)
-    owner: Any = None  # what returns the block when its storage dies (torchport.memory.tensors)
-    adopted: bool = False  # a whole segment of host memory the runtime adopted
-
-    def key(self) -> tuple[int, int]:
-        return (self.size, self.ptr)
-
-
-class _Pool:
-    """Free blocks ordered by (size, address) for best-fit search."""
-
-    def __init__(self) -> None:
-        self.keys: list[tuple[Any, int, int]] = []
-        self.blocks: dict[tuple[Any, int, int], Block] = {}
-
-    @staticmethod
-    def _k(b: Block) -> tuple[Any, int, int]:
-        return (id(b.stream), b.size, b.ptr)
-
-    def insert(self, b: Block) -> None:
-        k = self._k(b)
-        bisect.insort(self.keys, k)
-        self.blocks[k] = b
-
-    def remove(self, b: Block) -> None:
-        k = self._k(b)
-        i = bisect.bisect_left(self.keys, k)
-        if i < len(self.keys) and self.keys[i] == k:
-            del self.keys[i]
-            del self.blocks[k]
-
-    def best_fit(self, stream: Any, size: int) -> Block | None:
-        i = bisect.bisect_left(self.keys, (id(stream), size, -1))
-        if i < len(self.keys) and self.keys[i][0] == id(stream):
-            return self.blocks[self.keys[i]]
-        return None
-
-    def __iter__(self):
-        return iter(list(self.blocks.values()))
-
-
-def round_size(nbytes: int) -> int:
-    if nbytes < K_MIN_BLOCK:
-        return K_MIN_BLOCK
-    return (nbytes + K_MIN_BLOCK - 1) // K_MIN_BLOCK * K_MIN_BLOCK
-
-
-def _segment_size(size: int) -> int:
-    if size <= K_SMALL_SIZE:
-        return K_SMALL_BUFFER
-    if size < K_MIN_LARGE_ALLOC:
-        return K_LARGE_BUFFER
-    return (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE
-
-
-def format_size(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.2f} {unit}" if unit != "bytes" else f"{int(n)} bytes"
-        n /= 1024
-    return f"{n:.2f} GiB"
-
-
-class DeviceAllocator:
+class DeviceAllocator(AllocatorStatistics):
     """The caching allocator of one device (physical index ``phys``)."""
 
     def __init__(self, runtime: Runtime, phys: int, logical: int, device_name: str) -> None:
@@ -187,111 +122,6 @@ class DeviceAllocator:
         self.event_release: Callable[[Any], None] | None = None
         self._hot_small = True  # the pool the deferred counts below belong to
         self.reset_stats()
-
-    # ---- statistics ------------------------------------------------------------
-    def reset_stats(self) -> None:
-        self.stats = {(n, p): _Stat() for n in _STAT_NAMES + _BYTE_STAT_NAMES for p in _POOLS}
-        self._pairs = {(n, small): (self.stats[(n, "all")],
-                                    self.stats[(n, "small_pool" if small else "large_pool")])
-                       for n in _STAT_NAMES + _BYTE_STAT_NAMES for small in (True, False)}
-        # The statistics every malloc/free moves, all pools at once (the hot path).
-        self._on_alloc = {small: [s for n in _ALLOC_STATS for s in self._pairs[(n, small)]]
-                          for small in (True, False)}
-        self._allocated_pool = [self.stats[("allocated_bytes", "large_pool")],
-                                self.stats[("allocated_bytes", "small_pool")]]
-        self.num_alloc_retries = 0
-        self.num_ooms = 0
-        self.num_sync_all_streams = 0
-        self.num_device_alloc = 0
-        self.num_device_free = 0
-        self._reset_hot()
-
-    # The hot path (a parked block handed out or parked again) only counts, in the
-    # fields below, what its mallocs and frees add up to since the last flush, and the
-    # highest net count/bytes/requested bytes reached; every other path and every
-    # reader flushes first, so the statistics stay exact (peaks included: within a
-    # window only the hot path moves them, so a window's peak is its start plus the
-    # highest net it reached). A window holds one pool's blocks (``_hot_small``): a block
-    # of the other pool flushes it first, so that each pool's peak is exact too.
-    def _reset_hot(self) -> None:
-        self._hm = self._hbm = self._hrm = 0  # mallocs: count, bytes, requested bytes
-        self._hf = self._hbf = self._hrf = 0  # frees
-        self._pn = self._pb = self._pr = 0  # highest net count, bytes, requested bytes
-
-    def _flush_hot(self) -> None:
-        if not (self._hm or self._hf):
-            return
-        moves = ((("allocation", "active"), self._hm, self._hf, self._pn),
-                 (("allocated_bytes", "active_bytes"), self._hbm, self._hbf, self._pb),
-                 (("requested_bytes",), self._hrm, self._hrf, self._pr))
-        for names, up, down, peak in moves:
-            for name in names:
-                for pool in ("all", "small_pool" if self._hot_small else "large_pool"):
-                    st = self.stats[(name, pool)]
-                    st.peak = max(st.peak, st.current + peak)
-                    st.current += up - down
-                    st.allocated += up
-                    st.freed += down
-        self._reset_hot()
-
-    def _switch_hot(self, small: bool) -> None:
-        """Start a window of the other pool's blocks (flushing the current one)."""
-        self._flush_hot()
-        self._hot_small = small
-
-    def stat(self, name: str, pool: str = "all") -> _Stat:
-        """One statistic (``torch.cuda.memory_stats`` naming), up to date."""
-        with self.lock:
-            self._flush_hot()
-            return self.stats[(name, pool)]
-
-    def _stat(self, small: bool, *changes: tuple[str, int]) -> None:
-        """Apply ``(statistic name, change)`` pairs to the pool's and the total statistics."""
-        self._flush_hot()
-        pairs = self._pairs
-        for name, n in changes:
-            a, b = pairs[(name, small)]
-            a.add(n)
-            b.add(n)
-
-    def reset_peak(self) -> None:
-        with self.lock:
-            self._flush_hot()
-            for s in self.stats.values():
-                s.peak = s.current
-
-    def reset_accumulated(self) -> None:
-        with self.lock:
-            self._flush_hot()
-            for s in self.stats.values():
-                s.allocated = s.freed = 0
-        self.num_alloc_retries = self.num_ooms = self.num_sync_all_streams = 0
-        self.num_device_alloc = self.num_device_free = 0
-
-    def memory_stats(self) -> dict[str, int]:
-        with self.lock:
-            self._flush_hot()
-            self._unpark_all()
-            self._recount_inactive_split()  # computed on demand: O(free blocks)
-        out: dict[str, int] = {}
-        for (name, pool), s in sorted(self.stats.items()):
-            for metric in ("current", "peak", "allocated", "freed"):
-                out[f"{name}.{pool}.{metric}"] = getattr(s, metric)
-        out["num_alloc_retries"] = self.num_alloc_retries
-        out["num_ooms"] = self.num_ooms
-        out["num_sync_all_streams"] = self.num_sync_all_streams
-        out["num_device_alloc"] = self.num_device_alloc
-        out["num_device_free"] = self.num_device_free
-        out["max_split_size"] = -1
-        out["oversize_allocations.current"] = 0
-        out["oversize_segments.current"] = 0
-        return out
-
-    def allocated(self) -> int:
-        return self.stat("allocated_bytes").current
-
-    def reserved(self) -> int:
-        return self.stat("reserved_bytes").current
 
     # ---- allocation ------------------------------------------------------------
     def malloc(self, nbytes: int, stream: Any = None) -> Block:
@@ -472,22 +302,6 @@ class DeviceAllocator:
         self._stat(small, ("segment", 1), ("reserved_bytes", seg_size))
         return block
 
-    def _oom_message(self, requested: int) -> str:
-        free, total = self.runtime.mem_get_info(self.phys)
-        alloc, reserved = self.allocated(), self.reserved()
-        limit = ""
-        if self.fraction is not None:
-            limit = (f" The process is limited to {self.fraction:.2f} of the device "
-                     f"({format_size(self.fraction * total)}) by set_per_process_memory_fraction.")
-        return (
-            f"{self.device_name.upper()} out of memory. Tried to allocate {format_size(requested)}. "
-            f"{self.device_name}:{self.logical} has a total capacity of {format_size(total)} of which "
-            f"{format_size(free)} is free. Of the allocated memory {format_size(alloc)} is allocated "
-            f"by PyTorch, and {format_size(reserved - alloc)} is reserved by PyTorch but unallocated."
-            f"{limit} Free tensors you no longer need, reduce the batch size, or call "
-            f"torch.{self.device_name}.empty_cache()."
-        )
-
     # ---- freeing ---------------------------------------------------------------
     def storage_died(self, ref: Any) -> None:
         """Weakref callback of a device storage (``torchport.memory.tensors.watch``): its block is
@@ -654,22 +468,6 @@ class DeviceAllocator:
                 dst.next.prev = dst
         dst.size += src.size
 
-    def _recount_inactive_split(self) -> None:
-        """Free blocks that are part of a split segment, counted now; the change since the
-        last count goes through the statistics as one step (allocated - freed == current)."""
-        now = {(name, p): 0 for name in ("inactive_split", "inactive_split_bytes")
-               for p in _POOLS}
-        for pool in (self.small, self.large):
-            for b in pool:
-                if b.prev is not None or b.next is not None:
-                    for p in ("all", "small_pool" if b.small else "large_pool"):
-                        now[("inactive_split", p)] += 1
-                        now[("inactive_split_bytes", p)] += b.size
-        for key, n in now.items():
-            stat = self.stats[key]
-            if n != stat.current:
-                stat.add(n - stat.current)
-
     def empty_cache(self) -> None:
         """Return every fully free segment to the runtime (``torch.<device>.empty_cache``:
         the device has room again, so large blocks are parked again)."""
@@ -691,571 +489,10 @@ class DeviceAllocator:
                         self._release_segment(b)
             self._recount_inactive_split()
 
-    # ---- introspection -----------------------------------------------------------
-    def snapshot(self) -> list[dict[str, Any]]:
-        """Segments and their blocks, in the shape of ``torch.cuda.memory_snapshot()``."""
-        out = []
-        with self.lock:
-            self._flush_hot()
-            self._unpark_all()
-            for ptr, head in sorted(self.segments.items()):
-                blocks = []
-                b: Block | None = self._segment_first(head, ptr)
-                total = 0
-                while b is not None and total < head.segment_size:
-                    state = "active_allocated" if b.allocated else "inactive"
-                    blocks.append({"address": b.ptr, "size": b.size, "state": state,
-                                   "requested_size": b.requested if b.allocated else 0})
-                    total += b.size
-                    b = b.next
-                out.append({"device": self.logical, "address": ptr,
-                            "total_size": head.segment_size,
-                            "allocated_size": sum(x["size"] for x in blocks
-                                                  if x["state"] == "active_allocated"),
-                            "segment_type": "small" if head.small else "large",
-                            "blocks": blocks})
-        return out
 
-    def _segment_first(self, head: Block, ptr: int) -> Block | None:
-        candidates = [b for b in list(self.active.values()) + list(self.small) + list(self.large)
-                      if b.ptr == ptr]
-        return candidates[0] if candidates else None
-
-
-# ---- the caching allocator in C++ -------------------------------------------------------
-# With torchport's C++ library the pools live in C++ (``native_allocator.cpp``, the rules
-# above): a storage made there returns its block from its DataPtr's deleter, and Python is
-# entered only for a segment, an out-of-memory message, a device synchronize and the events
-# of stream-aware freeing. :func:`make_allocators` is the one switch; without the library
-# the :class:`DeviceAllocator` above serves.
-_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
-          "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
-_COUNTER_NAMES = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc",
-                  "num_device_free")
-_METRICS = ("current", "peak", "allocated", "freed")
-_N_STATS = len(_NAMES) * len(_POOLS) * len(_METRICS) + len(_COUNTER_NAMES)
-# memory_stats() order (that of the Python allocator): sorted by (name, pool)
-_STATS_ORDER = [(f"{n}.{p}.{m}", (_NAMES.index(n) * 3 + _POOLS.index(p)) * 4 + k)
-                for n, p in sorted((n, p) for n in _NAMES for p in _POOLS)
-                for k, m in enumerate(_METRICS)]
-_OOM_KIND = 1
-
-
-class NativeBlock:
-    """A block of the C++ allocator handed to Python (:meth:`NativeAllocator.malloc`):
-    its address, and ``owner`` as :class:`Block`'s (the weak reference that frees it, kept
-    by the allocator while the block is allocated: a weakref's callback runs only if the
-    weakref is alive)."""
-
-    __slots__ = ("_owners", "ptr")
-
-    def __init__(self, ptr: int, owners: dict[int, Any]) -> None:
-        self.ptr = ptr
-        self._owners = owners
-
-    @property
-    def owner(self) -> Any:
-        return self._owners.get(self.ptr)
-
-    @owner.setter
-    def owner(self, ref: Any) -> None:
-        self._owners[self.ptr] = ref
-
-
-class BlockInfo(NativeBlock):
-    """What the C++ allocator holds of an allocated block (read when asked)."""
-
-    __slots__ = ("__weakref__", "_alloc", "adopted", "allocated", "requested", "size", "small",
-                 "stream")
-
-    def __init__(self, ptr: int, alloc: NativeAllocator, size: int, requested: int,
-                 stream: Any, adopted: bool) -> None:
-        super().__init__(ptr, alloc.owners)
-        self._alloc = alloc
-        self.size = size
-        self.requested = requested
-        self.stream = stream
-        self.adopted = adopted
-        self.allocated = True
-        self.small = size <= K_SMALL_SIZE
-
-    @property
-    def stream_uses(self) -> set:
-        """The streams ``record_stream`` named for the block (now)."""
-        return self._alloc._stream_uses(self.ptr)
-
-
-@dataclass(frozen=True)
-class SegmentInfo:
-    segment_size: int
-    small: bool
-
-
-class _ActiveBlocks:
-    """The allocated blocks of a :class:`NativeAllocator` by address (a read-only mapping)."""
-
-    def __init__(self, alloc: NativeAllocator) -> None:
-        self._a = alloc
-
-    def get(self, ptr: int, default: Any = None) -> Any:
-        info = self._a._block(ptr)
-        return default if info is None else info
-
-    def __getitem__(self, ptr: int) -> BlockInfo:
-        info = self._a._block(ptr)
-        if info is None:
-            raise KeyError(ptr)
-        return info
-
-    def __contains__(self, ptr: object) -> bool:
-        return isinstance(ptr, int) and self._a._block(ptr) is not None
-
-    def __iter__(self):
-        return iter(self._a._list(0))
-
-    def __len__(self) -> int:
-        return self._a._counts()[2]
-
-    def values(self) -> list[BlockInfo]:
-        return [b for b in (self._a._block(p) for p in self._a._list(0)) if b is not None]
-
-
-class NativeAllocator:
-    """The caching allocator of one device, in the C++ library: :class:`DeviceAllocator`'s
-    interface and behaviour, without a Python round trip per allocation and free."""
-
-    def __init__(self, cpp: Any, runtime: Runtime, phys: int, logical: int,
-                 device_name: str) -> None:
-        self.cpp = cpp
-        self.runtime = runtime
-        self.phys = phys
-        self.logical = logical
-        self.device_name = device_name
-        self.lock = threading.RLock()  # (callers' own; the pools are locked in C++)
-        self._fraction: float | None = None
-        # set by torchport.device.streams: the guard stream id of a runtime stream handle, and back
-        self.stream_id_of: Callable[[Any], int] = lambda handle: 0
-        self.stream_of: Callable[[int, int], Any] = lambda index, sid: None
-        self.free_events = self.event_query = self.event_release = None  # (C++ records them)
-        self.active = _ActiveBlocks(self)
-        # the weak references of the storages over blocks made in Python (tensors.watch)
-        owners: dict[int, Any] = {}
-        self._infos: weakref.WeakValueDictionary[int, BlockInfo] = weakref.WeakValueDictionary()
-        self.owners = owners
-        i = logical
-        # (through PyDLL, keeping the GIL: a call that released and took it back would cost
-        # more than the allocation)
-        hot = _py_library(cpp) or cpp
-        c_malloc, c_free = hot.torchport_caching_malloc, hot.torchport_caching_free
-        c_new = getattr(_py_library(cpp), "torchport_caching_new_tensor", None)
-
-        def malloc(nbytes: int, stream: Any = None) -> NativeBlock:
-            """A block of at least ``nbytes``; raises ``torch.OutOfMemoryError``."""
-            ptr = c_malloc(i, nbytes, 0 if stream is None else self.stream_id_of(stream))
-            if not ptr:
-                raise self._error()
-            return NativeBlock(ptr, owners)
-
-        def free(ptr: int) -> None:
-            if not c_free(i, ptr):
-                raise self._error()
-
-        def storage_died(ref: Any) -> None:
-            """Weakref callback of a storage made over a :class:`NativeBlock`."""
-            ptr = ref.ptr
-            if ptr is None:
-                return
-            if owners.get(ptr) is ref:
-                del owners[ptr]
-            if not c_free(i, ptr):
-                raise self._error()
-
-        self.malloc = malloc
-        self.free = free
-        self.storage_died = storage_died
-        self.new_tensor: Callable[..., torch.Tensor] | None = None
-        # (buffer, dtype, size, stride, stream) -> an adopted device tensor, or None
-        self.adopted_tensor: Callable[..., torch.Tensor | None] | None = \
-            None if c_new is None else self._adopted_tensor
-        if c_new is not None:
-            def new_tensor(nbytes: int, dtype: torch.dtype, size: Any, stride: Any,
-                           stream: Any = None) -> torch.Tensor:
-                """A device tensor over a new block, freed by its storage's deleter."""
-                t = c_new(i, nbytes, dtype, size, stride,
-                          0 if stream is None else self.stream_id_of(stream))
-                if t is None:
-                    raise self._error()
-                return t
-
-            self.new_tensor = new_tensor
-
-    def release(self, ptr: int) -> None:
-        """The block at ``ptr``, held by a storage made in Python (:func:`tensors.watch`),
-        leaves that storage (a resize gave it a new block): freed now, not when it dies."""
-        ref = self.owners.pop(ptr, None)
-        if ref is not None and ref.ptr == ptr:
-            ref.ptr = None
-            self.free(ptr)
-
-    def _error(self) -> BaseException:
-        msg = self.cpp.torchport_caching_error().decode("utf-8", "replace")
-        if self.cpp.torchport_caching_error_kind() == _OOM_KIND:
-            return torch.OutOfMemoryError(msg)
-        return RuntimeError(msg)
-
-    def _check(self, ok: int) -> None:
-        if not ok:
-            raise self._error()
-
-    def _configure(self) -> None:
-        limit = -1.0
-        if self._fraction is not None:
-            limit = self._fraction * self.runtime.get_device_properties(self.phys).total_memory
-        self._check(self.cpp.torchport_caching_configure(self.logical, limit, _MAX_PARKED))
-
-    @property
-    def fraction(self) -> float | None:
-        return self._fraction
-
-    @fraction.setter
-    def fraction(self, value: float | None) -> None:
-        self._fraction = value
-        self._configure()
-
-    def _within_fraction(self, nbytes: int) -> bool:
-        if self._fraction is None:
-            return True
-        total = self.runtime.get_device_properties(self.phys).total_memory
-        return self.reserved() + nbytes <= self._fraction * total
-
-    # ---- statistics ------------------------------------------------------------
-    def _stats(self, refresh: bool) -> Any:
-        out = (ctypes.c_int64 * _N_STATS)()
-        self._check(self.cpp.torchport_caching_stats(self.logical, out, int(refresh)))
-        return out
-
-    def stat(self, name: str, pool: str = "all") -> _Stat:
-        """One statistic (``torch.cuda.memory_stats`` naming), up to date."""
-        v = self._stats(False)
-        k = (_NAMES.index(name) * 3 + _POOLS.index(pool)) * 4
-        s = _Stat()
-        s.current, s.peak, s.allocated, s.freed = v[k:k + 4]
-        return s
-
-    def memory_stats(self) -> dict[str, int]:
-        v = self._stats(True)
-        out = {key: v[k] for key, k in _STATS_ORDER}
-        base = _N_STATS - len(_COUNTER_NAMES)
-        for j, name in enumerate(_COUNTER_NAMES):
-            out[name] = v[base + j]
-        out["max_split_size"] = -1
-        out["oversize_allocations.current"] = 0
-        out["oversize_segments.current"] = 0
-        return out
-
-    def _counter(self, name: str) -> int:
-        return self._stats(False)[_N_STATS - len(_COUNTER_NAMES) + _COUNTER_NAMES.index(name)]
-
-    num_alloc_retries = property(lambda self: self._counter("num_alloc_retries"))
-    num_ooms = property(lambda self: self._counter("num_ooms"))
-    num_sync_all_streams = property(lambda self: self._counter("num_sync_all_streams"))
-    num_device_alloc = property(lambda self: self._counter("num_device_alloc"))
-    num_device_free = property(lambda self: self._counter("num_device_free"))
-
-    def allocated(self) -> int:
-        return self.stat("allocated_bytes").current
-
-    def reserved(self) -> int:
-        return self.stat("reserved_bytes").current
-
-    def reset_peak(self) -> None:
-        self._check(self.cpp.torchport_caching_reset_peak(self.logical))
-
-    def reset_accumulated(self) -> None:
-        self._check(self.cpp.torchport_caching_reset_accumulated(self.logical))
-
-    # ---- state, for introspection and tests ----------------------------------------
-    def _counts(self) -> list[int]:
-        out = (ctypes.c_int64 * 7)()
-        self._check(self.cpp.torchport_caching_counts(self.logical, out))
-        return list(out)
-
-    def _list(self, what: int) -> list[int]:
-        cap = 256
-        while True:
-            out = (ctypes.c_int64 * cap)()
-            n = self.cpp.torchport_caching_list(self.logical, what, out, cap)
-            if n < 0:
-                raise self._error()
-            if n <= cap:
-                return list(out[:n])
-            cap = n + 64  # grew in between: ask again
-
-    def _read_block(self, ptr: int) -> list[int]:
-        cap = 64
-        while True:
-            out = (ctypes.c_int64 * cap)()
-            n = self.cpp.torchport_caching_block(self.logical, ptr, out, cap)
-            if n <= cap:
-                return list(out[:n])
-            cap = n + 16
-
-    def _block(self, ptr: int) -> BlockInfo | None:
-        v = self._read_block(ptr)
-        if not v:
-            return None
-        size, requested, sid, adopted = v[:4]
-        handle = getattr(self.stream_of(self.logical, sid), "handle", None)
-        info = self._infos.get(ptr)  # the same object while a caller holds it, as Block's
-        if info is None:
-            info = self._infos[ptr] = BlockInfo(ptr, self, size, requested, handle,
-                                                bool(adopted))
-        else:
-            info.size, info.requested, info.stream, info.adopted = size, requested, handle, \
-                bool(adopted)
-            info.small = size <= K_SMALL_SIZE
-        return info
-
-    def _stream_uses(self, ptr: int) -> set:
-        v = self._read_block(ptr)
-        return {self.stream_of(v[5 + 2 * k], v[6 + 2 * k]) for k in range(v[4] if v else 0)}
-
-    def record_use(self, ptr: int, stream_device: int, stream_id: int) -> bool:
-        """``Tensor.record_stream``: the block at ``ptr`` waits, when freed, for the work
-        queued so far on that stream; ``False`` where no block of this allocator is there."""
-        return bool(self.cpp.torchport_caching_record_use(self.logical, ptr, stream_device,
-                                                          stream_id))
-
-    @property
-    def num_parked(self) -> int:
-        return self._counts()[0]
-
-    @property
-    def slow_mallocs(self) -> int:
-        """Requests since the start that no parked block of their exact size served (the
-        Python allocator's calls of ``_malloc``)."""
-        return self._counts()[6]
-
-    @property
-    def full(self) -> bool:
-        return bool(self._counts()[1])
-
-    @property
-    def parked(self) -> dict[tuple[int, int], list[int]]:
-        """Parked blocks by (id of the stream's runtime handle, size): their sizes."""
-        v = self._list(3)
-        out: dict[tuple[int, int], list[int]] = {}
-        for k in range(0, len(v), 3):
-            handle = getattr(self.stream_of(self.logical, v[k]), "handle", None)
-            out[(id(handle), v[k + 1])] = [v[k + 1]] * v[k + 2]
-        return out
-
-    @property
-    def segments(self) -> dict[int, SegmentInfo]:
-        v = self._list(2)
-        return {v[k]: SegmentInfo(v[k + 1], bool(v[k + 2])) for k in range(0, len(v), 3)}
-
-    def pending_blocks(self) -> list[NativeBlock]:
-        """The freed blocks waiting for queued work (oldest first per stream)."""
-        return [NativeBlock(p, self.owners) for p in self._list(1)]
-
-    # ---- allocation paths that are not hot ------------------------------------------
-    def _adopted_by_runtime(self, buffer: torch.UntypedStorage, stream: Any) -> tuple | None:
-        """(address, bytes, stream id) of ``buffer`` once the runtime adopted it, or ``None``
-        where it declines or the memory fraction forbids it."""
-        nbytes = buffer.nbytes()
-        if not self._within_fraction(nbytes):
-            return None
-        ptr = self.runtime.adopt_host(self.phys, buffer)
-        if ptr is None:
-            return None
-        return ptr, nbytes, 0 if stream is None else self.stream_id_of(stream)
-
-    def adopt_segment(self, ptr: int, nbytes: int, stream: Any = None) -> NativeBlock:
-        """As :meth:`DeviceAllocator.adopt_segment`."""
-        self._check(self.cpp.torchport_caching_adopt(
-            self.logical, ptr, nbytes, 0 if stream is None else self.stream_id_of(stream)))
-        return NativeBlock(ptr, self.owners)
-
-    def adopt(self, buffer: torch.UntypedStorage, stream: Any = None) -> NativeBlock | None:
-        """As :meth:`DeviceAllocator.adopt`."""
-        adopted = self._adopted_by_runtime(buffer, stream)
-        if adopted is None:
-            return None
-        self._check(self.cpp.torchport_caching_adopt(self.logical, *adopted))
-        return NativeBlock(adopted[0], self.owners)
-
-    def _adopted_tensor(self, buffer: torch.UntypedStorage, dtype: torch.dtype, size: Any,
-                        stride: Any, stream: Any = None) -> torch.Tensor | None:
-        """A device tensor over ``buffer`` adopted by the runtime (as :meth:`adopt`), whose
-        storage's C++ deleter returns it, or ``None`` where the runtime declines."""
-        adopted = self._adopted_by_runtime(buffer, stream)
-        if adopted is None:
-            return None
-        ptr, nbytes, sid = adopted
-        t = _py_library(self.cpp).torchport_caching_adopted_tensor(
-            self.logical, ptr, nbytes, dtype, list(size), list(stride), sid)
-        if t is None:
-            self.runtime.free(self.phys, ptr)
-            raise self._error()
-        return t
-
-    def empty_cache(self) -> None:
-        """Return every fully free segment to the runtime (``torch.<device>.empty_cache``)."""
-        if self.runtime.asynchronous:
-            self.runtime.synchronize(self.phys)  # queued kernels may still use cached blocks
-        self._configure()  # (the parking cap, where a test changed it)
-        self._check(self.cpp.torchport_caching_empty_cache(self.logical))
-
-    _oom_message = DeviceAllocator._oom_message
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        """Segments and their blocks, in the shape of ``torch.cuda.memory_snapshot()``."""
-        v = self._list(4)
-        out, k = [], 0
-        while k < len(v):
-            ptr, seg_size, small, n = v[k:k + 4]
-            k += 4
-            blocks = []
-            for _ in range(n):
-                bptr, size, allocated, requested = v[k:k + 4]
-                k += 4
-                blocks.append({"address": bptr, "size": size,
-                               "state": "active_allocated" if allocated else "inactive",
-                               "requested_size": requested})
-            out.append({"device": self.logical, "address": ptr, "total_size": seg_size,
-                        "allocated_size": sum(x["size"] for x in blocks
-                                              if x["state"] == "active_allocated"),
-                        "segment_type": "small" if small else "large", "blocks": blocks})
-        return out
-
-
-_PY: list[Any] = []
-
-
-def _py_library(cpp: Any) -> Any:
-    """The library's functions that take Python objects (holding the GIL), or ``None``
-    where it was built without Python's headers."""
-    if not hasattr(cpp, "torchport_caching_new_tensor"):
-        return None
-    if _PY:
-        return _PY[0]
-    py = ctypes.PyDLL(cpp._name)
-    _PY.append(py)
-    py.torchport_caching_malloc.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_longlong]
-    py.torchport_caching_malloc.restype = ctypes.c_uint64
-    py.torchport_caching_free.argtypes = [ctypes.c_int, ctypes.c_uint64]
-    py.torchport_caching_free.restype = ctypes.c_int
-    f = py.torchport_caching_new_tensor
-    f.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.py_object, ctypes.py_object,
-                  ctypes.py_object, ctypes.c_longlong]
-    f.restype = ctypes.py_object
-    f = py.torchport_caching_adopted_tensor
-    f.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.py_object,
-                  ctypes.py_object, ctypes.py_object, ctypes.c_longlong]
-    f.restype = ctypes.py_object
-    return py
-
-
-_SEG_MALLOC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_uint64,
-                               ctypes.POINTER(ctypes.c_uint64))
-_SEG_FREE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64)
-_ON_DEVICE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
-_OOM = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_uint64)
-_RELEASE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_uint64)
-_INTERPRETER = ("PyGILState_Check", "PyEval_SaveThread", "PyEval_RestoreThread",
-                "PyGILState_Ensure", "PyGILState_Release", "PyErr_Fetch", "PyErr_Restore")
-_KEEP: list[Any] = []  # the callbacks C++ holds, for the life of the process
-
-
-def _declare(cpp: Any) -> None:
-    u64, i64, c_int = ctypes.c_uint64, ctypes.c_longlong, ctypes.c_int
-    p64 = ctypes.POINTER(ctypes.c_int64)
-    for name, res, args in (
-            ("torchport_caching_enable", c_int, [ctypes.POINTER(ctypes.c_void_p), c_int, c_int,
-                                                 c_int]),
-            ("torchport_caching_detach", None, []),
-            ("torchport_caching_at_exit", None, []),
-            ("torchport_caching_error", ctypes.c_char_p, []),
-            ("torchport_caching_error_kind", c_int, []),
-            ("torchport_caching_malloc", u64, [c_int, u64, i64]),
-            ("torchport_caching_free", c_int, [c_int, u64]),
-            ("torchport_caching_adopt", c_int, [c_int, u64, u64, i64]),
-            ("torchport_caching_stats", c_int, [c_int, p64, c_int]),
-            ("torchport_caching_reset_peak", c_int, [c_int]),
-            ("torchport_caching_reset_accumulated", c_int, [c_int]),
-            ("torchport_caching_empty_cache", c_int, [c_int]),
-            ("torchport_caching_configure", c_int, [c_int, ctypes.c_double, i64]),
-            ("torchport_caching_counts", c_int, [c_int, p64]),
-            ("torchport_caching_list", i64, [c_int, c_int, p64, i64]),
-            ("torchport_caching_block", i64, [c_int, u64, p64, i64]),
-            ("torchport_caching_record_use", c_int, [c_int, u64, c_int, i64]),
-            ("torchport_allocator_fail", None, [c_int, ctypes.c_char_p])):
-        f = getattr(cpp, name)
-        f.restype = res
-        f.argtypes = args
-
-
-def _callback(cpp: Any, fn: Callable[..., None]) -> Callable[..., int]:
-    """``fn`` as a C callback: 1 when it returned, 0 after handing its exception to C++
-    (which raises it as the matching c10::Error)."""
-    def call(*args: Any) -> int:
-        try:
-            interrupts.to_completion(fn, *args)  # (Ctrl-C: raised once back in C++)
-            return 1
-        except BaseException as e:  # noqa: BLE001 (every exception must reach C++)
-            interrupts.redeliver(e)
-            kind = _OOM_KIND if isinstance(e, torch.OutOfMemoryError) else 0
-            msg = str(e) if kind or type(e) is RuntimeError else f"{type(e).__name__}: {e}"
-            cpp.torchport_allocator_fail(kind, msg.encode("utf-8", "replace"))
-            return 0
-    return call
-
-
-def _native_allocators(cpp: Any, runtime: Runtime, visible: list[int],
-                       device_name: str) -> list[NativeAllocator]:
-    _declare(cpp)
-    allocs = [NativeAllocator(cpp, runtime, p, i, device_name) for i, p in enumerate(visible)]
-
-    def segment_malloc(device: int, nbytes: int, out: Any) -> None:
-        out[0] = runtime.malloc(visible[device], nbytes) or 0
-
-    def segment_free(device: int, ptr: int, nbytes: int) -> None:
-        runtime.free(visible[device], ptr)
-        for hook in SEGMENT_FREED:
-            hook(ptr, nbytes)
-
-    def synchronize(device: int) -> None:
-        runtime.synchronize(visible[device])
-
-    def out_of_memory(device: int, requested: int) -> None:
-        raise torch.OutOfMemoryError(allocs[device]._oom_message(requested))
-
-    functions = [_SEG_MALLOC(_callback(cpp, segment_malloc)),
-                 _SEG_FREE(_callback(cpp, segment_free)),
-                 _ON_DEVICE(_callback(cpp, synchronize)),
-                 _OOM(_callback(cpp, out_of_memory))]
-    _KEEP.extend(functions)
-    interpreter = [ctypes.cast(getattr(ctypes.pythonapi, n), ctypes.c_void_p).value
-                   for n in _INTERPRETER]
-    table = (ctypes.c_void_p * (len(functions) + len(interpreter)))(
-        *(ctypes.cast(f, ctypes.c_void_p).value for f in functions), *interpreter)
-    if cpp.torchport_caching_enable(table, len(table), len(visible),
-                                    int(runtime.asynchronous)) != 1:
-        raise RuntimeError("torchport: the C++ library's caching allocator takes other "
-                           "callbacks; remove its cache directory to rebuild it")
-    for a in allocs:
-        a._configure()
-    if hasattr(cpp, "torchport_caching_set_release"):
-        release = _RELEASE(_callback(cpp, lambda device, ptr: allocs[device].release(ptr)))
-        _KEEP.append(release)
-        cpp.torchport_caching_set_release.argtypes = [_RELEASE]
-        cpp.torchport_caching_set_release.restype = None
-        cpp.torchport_caching_set_release(release)
-    # from the exit on, a storage that dies keeps its block: no Python call in a
-    # finalizing interpreter
-    atexit.register(cpp.torchport_caching_at_exit)
-    return allocs
+def _max_parked() -> int:
+    """The cap on parked blocks, which the C++ allocator reads at each configure."""
+    return _MAX_PARKED
 
 
 _NATIVE_IN_USE: list[str] = []  # the device whose allocators are the C++ ones
@@ -1270,5 +507,5 @@ def make_allocators(runtime: Runtime, visible: list[int],
     if cpp is not None and hasattr(cpp, "torchport_caching_enable") and not _NATIVE_IN_USE:
         _NATIVE_IN_USE.append(device_name)
         native.enabled("caching allocator")
-        return _native_allocators(cpp, runtime, visible, device_name)
+        return _native_allocators(cpp, runtime, visible, device_name, _max_parked)
     return [DeviceAllocator(runtime, p, i, device_name) for i, p in enumerate(visible)]
