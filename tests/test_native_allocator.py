@@ -1,4 +1,4 @@
-"""The caching allocator in C++ (native_allocator.cpp): the Python allocator's behaviour,
+"""The caching allocator in C++ (native_caching_allocator.cpp): the Python allocator's behaviour,
 without a Python object per storage. Skipped where the C++ library does not serve."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 // empty.memory_format and empty_strided for PrivateUse1 in C++: a new device tensor over a
-// block of the C++ caching allocator (native_allocator.cpp) on the current stream, without
-// a Python call per allocation.
+// block of the C++ caching allocator (native_caching_allocator.cpp) on the current stream,
+// without a Python call per allocation.
 //
 // The common case -- a strided layout, a dtype the device supports, a visible device (the
 // C++ guard's current one where the device has no index), sizes and strides that fit --

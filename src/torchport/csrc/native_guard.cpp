@@ -209,7 +209,7 @@ void guard_set_device(c10::DeviceIndex index) {
   guard.setDevice(c10::Device(c10::DeviceType::PrivateUse1, index));
 }
 // A call into the stream layer (Op, arguments, *iout), for the caching allocator's events
-// (native_allocator.cpp); raises its failure as a c10::Error.
+// (native_caching_allocator.cpp); raises its failure as a c10::Error.
 int guard_call(int op, long long a, long long b, long long c, long long* iout) {
   return call(static_cast<Op>(op), a, b, c, iout);
 }

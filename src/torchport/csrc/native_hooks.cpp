@@ -14,7 +14,7 @@
 // are host memcpys, so page-locking would only tie up RAM; a vendor's C++ layer would lock
 // (register) the block with its driver here.
 // The device's generators (torch.Generator(device="sim:1"), the default ones) come from
-// native_generator.cpp; UntypedStorage.resize_ of a device storage from native_allocator.cpp.
+// native_generator.cpp; UntypedStorage.resize_ of a device storage from native_block_storage.cpp.
 // Built with native_views.cpp and native_guard.cpp by torchport/core/native.py; enabled by
 // torchport_hooks_enable().
 #include <atomic>

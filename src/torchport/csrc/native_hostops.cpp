@@ -12,7 +12,7 @@
 // that argument, a view of an argument's memory is a device view, and a new result is a
 // block of the C++ caching allocator already: while the CPU kernel runs, this thread's CPU
 // allocations are the device's blocks on the current stream (HostResultsIn,
-// native_allocator.cpp), and the block moves to a device storage without a copy. An out=
+// native_block_storage.cpp), and the block moves to a device storage without a copy. An out=
 // argument the CPU kernel grows (resize_ itself too) grows into such a block, which the
 // device storage then takes in place, as CUDA's resize does. A result made otherwise (a CPU
 // kernel's own tensor, a dtype the device refuses) is copied into a new block, or goes to

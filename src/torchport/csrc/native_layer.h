@@ -1,6 +1,7 @@
 // What the parts of torchport's one C++ library call of each other (they are compiled
-// together by torchport/core/native.py): the caching allocator (native_allocator.cpp), the device
-// guard (native_guard.cpp), the device generators (native_generator.cpp) and the rest.
+// together by torchport/core/native.py): tensors over the caching allocator's blocks
+// (native_block_storage.cpp), the device guard (native_guard.cpp), the device generators
+// (native_generator.cpp) and the rest. The allocator's own files share native_allocator.h.
 #pragma once
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
@@ -10,7 +11,7 @@
 #include <cstdint>
 
 namespace torchport {
-// native_allocator.cpp
+// native_block_storage.cpp
 bool caching_serves();
 int64_t caching_current_stream(c10::DeviceIndex device);
 at::Tensor caching_new_tensor(int device, uint64_t nbytes, c10::ScalarType scalar,

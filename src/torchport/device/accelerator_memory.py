@@ -52,7 +52,7 @@ STATS_LAYOUT: tuple[str, ...] = (
     *(f"{o}.{m}" for o in _OVERSIZE for m in _METRICS))
 _ZERO_UNLESS_REPORTED = frozenset(f"{o}.{m}" for o in _OVERSIZE for m in _METRICS)
 
-# The c10::Error kinds of native_allocator.cpp (ErrorKind), first match wins.
+# The c10::Error kinds of native_allocator.h (ErrorKind), first match wins.
 _KINDS: tuple[tuple[type[BaseException], int], ...] = (
     (torch.OutOfMemoryError, 1), (torch.AcceleratorError, 2), (NotImplementedError, 6),
     (ValueError, 3), (TypeError, 4), (IndexError, 5))

@@ -1,6 +1,6 @@
 """The glue, through ctypes, to the caching allocator of torchport's C++ library.
 
-With the library the pools live in C++ (``native_allocator.cpp``, the rules of
+With the library the pools live in C++ (``native_caching_allocator.cpp``, the rules of
 :mod:`torchport.memory.blocks`): a storage made there returns its block from its DataPtr's
 deleter, and Python is entered only for a segment, an out-of-memory message, a device
 synchronize and the events of stream-aware freeing. :class:`NativeAllocator` gives it
