@@ -203,6 +203,34 @@ def test_the_cache_key_names_the_launch_mode() -> None:
     assert key.mode == ("queued" if asynchronous else "views" if strict else "direct")
 
 
+def test_the_cache_key_covers_a_vendor_code_generator_split_over_modules(
+        tmp_path, monkeypatch) -> None:
+    # the scheduling's module, its kernel's and the kernel's op overrides' (with their bases
+    # outside torch and the standard library): editing any of them is a new key
+    modules = {"tp_vendor_scheduling": "from tp_vendor_kernel import Kernel\n\n\n"
+                                       "class Scheduling:\n    kernel_type = Kernel\n",
+               "tp_vendor_kernel": "from tp_vendor_ops import Ops\n\n\n"
+                                   "class Kernel:\n    overrides = Ops\n",
+               "tp_vendor_base": "class Base(dict):\n    pass\n",
+               "tp_vendor_ops": "from tp_vendor_base import Base\n\n\nclass Ops(Base):\n    pass\n"}
+    for name, text in modules.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in modules:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    from tp_vendor_scheduling import Scheduling
+
+    assert inductor._codegen_sources(Scheduling) == [
+        str(tmp_path / f"{m}.py") for m in ("tp_vendor_scheduling", "tp_vendor_kernel",
+                                             "tp_vendor_ops", "tp_vendor_base")]
+    monkeypatch.setitem(inductor._OWN, "nochip", "tp_vendor_scheduling:Scheduling")
+    key = inductor._CacheKeyBase("nochip", "direct")
+    before = key.uuid()
+    with open(tmp_path / "tp_vendor_ops.py", "a") as f:
+        f.write("# a change of the op overrides\n")
+    assert key.uuid() != before
+
+
 @pytest.mark.skipif(os.environ.get("TORCHPORT_SIM_STRICT", "") not in ("", "0")
                     or os.environ.get("TORCHPORT_SIM_ASYNC", "") not in ("", "0"),
                     reason="starts its own processes in both modes")

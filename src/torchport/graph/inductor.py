@@ -31,6 +31,7 @@ import hashlib
 import importlib
 import inspect
 import os
+import sys
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -154,7 +155,8 @@ def enable_inductor(backend: DeviceBackend, codegen: str | type = "host",
     the generated program makes as it is (the kernel object enqueues itself on the
     current stream). torchport still supplies the rest: registration before PyTorch's
     PrivateUse1 route, buffers on their own device index through its allocator, the
-    device's part of the cache key (which covers the scheduling's module source), and
+    device's part of the cache key (which covers the sources of the code generator: the
+    modules of the scheduling, of its kernel class and of the kernel's op overrides), and
     dynamo's device interface and skip list. ``views`` is not used then.
 
     Inductor takes the device when it sets its backends up (it asks ``torch.<device>``
@@ -304,11 +306,33 @@ class _CacheKeyBase:
         here = os.path.dirname(os.path.abspath(__file__))
         sources = [os.path.join(here, src) for src in ("inductor.py", "cpu_checks.py")]
         if own is not None:  # the vendor's code generator: a change of it is a new key
-            sources.append(inspect.getfile(_resolve(own)))
+            sources += _codegen_sources(_resolve(own))
         for src in sources:  # the code this key covers
             with open(src, "rb") as f:
                 h.update(f.read())
         return h.hexdigest()
+
+
+def _codegen_sources(scheduling: type) -> list[str]:
+    """The files of a vendor's inductor code generator, which the cache key covers: the
+    module of its ``Scheduling``, then those of the kernel class it makes (``kernel_type``)
+    and of that kernel's op overrides (``overrides``), with their base classes' -- all but
+    torch's and the standard library's, so that a generator split over modules is covered
+    whole."""
+    files = [inspect.getfile(scheduling)]
+    kernel = getattr(scheduling, "kernel_type", None)
+    for cls in (scheduling, kernel, getattr(kernel, "overrides", None)):
+        for c in getattr(cls, "__mro__", ()):
+            top = c.__module__.partition(".")[0]
+            if top == "torch" or top in sys.stdlib_module_names:
+                continue
+            try:
+                f = inspect.getfile(c)
+            except (TypeError, OSError):  # a class without a source file
+                continue
+            if f not in files:
+                files.append(f)
+    return files
 
 
 _CACHE_KEYS: dict[str, Any] = {}

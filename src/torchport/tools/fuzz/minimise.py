@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torchport.tools.fuzz.generator import Program
 from torchport.tools.fuzz.known import classify
+from torchport.tools.fuzz.program import Program
 from torchport.tools.fuzz.runner import Worker, device_diffs
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchport.tools.fuzz import prelude
-from torchport.tools.fuzz.generator import Program
+from torchport.tools.fuzz.program import Program
 from torchport.tools.fuzz.worker import write_frame
 
 MODES = {"default": {}, "strict": {"TORCHPORT_SIM_STRICT": "1"},
