@@ -215,7 +215,7 @@ _SIGNAL_AT_CALLBACK_ENTRY = """
     # the stream layer's entry (a deleter's free: the stream queried, an event recorded)
     ("streams.py", "call", "steps", "async"),
     # the C++ caching allocator's segment allocation
-    ("allocator.py", "call", "grow", "sync"),
+    ("native_allocator.py", "call", "grow", "sync"),
 ])
 def test_ctrl_c_as_the_cpp_library_enters_a_callback_stops_the_program(
         filename: str, name: str, scenario: str, mode: str) -> None:

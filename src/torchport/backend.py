@@ -371,6 +371,7 @@ class Backend:
         if current != "privateuseone" and current != self.name:
             raise BackendError(f"PrivateUse1 is already renamed to {current!r} by another plug-in")
         from torchport import features
+        from torchport.core import interrupts
         from torchport.device import (
             accelerator_memory,
             device_module,
@@ -383,8 +384,6 @@ class Backend:
         from torchport.graph import dynamo_device
         from torchport.memory import pinned
         from torchport.ops import registry
-
-        from torchport.core import interrupts
 
         # the device's caching allocators: C++ where the library loads (nothing was
         # allocated before registration)
