@@ -357,3 +357,74 @@ def test_training_matches_sync_run(steps):
         assert p.returncode == 0, p.stderr
         outs.append(p.stdout)
     assert outs[0] == outs[1]
+
+
+def test_cpp_queues_the_calls_the_python_kernels_taught_it():
+    """With the native library, the first call of an op with a layout of its arguments goes
+    to its Python kernel, which decides whether it may be queued and teaches C++; later
+    calls with that layout are queued from C++ (no Python), on the same stream queue, the
+    results bit for bit the CPU's (Python numbers too: the dispatcher's wrapped numbers).
+    Another layout is learned on its own; a side stream takes the Python kernel."""
+    out = run("""
+        from torchport.ops import native_hostops as nh
+        from torchport.backends.sim.queues import _NativeWorker
+        assert isinstance(rt._worker(0, None), _NativeWorker)
+        a, b = torch.randn(16, 16), torch.randn(16, 16)
+        params = [torch.randn(5, 3), torch.randn(7)]
+        da, db = a.to("sim"), b.to("sim")
+        dparams = [p.to("sim") for p in params]
+        def calls(x, y, ps):
+            out = [x + y, torch.relu(x) @ y, (x * y).sum(1), x.t() + y, x * 2, x / 3.0]
+            z = x.clone()
+            z.mul_(y).add_(y, alpha=0.5).mul_(0.25)
+            torch._foreach_mul_(ps, 0.5)
+            torch._foreach_add_(ps, ps)
+            return out + [z]
+        want = calls(a, b, params)
+        calls(da, db, [p.clone() for p in dparams])   # the Python kernels learn and teach
+        torch.sim.synchronize()
+        served, handed, _ = nh.counts()
+        close_gate()
+        got = calls(da, db, dparams)
+        assert not torch.sim.current_stream().query()  # queued behind the gate
+        s2, h2, _ = nh.counts()
+        gate.set()
+        for g, w in zip(got, want):
+            assert torch.equal(g.cpu(), w), (g, w)
+        assert all(torch.equal(p.cpu(), w) for p, w in zip(dparams, params))
+        assert h2 - handed <= 1 and s2 - served >= 13, (s2 - served, h2 - handed)  # clone: Python
+        with torch.sim.stream(torch.sim.Stream()):
+            before = nh.counts()[1]
+            c = da + db
+            assert nh.counts()[1] == before + 1       # a side stream: the Python kernel
+        torch.sim.synchronize()
+        assert torch.equal(c.cpu(), a + b)
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_a_failure_of_a_call_queued_from_cpp_is_reported_at_the_next_sync():
+    """The second call of a layout is queued from C++: its CPU kernel fails on the worker,
+    the failure (with the op's name) is raised by the next synchronising call, the
+    device stays usable, and the next failure is reported in its turn."""
+    out = run("""
+        from torchport.ops import native_hostops as nh
+        x = torch.randn(5, device="sim")
+        good, bad = torch.tensor([0, 4], device="sim"), torch.tensor([0, 7], device="sim")
+        x.index_select(0, good)                      # learned
+        torch.sim.synchronize()
+        for _ in range(2):
+            served = nh.counts()[0]
+            y = x.index_select(0, bad)               # queued from C++; fails on the worker
+            assert nh.counts()[0] == served + 1
+            try:
+                torch.sim.synchronize()
+            except RuntimeError as e:
+                assert "index_select" in str(e) and "out of range" in str(e), str(e)
+            else:
+                raise AssertionError("no error reported")
+            assert torch.equal((x * 2).cpu(), x.cpu() * 2)   # the device still works
+        print("ok")
+    """)
+    assert out.strip() == "ok"

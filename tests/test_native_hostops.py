@@ -27,8 +27,11 @@ pytestmark = pytest.mark.modes
 
 _B = active_backend()
 _K = _B.host_op_kernels
-needs_cpp = pytest.mark.skipif(not _K.native, reason="the C++ host-op kernels do not serve "
-                               "(strict or asynchronous sim, TORCHPORT_NATIVE=0, no compiler)")
+# C++ computes the calls (an asynchronous sim's C++ kernels queue them: tests/test_async.py)
+_COMPUTES = _K.native and _K.direct()
+needs_cpp = pytest.mark.skipif(not _COMPUTES,
+                               reason="the C++ host-op kernels do not compute (strict sim, "
+                               "asynchronous sim: they queue, TORCHPORT_NATIVE=0, no compiler)")
 
 
 class calls:
@@ -133,7 +136,7 @@ def test_functional_calls_equal_the_cpu(name, fn) -> None:
     with calls() as c:
         got = fn(dev)
     _same(got, fn(cpu))
-    if _K.native:
+    if _COMPUTES:
         assert c.served >= 1 and c.handed == 0, (c.served, c.handed)
 
 
@@ -153,7 +156,7 @@ def test_large_inputs_are_served(name, fn) -> None:
     with calls() as c:
         got = fn(dv)
     _same(got, fn(v))
-    if _K.native:
+    if _COMPUTES:
         assert c.served >= 1 and c.handed == 0 and c.moved == 0, (c.served, c.handed, c.moved)
 
 
@@ -165,7 +168,7 @@ def test_a_large_weight_with_a_small_batch_is_served() -> None:
         grad_in = got @ dw
     _same(got, F.linear(x, w, b))
     _same(grad_in, F.linear(x, w, b) @ w)
-    if _K.native:
+    if _COMPUTES:
         assert c.served == 2 and c.handed == 0
 
 
@@ -208,7 +211,7 @@ def test_in_place_and_out_calls() -> None:
     assert r is out and same is dx
     _same(out, expect)
     _same(dx, x2)
-    if _K.native:
+    if _COMPUTES:
         assert c.handed == 0 and c.served >= 5
 
 
@@ -227,7 +230,7 @@ def test_lists_in_place_and_optimizers() -> None:
     xs[0].index_put_((idx,), vals, accumulate=True)
     for d, x in zip(dxs, xs, strict=True):
         _same(d, x)
-    if _K.native:
+    if _COMPUTES:
         assert c.handed == 0 and c.served == 3
     for kind in ({"foreach": True}, {"fused": True}):
         params = []
@@ -263,7 +266,7 @@ def test_out_of_another_shape() -> None:
         torch.mm(dx, dw.t(), out=dev_out)
     _same(dev_out, cpu_out)
     assert [str(w.message) for w in dw_] == [str(w.message) for w in cw]
-    if _K.native:
+    if _COMPUTES:
         assert (grow.served, grow.handed, grow.moved) == (1, 0, 0)
 
 
@@ -462,7 +465,7 @@ def test_calls_handed_to_python_are_the_python_kernels(name, fn) -> None:
         assert torch.equal(native[1], python[1])
     else:
         assert native == python
-    if _K.native:
+    if _COMPUTES:
         assert c.handed >= 1
 
 
@@ -585,8 +588,9 @@ def test_a_recorder_sees_every_op_and_the_kernels_switch_back() -> None:
     assert _K.native == was
     with calls() as c:
         x + 1
+        x + 1  # (queuing C++ kernels learn a layout from the Python kernel's first call)
     if was:
-        assert c.served == 1
+        assert c.served >= 1
 
 
 @needs_cpp
@@ -674,7 +678,7 @@ def test_copies_equal_the_cpu(name, fn) -> None:
         got = fn(lambda t: t.to("sim"))
     assert (got.shape, got.stride(), got.dtype) == (cpu.shape, cpu.stride(), cpu.dtype)
     assert torch.equal(got.cpu(), cpu)
-    if _K.native:
+    if _COMPUTES:
         assert c.handed == 0, c.handed  # the copy_ and the copies .to("sim") makes: C++
 
 
@@ -793,7 +797,7 @@ def test_to_copies_equal_the_cpu(name, fn) -> None:
     assert got.device.type == ("cpu" if "host" in name else "sim")
     assert (got.shape, got.stride(), got.dtype) == (cpu.shape, cpu.stride(), cpu.dtype)
     assert torch.equal(got.cpu(), cpu)
-    if _K.native:
+    if _COMPUTES:
         assert c.served >= 1 and c.handed == 0, (c.served, c.handed)
 
 
@@ -814,5 +818,5 @@ def test_copies_handed_to_python_are_the_python_kernels(name, fn) -> None:
     with python_host_kernels():
         python = _outcome(fn)
     assert native[0] == "ok" and torch.equal(native[1], python[1])
-    if _K.native:
+    if _COMPUTES:
         assert c.handed >= 1

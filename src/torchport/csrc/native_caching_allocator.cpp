@@ -258,7 +258,35 @@ void CachingAllocator::free_locked(uint64_t ptr) {
   release_block(b);
 }
 
+// An event on a default stream whose queue is C++'s is a marker's ticket there, encoded as a
+// negative id (the stream layer's are positive): no Python call to record, query or destroy it.
+namespace {
+constexpr int kQueueBits = 6;  // logical device index (native_queues.cpp keeps 64)
+
+long long queued_event(int index, int64_t ticket) {
+  return -((static_cast<long long>(ticket) << kQueueBits) | index) - 1;
+}
+
+bool queued_event_done(long long e) {
+  const long long v = -(e + 1);
+  return torchport::queues::done(
+      torchport::queues::default_queue(static_cast<int>(v & ((1 << kQueueBits) - 1))),
+      v >> kQueueBits);
+}
+
+// Has device `index`'s `stream` run everything queued on it?
+bool stream_idle(int index, int64_t stream) {
+  if (stream == 0)
+    if (torchport::queues::Queue* q = torchport::queues::default_queue(index))
+      return torchport::queues::done(q, 0);
+  return stream_layer(kQueryStream, index, stream, 0, nullptr) == 1;
+}
+}  // namespace
+
 long long CachingAllocator::record(int index, int64_t stream) {
+  if (stream == 0)
+    if (torchport::queues::Queue* q = torchport::queues::default_queue(index))
+      return queued_event(index, torchport::queues::marker(q));
   long long eid = 0;
   stream_layer(kEventCreate, index, 0, 0, &eid);
   stream_layer(kEventRecord, eid, index, stream, nullptr);
@@ -269,7 +297,7 @@ std::vector<long long> CachingAllocator::free_events(Block* b) {
   std::vector<long long> events;
   for (auto& [index, stream] : b->stream_uses) events.push_back(record(index, stream));
   b->stream_uses.clear();
-  if (asynchronous && stream_layer(kQueryStream, device, b->stream, 0, nullptr) != 1)
+  if (asynchronous && !stream_idle(device, b->stream))
     events.push_back(record(device, b->stream));
   return events;
 }
@@ -345,13 +373,15 @@ void CachingAllocator::process_pending(bool force) {
     while (!q.empty()) {
       auto& events = q.front().second;
       bool done = force || std::all_of(events.begin(), events.end(), [](long long e) {
-                    return stream_layer(kEventQuery, e, 0, 0, nullptr) == 1;
+                    return e < 0 ? queued_event_done(e)
+                                 : stream_layer(kEventQuery, e, 0, 0, nullptr) == 1;
                   });
       if (!done) break;
       Block* b = q.front().first;
       std::vector<long long> ev = std::move(events);
       q.pop_front();
-      for (long long e : ev) stream_layer(kEventDestroy, e, 0, 0, nullptr);
+      for (long long e : ev)
+        if (e > 0) stream_layer(kEventDestroy, e, 0, 0, nullptr);
       release_block(b);
     }
     if (q.empty()) pending.erase(pending.begin() + static_cast<long>(i));

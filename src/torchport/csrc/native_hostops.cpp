@@ -59,6 +59,7 @@
 
 namespace {
 
+using torchport::cpu_alias;
 constexpr auto kDevice = c10::DeviceType::PrivateUse1;
 
 // What the kernels share: the Python `result(cpu_tensor, index)` function for results not
@@ -115,6 +116,7 @@ class HostOp final : public c10::OperatorKernel {
   }
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    if (torchport::queued_mode()) return queued(op, stack);
     if (to_copy_) return to_copy(op, stack);
     if (composite_) return composite(op, stack);
     const auto& schema = op.schema();
@@ -347,34 +349,6 @@ class HostOp final : public c10::OperatorKernel {
     return nullptr;
   }
 
-  // `t`'s CPU tensor, over a CPU storage of exactly its storage's bytes (`grow`: one the CPU
-  // kernel may grow, through the CPU allocator, where the device storage may grow).
-  static at::Tensor cpu_alias(const at::Tensor& t,
-                              c10::SmallVectorImpl<std::pair<at::Tensor, at::Tensor>>& tensors,
-                              c10::SmallVectorImpl<std::pair<c10::StorageImpl*, c10::Storage>>& storages,
-                              bool grow = false) {
-    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    for (auto& [dev, cpu] : tensors)
-      if (dev.unsafeGetTensorImpl() == impl) return cpu;
-    c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
-    c10::Storage storage;
-    for (auto& [dev, cpu] : storages)
-      if (dev == st) storage = cpu;
-    if (!storage) {
-      const bool resizable = grow && st->resizable();
-      storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
-          c10::StorageImpl::use_byte_size_t(), st->nbytes(),
-          c10::DataPtr(const_cast<void*>(st->data_ptr().get()), c10::Device(c10::kCPU)),
-          resizable ? c10::GetCPUAllocator() : nullptr, resizable));
-      storages.emplace_back(st, storage);
-    }
-    at::Tensor cpu = at::detail::make_tensor<c10::TensorImpl>(
-        std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
-    cpu.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
-    tensors.emplace_back(t, cpu);
-    return cpu;
-  }
-
   // A result of the CPU kernel as the device's: an argument itself, a view of an argument's
   // memory, or a new tensor copied (or handed to `result`).
   static at::Tensor on_device(const at::Tensor& cpu, int index,
@@ -435,6 +409,27 @@ class HostOp final : public c10::OperatorKernel {
     stack->insert(stack->end(), originals.begin(), originals.end());
   }
 
+  // An asynchronous runtime with C++ queues: the call queued as the Python kernel taught it
+  // for this layout (native_queued_ops.cpp), or the Python kernel, which may teach it. Nothing
+  // is computed now here: the host computes only after the queued work, which the Python
+  // kernels wait for.
+  void queued(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+    if (!to_copy_ && !composite_ && !cpu_tensors_) {
+      std::string key;
+      if (torchport::queued_serve(op, stack, queued_, key)) {
+        served.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+      if (!key.empty()) {
+        torchport::QueuedTeaching teaching(op);
+        python(op, stack);
+        teaching.keep(queued_, std::move(key));
+        return;
+      }
+    }
+    python(op, stack);
+  }
+
   // The op's Python kernel on the arguments on the stack; its results replace them.
   void python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     handed.fetch_add(1, std::memory_order_relaxed);
@@ -446,11 +441,40 @@ class HostOp final : public c10::OperatorKernel {
   bool cpu_tensors_;
   bool to_copy_;
   bool composite_;
+  torchport::QueuedCalls queued_;
 };
 
 }  // namespace
 
 namespace torchport {
+
+// `t`'s CPU tensor, over a CPU storage of exactly its storage's bytes (`grow`: one the CPU
+// kernel may grow, through the CPU allocator, where the device storage may grow).
+at::Tensor cpu_alias(const at::Tensor& t,
+                     c10::SmallVectorImpl<std::pair<at::Tensor, at::Tensor>>& tensors,
+                     c10::SmallVectorImpl<std::pair<c10::StorageImpl*, c10::Storage>>& storages,
+                     bool grow) {
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  for (auto& [dev, cpu] : tensors)
+    if (dev.unsafeGetTensorImpl() == impl) return cpu;
+  c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
+  c10::Storage storage;
+  for (auto& [dev, cpu] : storages)
+    if (dev == st) storage = cpu;
+  if (!storage) {
+    const bool resizable = grow && st->resizable();
+    storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
+        c10::StorageImpl::use_byte_size_t(), st->nbytes(),
+        c10::DataPtr(const_cast<void*>(st->data_ptr().get()), c10::Device(c10::kCPU)),
+        resizable ? c10::GetCPUAllocator() : nullptr, resizable));
+    storages.emplace_back(st, storage);
+  }
+  at::Tensor cpu = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+  cpu.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  tensors.emplace_back(t, cpu);
+  return cpu;
+}
 
 [[noreturn]] void raise_python() {
   python_error e;

@@ -58,6 +58,15 @@ class CallbackInterrupts {
  private:
   bool main_;
 };
+// native_queues.cpp: the C++ queue of logical device `index`'s default stream, where the
+// runtime's stream queues are C++'s (null: none), for the allocator's stream-aware frees:
+// a marker's ticket stands for an event recorded there.
+namespace queues {
+class Queue;
+Queue* default_queue(int index);
+int64_t marker(Queue* q);
+bool done(Queue* q, int64_t ticket);  // ticket 0: everything queued so far
+}  // namespace queues
 // native_generator.cpp
 const at::Generator& default_generator(c10::DeviceIndex index);
 at::Generator new_generator(c10::DeviceIndex index);
@@ -68,12 +77,29 @@ at::Generator new_generator(c10::DeviceIndex index);
 #include <ATen/core/stack.h>
 #include <Python.h>
 
+#include <c10/util/SmallVector.h>
+
 #include <bitset>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 namespace torchport {
 // native_hostops.cpp: the pending Python error thrown to the dispatcher's caller (as
 // PyTorch's bindings rethrow it: the same exception reaches Python).
 [[noreturn]] void raise_python();
+// native_hostops.cpp: `t`'s CPU tensor, over a CPU storage of exactly its storage's bytes
+// (`grow`: one the CPU kernel may grow, through the CPU allocator, where the device storage
+// may grow); `tensors` and `storages` pair the device's with the CPU's already made, so
+// that tensors and storages the call shares stay shared.
+at::Tensor cpu_alias(const at::Tensor& t,
+                     c10::SmallVectorImpl<std::pair<at::Tensor, at::Tensor>>& tensors,
+                     c10::SmallVectorImpl<std::pair<c10::StorageImpl*, c10::Storage>>& storages,
+                     bool grow = false);
 // native_hostops.cpp: `fn(*prefix, *args, **kwargs)` (`prefix` a tuple, or null) for the op's
 // arguments on `stack` as a Python kernel receives them (dtype, layout and memory-format
 // objects; kwarg-only ones by name); its results replace them. Takes the GIL.
@@ -82,5 +108,54 @@ void python_kernel_call(PyObject* fn, PyObject* prefix, const c10::OperatorHandl
 // native_factories.cpp: the dtypes of `list` (a Python list of torch.dtype) set in `out`;
 // false with a Python TypeError for anything else.
 bool read_dtype_set(PyObject* list, std::bitset<256>& out);
+
+// native_queues.cpp: the sim's stream queues in asynchronous mode.
+namespace queues {
+void set_default_queue(int index, Queue* q);
+// `op`'s CPU kernel on `stack` queued on `q` (run in the caller where `q` runs inline),
+// waiting for room where the queue is full; its ticket.
+int64_t submit_op(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack stack);
+}  // namespace queues
+
+// native_queued_ops.cpp: host-op kernels on an asynchronous runtime whose queues are C++'s.
+// What a host-op kernel learned from its Python kernel for a layout of its arguments: the
+// Python kernel queued the call (in place, or the out= overload `out` into new tensors laid
+// out as `specs` say).
+struct QueuedSpec {
+  std::vector<int64_t> sizes, strides;
+  c10::ScalarType dtype;
+  uint64_t nbytes;
+};
+struct QueuedLaunch {
+  std::optional<c10::OperatorHandle> out;  // none: in place
+  std::vector<QueuedSpec> specs;
+};
+// One op's learned launches, by the layouts of its arguments.
+struct QueuedCalls {
+  std::mutex m;
+  std::unordered_map<std::string, std::shared_ptr<const QueuedLaunch>> by_layout;
+};
+// Is the runtime asynchronous with C++ queues (the host-op kernels then queue)?
+bool queued_mode();
+// Queue the call on `stack` as `calls` learned it: true, its results on the stack. False:
+// not served; `key` is then the layout key to learn under (empty: nothing to learn).
+bool queued_serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, QueuedCalls& calls,
+                  std::string& key);
+// While alive: the op's Python kernel may teach what it queued (torchport_queued_teach).
+class QueuedTeaching {
+ public:
+  explicit QueuedTeaching(const c10::OperatorHandle& op);
+  ~QueuedTeaching();
+  // What was taught, learned under `key`.
+  void keep(QueuedCalls& calls, std::string key);
+  QueuedTeaching(const QueuedTeaching&) = delete;
+  QueuedTeaching& operator=(const QueuedTeaching&) = delete;
+
+  const c10::OperatorHandle& op;
+  std::shared_ptr<QueuedLaunch> taught;
+
+ private:
+  QueuedTeaching* saved_;
+};
 }  // namespace torchport
 #endif

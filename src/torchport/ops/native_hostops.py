@@ -30,6 +30,7 @@ import torch
 
 from torchport.core import native
 from torchport.core.libraries import keep_past_exit
+from torchport.ops import switch
 from torchport.ops.plan import plan_for
 
 if TYPE_CHECKING:
@@ -133,10 +134,23 @@ class HostOpKernels:
         rt = self.backend.runtime
         return not rt.asynchronous and self.backend.host_address_is_device_address
 
+    def queues(self) -> list[int] | None:
+        """The C++ queues of the devices' default streams, where the runtime is
+        asynchronous, has them (the sim's ``native_queue``), and the host reads device
+        memory at the device address: C++ then queues the calls the Python kernels taught
+        it (``native_queued_ops.cpp``)."""
+        b = self.backend
+        rt = b.runtime
+        queue = getattr(rt, "native_queue", None)
+        if not rt.asynchronous or queue is None or not b.host_address_is_device_address:
+            return None
+        handles = [queue(b.visible[i]) for i in range(b.device_count())]
+        return None if not handles or None in handles else handles
+
     def _library(self) -> Any:
         """The library's enable function, where C++ can serve the device."""
         b = self.backend
-        if b._guard_device is None or not self.direct() \
+        if b._guard_device is None or not (self.direct() or self.queues() is not None) \
                 or any(getattr(a, "new_tensor", None) is None for a in b.allocators):
             return None
         return native.python_function(
@@ -157,6 +171,7 @@ class HostOpKernels:
                _result_function(self.backend), self.backend.refused_dtypes(),
                self.backend.device_count(),
                FUNCTIONAL_INPUT_MAX, ADOPT_MIN_BYTES - 1)
+        _queued(self.queues())
         self._keep_registered({n: k for n, k in kernels.items() if n in self._kept})
         return True
 
@@ -174,6 +189,7 @@ class HostOpKernels:
         cpp = native.loaded()
         if cpp is not None and hasattr(cpp, "torchport_native_hostops_disable"):
             cpp.torchport_native_hostops_disable()
+        _queued(None)
         if self._kept_registered is not None:
             self._kept_registered._destroy()
             self._kept_registered = None
@@ -206,6 +222,33 @@ class HostOpKernels:
             self._registered = keep_past_exit(torch.library.Library("aten", "IMPL"))
             for name, (kernel, *_) in self.python.items():
                 self._registered.impl(name, kernel, "PrivateUse1")
+
+
+def _queued(handles: list[int] | None) -> None:
+    """Queue host ops from C++ on these default-stream queues (``None``: no longer), and
+    let the Python kernels teach C++ what they queued (``switch.QUEUED_TEACH``)."""
+    enable = native.python_function("torchport_queued_enable", [ctypes.py_object], ctypes.c_int)
+    if enable is None:
+        return
+    enable(handles or [])
+    if not handles:
+        switch.QUEUED_TEACH = None
+        return
+    teach = native.python_function(
+        "torchport_queued_teach",
+        [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object, ctypes.py_object], ctypes.c_int)
+
+    def taught(op: torch._ops.OpOverload, out: torch._ops.OpOverload | None,
+               specs: list | None) -> None:
+        name = op._schema.name.encode()
+        overload = op._schema.overload_name.encode()
+        if out is None:
+            teach(name, overload, None, None)
+        else:
+            teach(name, overload, (out._schema.name, out._schema.overload_name),
+                  [(s.size, s.stride, s.dtype, s.nbytes) for s in specs or ()])
+
+    switch.QUEUED_TEACH = taught
 
 
 def _result_function(backend: DeviceBackend) -> Callable[[torch.Tensor, int], torch.Tensor]:

@@ -1,4 +1,5 @@
-"""What is switched on in the op layer (statistics recorders, tool interceptors).
+"""What is switched on in the op layer (statistics recorders, tool interceptors; the C++
+kernels that queue host ops).
 
 The kernels read one cached flag (``fallback.SLOW``); each of these registries
 tells its listeners when it gains or loses members so the flag stays right.
@@ -11,6 +12,12 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+#: While C++ queues host ops (``ops/native_hostops.py`` sets it): ``teach(op, out, specs)``,
+#: called by a Python host kernel that queued a call, so that C++ queues the calls with its
+#: arguments' layout itself from then on (``out``: the ``out=`` overload computing into new
+#: tensors laid out as ``specs`` say; ``None``: in place). ``None`` otherwise.
+QUEUED_TEACH: Callable[..., None] | None = None
 
 
 class Registry(Generic[T]):

@@ -31,7 +31,7 @@ import torch
 from torchport.backends.sim.ipc_events import _IpcMarks
 from torchport.backends.sim.queues import MAX_QUEUED as MAX_QUEUED  # the bound tests read
 from torchport.backends.sim.queues import SimAsyncError as SimAsyncError  # raised to users
-from torchport.backends.sim.queues import _Worker
+from torchport.backends.sim.queues import _NativeWorker, _Worker, native_queues
 from torchport.core import settings
 from torchport.core.settings import parse_size  # noqa: F401  (torchport.backends.sim exports it)
 from torchport.runtime import DeviceProperties, Runtime
@@ -87,7 +87,7 @@ class SimEvent:
     blocking: bool = False
     recorded: bool = False
     timestamp: float = 0.0
-    worker: _Worker | None = None  # asynchronous mode: the stream it was recorded on
+    worker: _Worker | _NativeWorker | None = None  # asynchronous mode: its stream's queue
     seq: int = 0  # ... and the ticket of its marker on that stream
     ipc: _IpcMarks | None = None  # an interprocess event: its marks, shared with others
 
@@ -116,7 +116,7 @@ class SimRuntime(Runtime):
         # Asynchronous streams (opt-in until every kernel launches through launch()).
         self.asynchronous = settings.get("TORCHPORT_SIM_ASYNC") and \
             not settings.get("TORCHPORT_LAUNCH_BLOCKING")
-        self._workers: dict[tuple[int, int], _Worker] = {}
+        self._workers: dict[tuple[int, int], _Worker | _NativeWorker] = {}
         self._inline = False
         if self.asynchronous:
             atexit.register(self._drain)
@@ -372,7 +372,7 @@ class SimRuntime(Runtime):
                 self._host_ptr(index, ptr, nbytes), value, nbytes), "memset")
 
     # ---- streams ----------------------------------------------------------------
-    def _worker(self, index: int, stream: SimStream | None) -> _Worker:
+    def _worker(self, index: int, stream: SimStream | None) -> _Worker | _NativeWorker:
         key = (index, 0 if stream is None else stream.handle_id)
         w = self._workers.get(key)
         if w is None:
@@ -380,8 +380,18 @@ class SimRuntime(Runtime):
                 w = self._workers.get(key)
                 if w is None:
                     label = f"sim:{index} stream {key[1]}"
-                    w = self._workers[key] = _Worker(label, inline=self._inline)
+                    lib = native_queues()
+                    w = self._workers[key] = _Worker(label, inline=self._inline) if lib is None \
+                        else _NativeWorker(label, lib, inline=self._inline)
         return w
+
+    def native_queue(self, index: int) -> int | None:
+        """The C++ queue of device ``index``'s default stream (asynchronous mode with the
+        native library), where C++ host-op kernels queue their CPU kernels; else ``None``."""
+        if not self.asynchronous:
+            return None
+        w = self._worker(index, None)
+        return w.handle if isinstance(w, _NativeWorker) else None
 
     def launch(self, index: int, stream: SimStream | None, fn: Callable[[], Any],
                name: str = "") -> None:
@@ -437,6 +447,10 @@ class SimRuntime(Runtime):
                 marks.done(gen)
 
         w = self._worker(index, stream)
+        if marks is None and not event.enable_timing and isinstance(w, _NativeWorker):
+            event.recorded = True  # nothing to stamp: a marker, no Python on the worker
+            event.worker, event.seq = w, w.marker()
+            return
         event.worker, event.seq = w, w.submit(reached, "record_event")
 
     def stream_wait_event(self, index: int, stream: SimStream | None, event: SimEvent) -> None:
@@ -457,7 +471,11 @@ class SimRuntime(Runtime):
         if not self.asynchronous or src is None:
             return
         target = self._worker(index, stream)
-        if target is not src:
+        if target is src:
+            return
+        if isinstance(target, _NativeWorker) and isinstance(src, _NativeWorker):
+            target.wait_for(src, seq)
+        else:
             target.submit(lambda: src.wait(seq), "stream_wait_event")
 
     def synchronize_event(self, index: int, event: SimEvent) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport.ops import fallback, hostviews, stats
+from torchport.ops import fallback, hostviews, stats, switch
 from torchport.ops.hostkernels import schema, trials
 from torchport.ops.hostkernels.into_device import device_side
 from torchport.ops.hostkernels.layouts import LayoutCache, argument_key
@@ -132,6 +132,8 @@ def launching_inplace_kernel(backend: DeviceBackend, op: torch._ops.OpOverload,
     visible = backend.visible
     stream_of = backend.current_stream_handle
     on_cpu = functools.partial(boxed, CPU_KS)
+    # may C++ queue it itself (native_queued_ops.cpp returns the written argument, or nothing)?
+    teachable = returns_self or not op._schema.returns
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if slow is not None and fb.SLOW:
@@ -155,6 +157,9 @@ def launching_inplace_kernel(backend: DeviceBackend, op: torch._ops.OpOverload,
         index = (first if isinstance(first, Tensor) else first[0]).device.index
         rt.launch(visible[index], stream_of(index), lambda: device_side(on_cpu, cargs, kwargs),
                   label)
+        teach = switch.QUEUED_TEACH
+        if teach is not None and teachable:  # C++ queues this layout from now on
+            teach(op, None, None)
         return first if returns_self else None
 
     return stats.traced(kernel, "launch", trace)

@@ -83,6 +83,11 @@ class IntoDevice:
         if self.out is not None:
             self.out_names = schema.out_names(self.out)
             self.out_call = self.out._handle.redispatch_boxed
+        # may C++ queue a launch itself (native_queued_ops.cpp: the functional's arguments,
+        # then the outputs, are the out= overload's)?
+        self.queues_from_cpp = self.out is not None and \
+            [a.name for a in self.out._schema.arguments] == \
+            [a.name for a in op._schema.arguments] + self.out_names
         # An out= overload with no CPU kernel of its own (generated: the functional kernel,
         # then a copy into ``out``) costs a copy; clone's is replaced by one copy.
         self.out_copies = self.out is not None and not torch._C._dispatch_has_kernel_for_dispatch_key(

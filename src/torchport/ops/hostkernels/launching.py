@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport.ops import fallback, stats
+from torchport.ops import fallback, stats, switch
 from torchport.ops.hostkernels.into_device import IntoDevice
 from torchport.ops.hostkernels.layouts import layout_of
 from torchport.ops.hostkernels.mapping import Call
@@ -58,8 +58,12 @@ def launching_kernel(backend: DeviceBackend, into: IntoDevice, general: Call,
         if specs is None:
             return general(args, kwargs)
         index = device.index
-        return into.launch(index, specs, args, kwargs, rt, backend.visible[index],
-                           backend.current_stream_handle(index), label)
+        r = into.launch(index, specs, args, kwargs, rt, backend.visible[index],
+                        backend.current_stream_handle(index), label)
+        teach = switch.QUEUED_TEACH
+        if teach is not None and into.queues_from_cpp:  # C++ queues this layout from now on
+            teach(into.op, into.out, specs)
+        return r
 
     return stats.traced(kernel, "launch", trace)
 

@@ -1,0 +1,335 @@
+// The sim's stream queues in asynchronous mode (TORCHPORT_SIM_ASYNC=1): one worker thread
+// per stream runs its work in issue order. The Python queue (torchport/backends/sim/queues.py)
+// ran every launch as a Python closure on a Python thread: each queued op cost a hand-off of
+// the GIL each way, and the caller waited for the worker's Python as often as the worker for
+// the caller's. Here the worker is a C++ thread that takes the GIL only for work given as a
+// Python callable (copies, timing events, the Python kernels' launches); an op launched from
+// C++ (native_queued_ops.cpp), an event's marker and a wait for another stream run without it.
+//
+// Tickets count submissions; a wait is for a ticket. The first failure is kept, with its op's
+// name, until a synchronising call takes it (later work still runs: the device stays usable);
+// `abandon` drops what is queued (Ctrl-C, exit); `inline` runs new work in the caller (after
+// the interpreter started finalising, no other thread may run Python). Queues live for the
+// process: their threads start with the first work, block in a wait at exit and are never
+// joined; a forked child starts its own.
+// Switched by torchport/backends/sim/queues.py.
+#if __has_include(<Python.h>)
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <Python.h>
+#include <c10/core/InferenceMode.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <pthread.h>
+
+#include "native_layer.h"
+
+namespace torchport::queues {
+
+struct Job {
+  enum Kind { kPython, kOp, kMarker, kWaitFor } kind = kMarker;
+  PyObject* fn = nullptr;  // kPython: owned reference
+  std::optional<c10::OperatorHandle> op;  // kOp: run on `stack` by its CPU kernel
+  torch::jit::Stack stack;
+  Queue* other = nullptr;  // kWaitFor: until `other` completed `ticket`
+  int64_t ticket = 0;
+  std::string name;
+  int64_t number = 0;     // this job's ticket
+};
+
+class Queue {
+ public:
+  explicit Queue(std::string label, int64_t bound, bool run_inline)
+      : label_(std::move(label)), bound_(bound), inline_(run_inline) {
+    std::lock_guard<std::mutex> l(registry);
+    all.push_back(this);
+  }
+
+  int64_t submit(Job job, bool bounded) {
+    std::unique_lock<std::mutex> l(m_);
+    if (inline_) {
+      job.number = ++submitted_;
+      l.unlock();
+      run(job);
+      return job.number;
+    }
+    if (!started_) {  // the worker starts with the first work (and again in a forked child)
+      std::thread worker([this] { loop(); });
+      worker_ = worker.get_id();
+      worker.detach();
+      started_ = true;
+    }
+    if (bounded && submitted_ - completed_ >= bound_ && std::this_thread::get_id() != worker_) {
+      // waiting for room: without the GIL, which the worker may need for queued Python work
+      const bool gil = Py_IsInitialized() && PyGILState_Check();
+      PyThreadState* saved = gil ? PyEval_SaveThread() : nullptr;
+      done_.wait(l, [&] { return submitted_ - completed_ < bound_ || inline_; });
+      if (saved) {
+        l.unlock();
+        PyEval_RestoreThread(saved);
+        l.lock();
+      }
+    }
+    job.number = ++submitted_;
+    const int64_t ticket = job.number;
+    const bool idle = jobs_.empty();
+    jobs_.push_back(std::move(job));
+    l.unlock();
+    if (idle) work_.notify_one();  // the worker waits only on an empty queue
+    return ticket;
+  }
+
+  // Has `ticket` (0: everything submitted so far) run? Waits up to `timeout_ms` (< 0: no wait).
+  bool wait(int64_t ticket, int timeout_ms) {
+    std::unique_lock<std::mutex> l(m_);
+    const int64_t target = ticket > 0 ? ticket : submitted_;
+    if (completed_ >= target || timeout_ms < 0) return completed_ >= target;
+    return done_.wait_for(l, std::chrono::milliseconds(timeout_ms),
+                          [&] { return completed_ >= target; });
+  }
+
+  int64_t submitted() {
+    std::lock_guard<std::mutex> l(m_);
+    return submitted_;
+  }
+  int64_t completed() {
+    std::lock_guard<std::mutex> l(m_);
+    return completed_;
+  }
+  void abandon() { abandoned_.store(true); }
+  bool abandoned() const { return abandoned_.load(); }
+  void run_inline() {
+    std::lock_guard<std::mutex> l(m_);
+    inline_ = true;
+    done_.notify_all();
+  }
+
+  // (name, exception) of the first failure not taken yet, or None; the GIL held.
+  PyObject* take_error() {
+    std::unique_lock<std::mutex> l(m_);
+    if (!failed_) Py_RETURN_NONE;
+    failed_ = false;
+    PyObject* exc = error_;
+    error_ = nullptr;
+    std::string name = std::move(error_name_), message = std::move(error_message_);
+    l.unlock();
+    if (exc == nullptr) exc = PyObject_CallFunction(PyExc_RuntimeError, "s", message.c_str());
+    if (exc == nullptr) return nullptr;
+    PyObject* out = Py_BuildValue("(sN)", name.c_str(), exc);
+    return out;
+  }
+
+  const std::string& label() const { return label_; }
+
+  // fork(): no queue's lock is held across it; the child has no worker threads, and the
+  // parent's queued work is not the child's (its device memory is a copy): dropped.
+  static void before_fork() {
+    registry.lock();
+    for (Queue* q : all) q->m_.lock();
+  }
+  static void after_fork_parent() {
+    for (Queue* q : all) q->m_.unlock();
+    registry.unlock();
+  }
+  static void after_fork_child() {
+    for (Queue* q : all) {
+      q->jobs_.clear();
+      q->completed_ = q->submitted_;
+      q->started_ = false;
+      new (&q->work_) std::condition_variable();
+      new (&q->done_) std::condition_variable();
+      q->m_.unlock();
+    }
+    registry.unlock();
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> l(m_);
+        work_.wait(l, [&] { return !jobs_.empty(); });
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      run(job);
+    }
+  }
+
+  void run(Job& job) {
+    if (!abandoned()) {
+      switch (job.kind) {
+        case Job::kOp:
+          try {
+            c10::InferenceMode inference(true);  // device work knows no autograd
+            job.op->redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &job.stack);
+          } catch (const c10::Error& e) {
+            fail(job.name, nullptr, e.what_without_backtrace());
+          } catch (const std::exception& e) {
+            fail(job.name, nullptr, e.what());
+          }
+          break;
+        case Job::kWaitFor: {
+          // another stream's work first (an event this stream waits for); gives up when
+          // either queue's work is abandoned
+          while (!job.other->wait(job.ticket, 50) && !job.other->abandoned() && !abandoned()) {
+          }
+          break;
+        }
+        case Job::kPython: {
+          PyGILState_STATE g = PyGILState_Ensure();
+          PyObject* r = PyObject_CallNoArgs(job.fn);
+          if (r == nullptr) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            if (tb != nullptr && value != nullptr) PyException_SetTraceback(value, tb);
+            fail(job.name, value, "");  // takes `value`
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
+          }
+          Py_XDECREF(r);
+          PyGILState_Release(g);
+          break;
+        }
+        case Job::kMarker:
+          break;
+      }
+    }
+    if (job.fn != nullptr) {  // the callable dies with the GIL held
+      PyGILState_STATE g = PyGILState_Ensure();
+      Py_CLEAR(job.fn);
+      PyGILState_Release(g);
+    }
+    job.stack.clear();  // the CPU tensors over device memory, before the ticket completes
+    std::lock_guard<std::mutex> l(m_);
+    completed_ = job.number;
+    done_.notify_all();
+  }
+
+  // Keeps the first failure; `exc` (a new reference, or null) is taken.
+  void fail(const std::string& name, PyObject* exc, const char* message) {
+    std::unique_lock<std::mutex> l(m_);
+    if (failed_) {
+      l.unlock();
+      Py_XDECREF(exc);
+      return;
+    }
+    failed_ = true;
+    error_name_ = name;
+    error_message_ = message;
+    error_ = exc;
+  }
+
+  std::string label_;
+  const int64_t bound_;
+  bool inline_;
+  std::mutex m_;
+  std::condition_variable work_, done_;
+  std::deque<Job> jobs_;
+  int64_t submitted_ = 0, completed_ = 0;
+  std::atomic<bool> abandoned_{false};
+  bool failed_ = false;
+  std::string error_name_, error_message_;
+  PyObject* error_ = nullptr;
+  bool started_ = false;
+  std::thread::id worker_;
+
+  static std::mutex registry;
+  static std::vector<Queue*> all;
+};
+
+std::mutex Queue::registry;
+std::vector<Queue*> Queue::all;
+const int registered_fork_handlers = pthread_atfork(
+    Queue::before_fork, Queue::after_fork_parent, Queue::after_fork_child);
+
+std::atomic<Queue*> defaults[64];  // by logical device index: kept once known
+
+Queue* default_queue(int index) {
+  return index >= 0 && index < 64 ? defaults[index].load(std::memory_order_acquire) : nullptr;
+}
+
+void set_default_queue(int index, Queue* q) {
+  if (index >= 0 && index < 64) defaults[index].store(q, std::memory_order_release);
+}
+
+int64_t marker(Queue* q) { return q->submit(Job{}, false); }
+
+bool done(Queue* q, int64_t ticket) { return q->wait(ticket, -1); }
+
+int64_t submit_op(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack stack) {
+  Job job;
+  job.kind = Job::kOp;
+  job.op = op;
+  job.stack = std::move(stack);
+  job.name = op.schema().name();
+  return q->submit(std::move(job), /*bounded=*/true);
+}
+
+}  // namespace torchport::queues
+
+using torchport::queues::Job;
+using torchport::queues::Queue;
+
+extern "C" {
+void* torchport_queue_new(const char* label, int64_t bound, int run_inline) {
+  return new Queue(label, bound, run_inline != 0);  // lives for the process
+}
+
+// Python work (`fn()`, called with the GIL on the worker); the GIL held.
+int64_t torchport_queue_submit(void* q, PyObject* fn, const char* name, int bounded) {
+  Job job;
+  job.kind = Job::kPython;
+  Py_INCREF(fn);
+  job.fn = fn;
+  job.name = name;
+  return static_cast<Queue*>(q)->submit(std::move(job), bounded != 0);
+}
+
+int64_t torchport_queue_marker(void* q) { return torchport::queues::marker(static_cast<Queue*>(q)); }
+
+int64_t torchport_queue_wait_for(void* q, void* other, int64_t ticket) {
+  Job job;
+  job.kind = Job::kWaitFor;
+  job.other = static_cast<Queue*>(other);
+  job.ticket = ticket;
+  return static_cast<Queue*>(q)->submit(std::move(job), false);
+}
+
+int torchport_queue_wait(void* q, int64_t ticket, int timeout_ms) {
+  return static_cast<Queue*>(q)->wait(ticket, timeout_ms) ? 1 : 0;
+}
+
+int64_t torchport_queue_submitted(void* q) { return static_cast<Queue*>(q)->submitted(); }
+int64_t torchport_queue_completed(void* q) { return static_cast<Queue*>(q)->completed(); }
+void torchport_queue_abandon(void* q) { static_cast<Queue*>(q)->abandon(); }
+int torchport_queue_abandoned(void* q) { return static_cast<Queue*>(q)->abandoned() ? 1 : 0; }
+void torchport_queue_run_inline(void* q) { static_cast<Queue*>(q)->run_inline(); }
+PyObject* torchport_queue_take_error(void* q) { return static_cast<Queue*>(q)->take_error(); }
+}
+#else
+#include <cstdint>
+
+#include "native_layer.h"
+
+// Without Python's headers there are no C++ queues: the allocator asks the stream layer.
+namespace torchport::queues {
+Queue* default_queue(int) { return nullptr; }
+int64_t marker(Queue*) { return 0; }
+bool done(Queue*, int64_t) { return true; }
+}  // namespace torchport::queues
+#endif
