@@ -14,6 +14,13 @@ import textwrap
 
 import pytest
 
+from torchport.core import native, settings
+
+STRICT = settings.get("TORCHPORT_SIM_STRICT")
+needs_cpp = pytest.mark.skipif(native.loaded() is None or STRICT,
+                               reason="C++ queues host ops on host-addressable memory "
+                               "(not with TORCHPORT_NATIVE=0, no compiler, the strict sim)")
+
 PRELUDE = """
 import threading, torch, torchport.sim
 rt = torchport.sim.runtime
@@ -359,6 +366,7 @@ def test_training_matches_sync_run(steps):
     assert outs[0] == outs[1]
 
 
+@needs_cpp
 def test_cpp_queues_the_calls_the_python_kernels_taught_it():
     """With the native library, the first call of an op with a layout of its arguments goes
     to its Python kernel, which decides whether it may be queued and teaches C++; later
@@ -404,6 +412,7 @@ def test_cpp_queues_the_calls_the_python_kernels_taught_it():
     assert out.strip() == "ok"
 
 
+@needs_cpp
 def test_a_failure_of_a_call_queued_from_cpp_is_reported_at_the_next_sync():
     """The second call of a layout is queued from C++: its CPU kernel fails on the worker,
     the failure (with the op's name) is raised by the next synchronising call, the
@@ -425,6 +434,45 @@ def test_a_failure_of_a_call_queued_from_cpp_is_reported_at_the_next_sync():
             else:
                 raise AssertionError("no error reported")
             assert torch.equal((x * 2).cpu(), x.cpu() * 2)   # the device still works
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+@pytest.mark.skipif(STRICT, reason="device-only memory: a conversion is the host's")
+def test_copies_within_a_device_are_queued():
+    """``copy_`` between two tensors of one device, and ``Tensor.to`` a dtype on the device
+    (autocast's casts), are queued on the current stream as a device's copy kernel is; they
+    waited for the stream before. Their errors stay at the call; complex into real (the CPU
+    warns at the call) is the host's."""
+    out = run("""
+        import warnings
+        a = torch.randn(6, 5)
+        d = a.to("sim")
+        close_gate()
+        timer = threading.Timer(10.0, gate.set)   # (a copy that waits for the stream returns then)
+        timer.start()
+        x = torch.empty(6, 5, device="sim"); x.copy_(d)
+        t = torch.empty(5, 6, device="sim").t(); t.copy_(d)
+        b = torch.empty(3, 6, 5, dtype=torch.float64, device="sim"); b.copy_(d)
+        h, i = d.half(), d.to(torch.int32)
+        assert not gate.is_set(), "a copy waited for the stream"
+        assert not torch.sim.current_stream().query()   # all queued behind the gate
+        try:
+            x.copy_(torch.ones(4, 5, device="sim"))
+        except RuntimeError as e:
+            assert "must match" in str(e), str(e)
+        else:
+            raise AssertionError("no error at the call")
+        gate.set()
+        timer.cancel()
+        for got, want in ((x, a), (t, a), (b, a.double().expand(3, 6, 5)), (h, a.half()),
+                          (i, a.to(torch.int32))):
+            assert torch.equal(got.cpu(), want) and got.dtype == want.dtype, (got, want)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.empty(2, device="sim").copy_(torch.ones(2, dtype=torch.complex64, device="sim"))
+        assert any("imaginary" in str(w.message) for w in seen), seen
         print("ok")
     """)
     assert out.strip() == "ok"

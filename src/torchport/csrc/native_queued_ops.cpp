@@ -23,6 +23,7 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
 #include <atomic>
@@ -273,6 +274,44 @@ int torchport_queued_enable(PyObject* queues) {
     torchport::queues::set_default_queue(static_cast<int>(i), found[i]);
   default_queues = std::move(found);
   enabled.store(!default_queues.empty());
+  return 1;
+}
+
+// `dst.copy_(src)` within one device queued on its default stream, where C++ queues host
+// ops and the default stream is current (the Python copy kernel checked the call: shapes,
+// overlaps, conj/neg bits): 1; 0: not queued here; -1 with a Python error. Through
+// ctypes.PyDLL. The worker copies between CPU tensors over the two tensors' memory, without
+// the GIL.
+int torchport_queued_copy(PyObject* dst, PyObject* src) {
+  if (!THPVariable_Check(dst) || !THPVariable_Check(src)) {
+    PyErr_SetString(PyExc_TypeError, "expected two tensors");
+    return -1;
+  }
+  const at::Tensor& d = THPVariable_Unpack(dst);
+  const at::Tensor& s = THPVariable_Unpack(src);
+  int index = -1;
+  if (!enabled.load() || !takes(d, index) || !takes(s, index)) return 0;
+  torchport::queues::Queue* queue = nullptr;
+  {
+    std::lock_guard<std::mutex> l(configuring);
+    if (static_cast<size_t>(index) < default_queues.size()) queue = default_queues[index];
+  }
+  if (queue == nullptr || torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0)
+    return 0;
+  try {
+    static const c10::OperatorHandle copy =
+        c10::Dispatcher::singleton().findSchemaOrThrow("aten::copy_", "");
+    c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 2> aliases;
+    c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 2> storages;
+    torch::jit::Stack job;
+    job.emplace_back(torchport::cpu_alias(d, aliases, storages));
+    job.emplace_back(torchport::cpu_alias(s, aliases, storages));
+    job.emplace_back(false);
+    torchport::queues::submit_op(queue, copy, std::move(job));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return -1;
+  }
   return 1;
 }
 

@@ -7,6 +7,8 @@ the runtime's copy functions (or zero-copy host views when it allows them).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +101,9 @@ def copy_between(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor,
                 values = _host_values(backend, src, _host_view(backend, src))
                 _host_view(backend, dst).copy_(_as_stored_in(dst, values))
                 return dst
+            if rt.host_addressable and _queueable_copy(src, dst):
+                _queue_copy(backend, dst, src)  # queued, as a device's copy kernel is
+                return dst
         if src.device.type == name and src.device != dst.device and _plain_bytes(src, dst):
             rt = backend.runtime
             n = dst.numel() * dst.element_size()
@@ -134,6 +139,37 @@ def copy_between(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor,
     _after_current_stream(backend, src.device.index)
     dst.copy_(_host_values(backend, src))
     return dst
+
+
+def _queueable_copy(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """May a copy within one device of an asynchronous runtime be queued? Its errors (shapes,
+    overlaps) were raised already; not with lazy conj/neg bits (resolved by reading), nor
+    complex into real (the CPU warns at the call)."""
+    return not (src.is_conj() or src.is_neg() or dst.is_conj() or dst.is_neg()
+                or (src.is_complex() and not dst.is_complex()))
+
+
+def _queue_copy(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` (tensors of one device) queued on its current stream: from C++
+    where C++ queues host ops (no Python on the stream's worker), else as a copy between the
+    host's views, run in inference mode, as device work knows no autograd."""
+    queued = _cpp_queued_copy()
+    if queued is not None and queued(dst, src):
+        return
+    i = dst.device.index
+    hd, hs = _host_view(backend, dst), _host_view(backend, src)
+
+    def copy() -> None:
+        with torch._C._InferenceMode(True):
+            hd.copy_(hs)
+    backend.runtime.launch(backend.phys(i), backend.current_stream_handle(i), copy, "copy_")
+
+
+@functools.cache
+def _cpp_queued_copy() -> Any:
+    """``native_queued_ops.cpp``'s copy (``None`` without the library)."""
+    return native.python_function("torchport_queued_copy",
+                                  [ctypes.py_object, ctypes.py_object], ctypes.c_int)
 
 
 def _after_current_stream(backend: DeviceBackend, index: int) -> None:
