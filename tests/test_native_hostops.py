@@ -1,8 +1,8 @@
 """Host-op kernels in C++ (native_hostops.cpp): the common calls of functional, in-place and
 ``out=`` ops served without a Python entry, equal to the CPU bit for bit; everything else
 handed to the Python kernels with their results and errors; switched like the view and
-empty kernels. The C++-only tests skip where the library does not serve (strict and
-asynchronous sim, TORCHPORT_NATIVE=0)."""
+empty kernels. The C++-only tests skip where the library does not compute (strict sim,
+TORCHPORT_NATIVE=0; on the asynchronous sim it queues: tests/test_async.py)."""
 
 from __future__ import annotations
 

@@ -70,6 +70,20 @@ bool takes(const at::Tensor& t, int& index) {
   return true;
 }
 
+// The queue C++ queues device `index`'s calls on: its default stream's, while that stream is
+// the current one (null: none, or a side stream is current).
+torchport::queues::Queue* serving_queue(int index) {
+  torchport::queues::Queue* queue = nullptr;
+  {
+    std::lock_guard<std::mutex> l(configuring);
+    if (static_cast<size_t>(index) < default_queues.size()) queue = default_queues[index];
+  }
+  if (queue == nullptr ||
+      torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0)
+    return nullptr;
+  return queue;
+}
+
 // The layout key of the arguments on `stack` (false: a call not served here).
 bool layout_key(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
                 size_t first, std::string& key, int& index,
@@ -156,13 +170,8 @@ bool queued_serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, Queue
     key.clear();
     return false;
   }
-  queues::Queue* queue = nullptr;
-  {
-    std::lock_guard<std::mutex> l(configuring);
-    if (static_cast<size_t>(index) < default_queues.size()) queue = default_queues[index];
-  }
-  if (queue == nullptr || caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0 ||
-      !caching_serves()) {
+  queues::Queue* queue = serving_queue(index);
+  if (queue == nullptr || !caching_serves()) {
     key.clear();
     return false;
   }
@@ -291,13 +300,8 @@ int torchport_queued_copy(PyObject* dst, PyObject* src) {
   const at::Tensor& s = THPVariable_Unpack(src);
   int index = -1;
   if (!enabled.load() || !takes(d, index) || !takes(s, index)) return 0;
-  torchport::queues::Queue* queue = nullptr;
-  {
-    std::lock_guard<std::mutex> l(configuring);
-    if (static_cast<size_t>(index) < default_queues.size()) queue = default_queues[index];
-  }
-  if (queue == nullptr || torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0)
-    return 0;
+  torchport::queues::Queue* queue = serving_queue(index);
+  if (queue == nullptr) return 0;
   try {
     static const c10::OperatorHandle copy =
         c10::Dispatcher::singleton().findSchemaOrThrow("aten::copy_", "");

@@ -12,9 +12,12 @@ dimensions) it hands to the op's Python kernel, so results and errors stay the P
 Served so: the functional, in-place and ``out=`` ops whose schema holds only tensors,
 tensor lists, numbers, strings, dtypes and memory formats (no device, generator or
 layout), that draw no random numbers and change no tensor's metadata; and the factories
-whose CPU kernel is PyTorch's composite one (``full``, ``arange``), which C++ runs. As
-with the view and empty kernels, never both are registered: where the library is missing, the memory is not
-host memory at the device address, the runtime is asynchronous, and while
+whose CPU kernel is PyTorch's composite one (``full``, ``arange``), which C++ runs. On an
+asynchronous runtime with C++ queues (the sim's, :meth:`HostOpKernels.queues`) the same C++
+kernels compute nothing: they queue the calls the Python kernels taught them
+(``native_queued_ops.cpp``) and hand the rest to the Python kernels. As with the view and
+empty kernels, never both are registered: where the library is missing, the memory is not
+host memory at the device address, the runtime is asynchronous without C++ queues, and while
 ``fallback.SLOW`` is set (op statistics, forced fallback, tools intercepting ops), the
 Python kernels serve.
 """

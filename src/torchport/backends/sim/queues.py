@@ -208,8 +208,7 @@ class _NativeWorker:
         self.cpp.torchport_queue_abandon(self.handle)
 
     def queued(self) -> int:
-        return self.cpp.torchport_queue_submitted(self.handle) - \
-            self.cpp.torchport_queue_completed(self.handle)
+        return self.submitted - self.completed
 
     def done(self, ticket: int | None = None) -> bool:
         return bool(self.cpp.torchport_queue_wait(self.handle, ticket or 0, -1))
