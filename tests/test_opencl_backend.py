@@ -76,6 +76,17 @@ def test_device_memory_is_device_only_and_round_trips_every_dtype(ocl):  # noqa:
     buf, off = rt.locate(torchport.device_index(v), torchport.device_address(v))
     base_buf, base_off = rt.locate(torchport.device_index(d), torchport.device_address(d))
     assert buf == base_buf and off == base_off + 2 * 7 * d.element_size()
+    # locate remembers its answers (every launch asks) until the block goes back, and still
+    # checks the bytes asked for against the block's end
+    ptr = rt.malloc(0, 1024)
+    assert rt.locate(0, ptr + 1000, 24) == rt.locate(0, ptr + 1000)
+    for call in (lambda: rt.locate(0, ptr + 1000, 25), lambda: (rt.free(0, ptr), rt.locate(0, ptr + 1000))):
+        try:
+            call()
+        except RuntimeError as e:
+            assert "illegal address" in str(e), e
+        else:
+            raise AssertionError("locate answered for memory no block holds")
     """)
 
 
@@ -351,6 +362,102 @@ def test_mlp_trains_with_adamw_and_sgd_as_on_the_cpu(ocl):  # noqa: F811
     """)
 
 
+def test_nll_loss_runs_on_the_device_bit_for_bit(ocl):  # noqa: F811
+    ocl.run("""
+    # the CPU's order of the sums (its cascade of partial sums: 70000 targets take levels of
+    # 16), weights, ignore_index, every reduction, strided inputs, a 1-d input; no copies
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    for dt in (torch.float32, torch.float64):
+        for n, c in ((1, 3), (128, 10), (70000, 2)):
+            x, w = torch.randn(n, c, dtype=dt) * 5, torch.rand(c, dtype=dt)
+            t = torch.randint(0, c, (n,))
+            for red in ("mean", "sum", "none"):
+                for weight in (None, w):
+                    for ign in (-100, 1):
+                        tt = t.clone(); tt[::7] = ign
+                        for xv in (x, x.t().contiguous().t()):
+                            xd, xc = xv.to("ocl").requires_grad_(), xv.clone().requires_grad_()
+                            wd = None if weight is None else weight.to("ocl")
+                            ld = F.nll_loss(xd, tt.to("ocl"), wd, ignore_index=ign, reduction=red)
+                            lc = F.nll_loss(xc, tt, weight, ignore_index=ign, reduction=red)
+                            same(ld.detach(), lc.detach())
+                            go = torch.randn(lc.shape, dtype=dt)
+                            ld.backward(go.to("ocl")); lc.backward(go)
+                            same(xd.grad, xc.grad)
+        x1, t1, w1 = torch.randn(4, dtype=dt), torch.tensor(3), torch.rand(4, dtype=dt)
+        for red, weight in (("mean", w1), ("sum", None), ("none", w1)):
+            xd, xc = x1.to("ocl").requires_grad_(), x1.clone().requires_grad_()
+            wd = None if weight is None else weight.to("ocl")
+            ld = F.nll_loss(xd, t1.to("ocl"), wd, reduction=red)
+            lc = F.nll_loss(xc, t1, weight, reduction=red)
+            same(ld.detach(), lc.detach()); ld.backward(); lc.backward(); same(xd.grad, xc.grad)
+    x, y = torch.randn(128, 10), torch.randint(0, 10, (128,))
+    dx, dy = x.to("ocl").requires_grad_(), y.to("ocl")
+    with Calls() as calls:
+        native_only(lambda: F.cross_entropy(dx, dy).backward())
+    assert not calls.counts, calls.counts
+    # what the kernels leave to the CPU: a uint8 target, an empty mean (the CPU's NaN)
+    u = torch.randint(0, 10, (128,), dtype=torch.uint8)
+    same(torch.ops.aten.nll_loss_forward(x.to("ocl"), u.to("ocl"), None, 1, -100)[0],
+         torch.ops.aten.nll_loss_forward(x, u, None, 1, -100)[0])
+    e = torch.zeros(0, dtype=torch.long)
+    same(F.nll_loss(torch.zeros(0, 3, device="ocl"), e.to("ocl")), F.nll_loss(torch.zeros(0, 3), e))
+    """)
+
+
+def test_in_place_updates_with_new_numbers_skip_the_meta_kernel(ocl):  # noqa: F811
+    ocl.run("""
+    # an optimizer's in-place updates take a new learning rate or bias correction every
+    # step: the bits of the functional overload (the same out= kernel), without running the
+    # meta kernel for each new number
+    import torchport.ops.derive as derive
+    metas = []
+    real = derive._meta_result
+    x, y, z = torch.randn(16, 8), torch.randn(8), torch.rand(16, 8) + 0.5
+    d, dy, dz = x.to("ocl"), y.to("ocl"), z.to("ocl")
+    updates = [(lambda t, a, b, v: t.add_(a, alpha=-v), lambda t, a, b, v: t.add(a, alpha=-v)),
+               (lambda t, a, b, v: t.sub_(b, alpha=v), lambda t, a, b, v: t.sub(b, alpha=v)),
+               (lambda t, a, b, v: t.mul_(1 - v), lambda t, a, b, v: t.mul(1 - v)),
+               (lambda t, a, b, v: t.div_(v), lambda t, a, b, v: t.div(v)),
+               (lambda t, a, b, v: t.addcmul_(a, b, value=v),
+                lambda t, a, b, v: t.addcmul(a, b, value=v)),
+               (lambda t, a, b, v: t.addcdiv_(a, b, value=-v),
+                lambda t, a, b, v: t.addcdiv(a, b, value=-v)),
+               (lambda t, a, b, v: t.lerp_(b, v), lambda t, a, b, v: t.lerp(b, v))]
+    spying = [False]
+    derive._meta_result = lambda op, a, k: (spying[0] and metas.append(str(op)), real(op, a, k))[1]
+    try:
+        for step in range(1, 5):
+            v = 0.9 ** step / 3
+            for update, functional in updates:
+                want = functional(d, dy, dz, v)
+                spying[0] = True
+                update(d, dy, dz, v)
+                spying[0] = False
+                update(x, y, z, v)
+                same(d, want.cpu())
+                close(d, x)
+        assert not metas, metas
+        # anything else takes the derived kernel: a float16 update by another dtype, and
+        # what the CPU refuses (broadcasting into self, casts, integer addcdiv) raises
+        dh, dx = d.half(), d.clone()
+        same(dh.clone().mul_(dx), dh.mul(dx).half().cpu())
+        for call in (lambda t: t.add_(t.new_ones(5, 8)), lambda t: t[:1].add_(t),
+                     lambda t: t.long().div_(2.0), lambda t: t.addcdiv_(t.long(), t.long()),
+                     lambda t: t.lerp_(t.double(), 0.5)):
+            for t in (x, d):
+                try:
+                    call(t)
+                except RuntimeError:
+                    pass
+                else:
+                    raise AssertionError(f"{t.device} took it")
+    finally:
+        derive._meta_result = real
+    """)
+
+
 def test_an_op_without_a_kernel_falls_back_to_the_cpu(ocl):  # noqa: F811
     ocl.run("""
     x = torch.randn(5, 7)
@@ -603,6 +710,9 @@ def index_cases(bad):
         # the CPU's embedding backward does not check (it writes out of bounds)
         ("embedding_dense_backward", 0, 5, lambda x, s, g, dev: torch.ops.aten.embedding_dense_backward(
             g, t(1, bad(5)).to(dev), 5, -1, False), False),
+        ("nll_loss_forward", 1, 3, lambda x, s, g, dev: F.nll_loss(x, t(0, 1, bad(3), 0, 2).to(dev)), True),
+        ("nll_loss_backward", 1, 3, lambda x, s, g, dev: torch.ops.aten.nll_loss_backward(
+            x.sum(), x, t(0, bad(3), 1, 0, 2).to(dev), None, 1, -100, x.sum()), True),
     ]
 
 def raises_later(call, op, dim, size, bad, sync=lambda r: r.cpu()):

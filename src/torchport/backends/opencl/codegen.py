@@ -27,8 +27,10 @@ _NP = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int
        torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
        torch.uint8: np.uint8, torch.bool: np.uint8}
 FLOATS = (torch.float32, torch.float64, torch.float16)
-# index kernels whose CPU counterparts raise IndexError for a bad index (embedding's too)
-_LOOKUP_ERRORS = frozenset({"index_select", "embedding_dense_backward"})
+# index kernels whose CPU counterparts raise IndexError for a bad index (embedding's too,
+# and nll_loss's for a target out of range)
+_LOOKUP_ERRORS = frozenset({"index_select", "embedding_dense_backward", "nll_loss_forward",
+                            "nll_loss_backward"})
 DTYPES = frozenset(_CL)
 _OPTIONS = ["-cl-fp32-correctly-rounded-divide-sqrt"]  # IEEE division and sqrt, as the CPU
 # a float rounded to float16 and back (vstore_half needs no cl_khr_fp16)
@@ -282,18 +284,30 @@ class Launcher:
         self.programs = Programs(runtime)
         self.placeholders: dict[int, cl.Buffer] = {}
         self.sources: dict[tuple, str] = {}  # generated source per kernel signature
+        # an elementwise call's source and layout arguments per kind of call (its
+        # expression and types, each tensor's dtype, shape, strides and device)
+        self.plans: dict[tuple, tuple[str, list[int], list[list[int]]]] = {}
 
     def _where(self, t: torch.Tensor) -> tuple[int, cl.CommandQueue]:
-        index = torchport.device_index(t)
-        return index, self.runtime.queue(index, torchport.current_stream(t))
+        """The physical index of ``t``'s device and its current stream's queue (the backend
+        looked up once, not once per question as ``torchport.device_index`` and
+        ``torchport.current_stream`` each do)."""
+        b = torchport.current_backend()
+        logical = t.get_device()
+        if b is None or logical < 0 or t.device.type != b.name:
+            index = torchport.device_index(t)  # raises kernel_api's error
+            return index, self.runtime.queue(index, torchport.current_stream(t))
+        index = b.visible[logical]
+        return index, self.runtime.queue(index, b.current_stream_handle(logical))
 
     def _buffer(self, index: int, t: torch.Tensor) -> list[Any]:
+        """``(buffer, byte offset)`` of ``t``'s first element, the kernel's two arguments."""
         if t.numel() == 0:  # owns no memory, and no work-item reads it
             if index not in self.placeholders:
                 self.placeholders[index] = cl.Buffer(self.runtime.contexts[index],
                                                      cl.mem_flags.READ_WRITE, 256)
             return [self.placeholders[index], np.uint64(0)]
-        buf, off = self.runtime.locate(index, torchport.device_address(t))
+        buf, off = self.runtime.locate(index, t.data_ptr())
         return [buf, off]
 
     def index_error(self, t: torch.Tensor, op: str, dim: int) -> list[Any]:
@@ -330,24 +344,23 @@ class Launcher:
         ops = [_operand(v) for v in inputs]
         computes = (compute,) * len(ops) if isinstance(compute, torch.dtype) else tuple(compute)
         index, queue = self._where(out)
-        shape = out.shape
         tensors = [out] + [o.tensor for o in ops if o.tensor is not None]
-        device = out.device
-        strides = [list(out.stride())]
-        for t in tensors[1:]:
-            if t.device != device:
-                raise Decline("operands on two devices")
-            strides.append(_broadcast_strides(t, shape))
-        sizes, strides = _coalesce(list(shape), strides)
-        key = ("elementwise", expr, computes, tuple((o.dtype, o.tensor is None) for o in ops),
-               out.dtype, len(sizes), tuple(dt for dt, _ in scalars), tuple(at), pre,
-               None if index_check is None else index_check[0])
-        source = self.sources.get(key)
-        if source is None:
-            source = self.sources[key] = _elementwise_source(
-                out.dtype, ops, computes, len(sizes), expr, [dt for dt, _ in scalars], at, pre,
-                None if index_check is None else index_check[0])
-        args: list[Any] = [out.numel(), *sizes]
+        checked = None if index_check is None else index_check[0]
+        # what the source and the layout arguments depend on; a warm call of a known kind
+        # skips the broadcast strides, the coalescing and the source's key
+        plan_key = (expr, computes, tuple(None if o.tensor is not None else o.dtype
+                                          for o in ops),
+                    tuple(dt for dt, _ in scalars), tuple(at), pre, checked,
+                    tuple((t.dtype, t.shape, t.stride(), t.get_device()) for t in tensors))
+        plan = self.plans.get(plan_key)
+        if plan is None:
+            plan = self._elementwise_plan(out, ops, tensors, expr, computes, scalars, at, pre,
+                                          checked)
+            if len(self.plans) >= _PLANS:
+                self.plans.clear()
+            self.plans[plan_key] = plan
+        source, head, strides = plan
+        args: list[Any] = list(head)
         for t, st in zip(tensors, strides, strict=True):
             args += self._buffer(index, t)
             args += st
@@ -362,6 +375,31 @@ class Launcher:
         if index_check is not None:
             self.after_index_kernel(out)
         return out
+
+    def _elementwise_plan(self, out: torch.Tensor, ops: Sequence[Operand],
+                          tensors: Sequence[torch.Tensor], expr: str,
+                          computes: tuple[torch.dtype, ...],
+                          scalars: Sequence[tuple[torch.dtype, Any]], at: Sequence[str | None],
+                          pre: str, checked: int | None
+                          ) -> tuple[str, list[int], list[list[int]]]:
+        """:meth:`elementwise`'s source, leading arguments (``n`` and the sizes) and each
+        tensor's strides over the coalesced dimensions."""
+        shape = out.shape
+        device = out.device
+        strides = [list(out.stride())]
+        for t in tensors[1:]:
+            if t.device != device:
+                raise Decline("operands on two devices")
+            strides.append(_broadcast_strides(t, shape))
+        sizes, strides = _coalesce(list(shape), strides)
+        key = ("elementwise", expr, computes, tuple((o.dtype, o.tensor is None) for o in ops),
+               out.dtype, len(sizes), tuple(dt for dt, _ in scalars), tuple(at), pre, checked)
+        source = self.sources.get(key)
+        if source is None:
+            source = self.sources[key] = _elementwise_source(
+                out.dtype, ops, computes, len(sizes), expr, [dt for dt, _ in scalars], at, pre,
+                checked)
+        return source, [out.numel(), *sizes], strides
 
     # ---- row kernels: one work-item per output element, a loop over reduced dims ----
     def rows(self, outs: Sequence[torch.Tensor], out_kept: Sequence[Sequence[int]],
@@ -460,6 +498,7 @@ class Launcher:
 GEMM_ROWS = 8
 GEMM_WIDTHS = (16, 8, 4)
 GEMM_LOCAL = 8
+_PLANS = 4096  # elementwise plans kept before the cache starts again
 
 
 def _gemm_source(dt: torch.dtype, bias: bool, units: Sequence[Sequence[bool]],

@@ -1,12 +1,13 @@
-"""The indexing kernels: index_select, embedding and their backward, gather and scatter
-(indices checked on the device, reported at the next synchronising call)."""
+"""The indexing kernels: index_select, embedding and their backward, gather and scatter,
+nll_loss and its backward (indices checked on the device, reported at the next
+synchronising call)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from torchport.backends.opencl.codegen import Context, _ctype, _load, _store
+from torchport.backends.opencl.codegen import _CL, Context, _ctype, _load, _store
 from torchport.ops import Decline, KernelSet
 
 
@@ -108,3 +109,135 @@ def register(ks: KernelSet, k: Context) -> None:
     def native_dropout_backward(grad_output, mask, scale, *, out):
         return L.elementwise(out, [grad_output, mask], "(a0 * (a1 ? 1 : 0)) * s0",
                              [grad_output.dtype, torch.bool], [(grad_output.dtype, scale)])
+
+    # ---- nll_loss: the target indexes the classes ----
+    nll_floats = [d for d in (torch.float32, torch.float64) if d in dtypes]
+
+    def nll_check(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+                  *outs: torch.Tensor) -> None:
+        """Decline what the CPU's kernel alone handles or refuses (its errors, its NaN of
+        an empty mean: ``0 / 0`` on the device is the other NaN)."""
+        if input.dtype not in nll_floats or target.dtype != torch.int64 \
+                or input.dim() not in (1, 2) or target.numel() == 0:
+            raise Decline("nll_loss of this dtype, rank or an empty target")
+        for t in (input, target, weight, *outs):
+            if t is not None and (t.device != input.device or t.dtype != input.dtype
+                                  and t is not target):
+                raise Decline("nll_loss with operands of other devices or dtypes")
+
+    def ceil_log2(n: int) -> int:
+        """ATen's ``utils::CeilLog2`` (1 for 0 to 2)."""
+        return 1 if n <= 2 else (n - 1).bit_length()
+
+    @ks.out_kernel("nll_loss_forward.output", dtypes=nll_floats + [torch.int64])
+    def nll_loss_forward(self, target, weight, reduction, ignore_index, *, output,
+                         total_weight):
+        """The CPU's kernel: with a reduction (or a 1-d input) one work-item sums in the
+        CPU's order (its cascade of 8 partial sums, levels of ``2**power`` targets), then
+        divides by the total weight for the mean; without, one work-item per row. A target
+        out of range is reported (the CPU raises ``IndexError``)."""
+        nll_check(self, target, weight, output, total_weight)
+        n = 1 if self.dim() == 1 else self.shape[0]
+        c = self.shape[-1]
+        rows = reduction == 0 and self.dim() == 2
+        ct = _CL[self.dtype]
+        w_at = "((__global const T*)(wp + wo))[t * sw]" if weight is not None else "(T)1"
+        head = f"""#define T {ct}
+__kernel void nll_loss(long N, long C, long sx0, long sx1, long st, long sw, long so,
+    long ignore, long power, long mean, __global char* op, ulong oo, __global char* twp,
+    ulong two, __global char* xp, ulong xo, __global char* tp, ulong to, __global char* wp,
+    ulong wo, __global long* err, long eop, long edim) {{
+"""
+        if rows:
+            body = f"""  long b = get_global_id(0); if (b == 0) *(__global T*)(twp + two) = 0;
+  if (b >= N) return;
+  long t = ((__global const long*)(tp + to))[b * st];
+  __global T* o = (__global T*)(op + oo) + b * so;
+  if (t == ignore) {{ *o = 0; return; }}
+  if (t < 0 || t >= C) {{ report_index(err, eop, edim, t, C); return; }}
+  *o = -((__global const T*)(xp + xo))[b * sx0 + t * sx1] * {w_at};
+}}
+"""
+        else:
+            weighted = weight is not None
+            add = ("T wv = " + w_at + "; ls[0] -= data * wv; ws[0] += wv;" if weighted
+                   else "ls[0] -= data;")
+            total = ("T tw = 0; for (int j = 0; j < 8; j++) tw += ws[j];" if weighted
+                     else "T tw = (T)(N - ignored);")
+            body = f"""  if (get_global_id(0) != 0) return;
+  T ws[8] = {{0, 0, 0, 0, 0, 0, 0, 0}}, ls[8] = {{0, 0, 0, 0, 0, 0, 0, 0}};
+  long ignored = 0, mask = (1L << power) - 1;
+  for (long b = 0; b < N; b++) {{
+    long t = ((__global const long*)(tp + to))[b * st];
+    if (t == ignore) {{ ignored++; continue; }}
+    if (t < 0 || t >= C) {{ report_index(err, eop, edim, t, C); return; }}
+    T data = ((__global const T*)(xp + xo))[b * sx0 + t * sx1];
+    {add}
+    for (int j = 0; j + 1 < 8; j++) {{
+      if ((b & (mask << (j * power))) != 0) break;
+      ws[j + 1] += ws[j]; ls[j + 1] += ls[j]; ws[j] = 0; ls[j] = 0;
+    }}
+  }}
+  {total}
+  T out = 0; for (int j = 0; j < 8; j++) out += ls[j];
+  if (mean) out /= tw;
+  *(__global T*)(op + oo) = out; *(__global T*)(twp + two) = tw;
+}}
+"""
+        sx = (0, self.stride(0)) if self.dim() == 1 else self.stride()
+        st = target.stride(0) if target.dim() else 0
+        sw = weight.stride(0) if weight is not None else 0
+        so = output.stride(0) if rows else 0
+        power = max(4, ceil_log2(n) // 8)
+        L.raw(self, head + body, [n if rows else 1],
+              [np.int64(n), np.int64(c), np.int64(sx[0]), np.int64(sx[1]), np.int64(st),
+               np.int64(sw), np.int64(so), np.int64(ignore_index), np.int64(power),
+               np.int64(reduction == 1), output, total_weight, self, target,
+               weight if weight is not None else self]
+              + L.index_error(self, "nll_loss_forward", self.dim() - 1))
+        L.after_index_kernel(self)
+        return output, total_weight
+
+    @ks.out_kernel("nll_loss_backward.grad_input",
+                   dtypes=nll_floats + [torch.int64])
+    def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index,
+                          total_weight, *, grad_input):
+        """The CPU's kernel: zeros, then per row the target's gradient, ``-w * grad`` per
+        row without a reduction, else ``w * -(grad / total_weight)`` (mean) or
+        ``w * -grad`` (sum)."""
+        nll_check(self, target, weight, grad_output, total_weight, grad_input)
+        L.elementwise(grad_input, [], "0", grad_input.dtype)
+        n = 1 if self.dim() == 1 else self.shape[0]
+        rows = reduction == 0 and self.dim() == 2
+        ct = _CL[self.dtype]
+        weighted = weight is not None
+        w_at = "((__global const T*)(wp + wo))[t * sw]"
+        if rows:
+            value = f"-{w_at if weighted else '(T)1'} * g[i * sgo]"
+        else:
+            grad = "-(g[0] / *(__global const T*)(twp + two))" if reduction == 1 else "-g[0]"
+            value = f"{w_at} * ({grad})" if weighted else f"({grad})"
+        source = f"""#define T {ct}
+__kernel void nll_loss_backward(long N, long C, long sg0, long sg1, long st, long sw,
+    long sgo, long ignore, __global char* gip, ulong gio, __global char* gp, ulong go,
+    __global char* tp, ulong to, __global char* wp, ulong wo, __global char* twp, ulong two,
+    __global long* err, long eop, long edim) {{
+  long i = get_global_id(0); if (i >= N) return;
+  long t = ((__global const long*)(tp + to))[i * st];
+  if (t == ignore) return;
+  if (t < 0 || t >= C) {{ report_index(err, eop, edim, t, C); return; }}
+  __global const T* g = (__global const T*)(gp + go);
+  ((__global T*)(gip + gio))[i * sg0 + t * sg1] = {value};
+}}
+"""
+        sg = (0, grad_input.stride(0)) if grad_input.dim() == 1 else grad_input.stride()
+        st = target.stride(0) if target.dim() else 0
+        L.raw(self, source, [n],
+              [np.int64(n), np.int64(self.shape[-1]), np.int64(sg[0]), np.int64(sg[1]),
+               np.int64(st), np.int64(weight.stride(0) if weighted else 0),
+               np.int64(grad_output.stride(0) if rows and grad_output.dim() else 0),
+               np.int64(ignore_index), grad_input, grad_output, target,
+               weight if weighted else self, total_weight]
+              + L.index_error(self, "nll_loss_backward", self.dim() - 1))
+        L.after_index_kernel(self)
+        return grad_input

@@ -42,6 +42,7 @@ from torchport.runtime import DeviceProperties, Runtime
 
 _ALIGN = 256
 _SPAN = 1 << 44  # address range of one device
+_LOCATED = 1 << 16  # locate's remembered answers per device before it starts again
 # the error word: int flag (its first 4 bytes), then op code, bad index, extent, dimension
 _WORD = 5
 # OpenCL C of the kernels that check indices: the first bad index wins the flag
@@ -126,6 +127,9 @@ class OpenCLRuntime(Runtime):
         self.blocks: list[dict[int, cl.Buffer]] = [{} for _ in self.devices]
         self.bases: list[list[int]] = [[] for _ in self.devices]
         self.sizes: list[dict[int, int]] = [{} for _ in self.devices]
+        # locate's answers per address: (buffer, offset, bytes to the block's end), forgotten
+        # when a block is freed (addresses are never handed out twice)
+        self.located: list[dict[int, tuple[cl.Buffer, int, int]]] = [{} for _ in self.devices]
         self.next = [(i + 1) * _SPAN for i in range(len(self.devices))]
         self.used = [0 for _ in self.devices]
         self.lock = threading.RLock()  # autograd's threads allocate and launch too
@@ -173,6 +177,7 @@ class OpenCLRuntime(Runtime):
             buf = self.blocks[index].pop(ptr)
             self.bases[index].remove(ptr)
             self.used[index] -= self.sizes[index].pop(ptr)
+            self.located[index].clear()
         buf.release()
 
     def mem_get_info(self, index: int) -> tuple[int, int]:
@@ -181,7 +186,11 @@ class OpenCLRuntime(Runtime):
 
     def locate(self, index: int, ptr: int, nbytes: int = 1) -> tuple[cl.Buffer, int]:
         """The buffer holding device address ``ptr`` and the byte offset in it; raises for
-        an address no live block covers (``nbytes`` from it)."""
+        an address no live block covers (``nbytes`` from it). Answers are remembered per
+        address until a block is freed: every kernel launch asks, for each of its tensors."""
+        hit = self.located[index].get(ptr)
+        if hit is not None and nbytes <= hit[2]:
+            return hit[0], hit[1]
         bases = self.bases[index]
         with self.lock:
             i = bisect.bisect_right(bases, ptr) - 1
@@ -189,7 +198,12 @@ class OpenCLRuntime(Runtime):
             if base is None or ptr - base + nbytes > self.sizes[index][base]:
                 raise RuntimeError(f"ocl: illegal address {ptr:#x} (+{nbytes} bytes) on device "
                                    f"{index}: no live block holds it")
-            return self.blocks[index][base], ptr - base
+            buf, off = self.blocks[index][base], ptr - base
+            located = self.located[index]
+            if len(located) >= _LOCATED:
+                located.clear()
+            located[ptr] = (buf, off, self.sizes[index][base] - off)
+            return buf, off
 
     def queue(self, index: int, stream: Queue | None) -> cl.CommandQueue:
         return (self.default[index] if stream is None else stream).queue
