@@ -503,6 +503,18 @@ static py::object argument_object(const c10::Argument& arg, const c10::IValue& v
   }
 }
 
+PyObject* python_argument(const c10::Argument& arg, const c10::IValue& v) {
+  try {
+    return argument_object(arg, v).release().ptr();
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
 void python_kernel_call(PyObject* fn, PyObject* prefix, const c10::OperatorHandle& op,
                         torch::jit::Stack* stack) {
   const auto& schema = op.schema();

@@ -105,6 +105,9 @@ at::Tensor cpu_alias(const at::Tensor& t,
 // objects; kwarg-only ones by name); its results replace them. Takes the GIL.
 void python_kernel_call(PyObject* fn, PyObject* prefix, const c10::OperatorHandle& op,
                         torch::jit::Stack* stack);
+// native_hostops.cpp: an argument as a Python kernel receives it (a new reference; null with
+// a Python error). Takes no GIL: the caller holds it.
+PyObject* python_argument(const c10::Argument& arg, const c10::IValue& v);
 // native_factories.cpp: the dtypes of `list` (a Python list of torch.dtype) set in `out`;
 // false with a Python TypeError for anything else.
 bool read_dtype_set(PyObject* list, std::bitset<256>& out);
@@ -135,6 +138,15 @@ struct QueuedCalls {
   std::mutex m;
   std::unordered_map<std::string, std::shared_ptr<const QueuedLaunch>> by_layout;
 };
+// The layout key of the op's arguments on `stack` (from `first`): each tensor's dtype, sizes
+// and strides, each number but a float's value (its type), a float list's length, strings;
+// what a meta kernel decides a call's results and errors from. False: a call no key stands
+// for (a tensor of another device type or of a second device, a complex number, a list of
+// optional tensors, a device, a generator, no device tensor). `index`: the device; `tensors`:
+// (memory, tensor) of each tensor argument.
+bool layout_key(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first,
+                std::string& key, int& index,
+                c10::SmallVectorImpl<std::pair<const void*, const void*>>& tensors);
 // Is the runtime asynchronous with C++ queues (the host-op kernels then queue)?
 bool queued_mode();
 // Queue the call on `stack` as `calls` learned it: true, its results on the stack. False:

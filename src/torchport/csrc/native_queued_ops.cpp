@@ -84,7 +84,10 @@ torchport::queues::Queue* serving_queue(int index) {
   return queue;
 }
 
-// The layout key of the arguments on `stack` (false: a call not served here).
+}  // namespace
+
+namespace torchport {
+
 bool layout_key(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
                 size_t first, std::string& key, int& index,
                 c10::SmallVectorImpl<std::pair<const void*, const void*>>& tensors) {
@@ -151,10 +154,6 @@ bool layout_key(const c10::FunctionSchema& schema, const torch::jit::Stack& stac
   }
   return index >= 0;
 }
-
-}  // namespace
-
-namespace torchport {
 
 bool queued_mode() { return enabled.load(std::memory_order_relaxed); }
 

@@ -18,6 +18,30 @@ class Decline(Exception):
     """Raised by a kernel that does not handle this input; the op takes the next path."""
 
 
+@dataclass(frozen=True)
+class CFunction:
+    """A C kernel's entry (``torchport_kernel.h``): its address in the vendor's library."""
+
+    address: int
+    name: str = ""
+
+    @staticmethod
+    def of(fn: Any) -> CFunction:
+        """``fn``: a ``ctypes`` function of a loaded library, or an address."""
+        if isinstance(fn, int):
+            return CFunction(fn, hex(fn))
+        import ctypes  # (only a C kernel's declaration needs it)
+
+        try:
+            address = ctypes.cast(fn, ctypes.c_void_p).value
+        except ctypes.ArgumentError:
+            address = None
+        if not address:
+            raise TypeError(f"c_out_kernel: expected a ctypes function of a loaded library "
+                            f"(ctypes.CDLL(path).name) or its address, not {fn!r}")
+        return CFunction(address, getattr(fn, "__name__", hex(address)))
+
+
 @dataclass
 class KernelDecl:
     name: str  # as declared: "add", "add.out", "mm"
@@ -58,6 +82,15 @@ class KernelSet:
                                          "out"))
             return fn
         return deco
+
+    def c_out_kernel(self, name: str, fn: Any, dtypes: Iterable[torch.dtype] | None = None
+                     ) -> None:
+        """``fn``, a C function (``int32_t fn(const TorchportCall*)``, as ``torchport_kernel.h``
+        declares; a ``ctypes`` function of the vendor's library, or its address), implements
+        the ``out=`` overload(s) ``name`` as :meth:`out_kernel`'s ``fn`` does; torchport calls
+        it from C++ without Python where it can (``torchport.ops.c_kernels``)."""
+        self.decls.append(KernelDecl(name, CFunction.of(fn),  # type: ignore[arg-type]
+                                     None, frozenset(dtypes) if dtypes else None, "out"))
 
     def autograd_kernel(self, name: str):
         """Decorator: ``fn`` replaces ``name`` on the device's autograd key -- for ops that

@@ -17,6 +17,7 @@ The functional overload writes new tensors, which overlap nothing.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +105,7 @@ def _meta_result(op: OpOverload, args: tuple, kwargs: dict) -> list[Tensor]:
 
 Spec = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]  # shape, strides, dtype
 _SPECS: dict[tuple, list[Spec]] = {}
+_WARNS: dict[tuple, list[tuple[type[Warning], str]]] = {}  # what a cached meta call warned
 _TENSOR = object()
 
 
@@ -121,8 +123,8 @@ def output_specs(op: OpOverload, args: tuple, kwargs: dict, quiet: bool = False)
     Many meta kernels are Python reference implementations costing a millisecond; a
     training loop repeats the same shapes every step, so results are cached by the
     arguments' metadata (never their values: a meta kernel sees none). Errors (shape
-    mismatches...) are raised each time, never cached. ``quiet``: the meta kernel's
-    warnings are dropped (only a miss runs it, so a hit pays nothing for that)."""
+    mismatches...) are raised each time, never cached, and the meta kernel's warnings (an
+    ``out=`` resized) are warned again on each hit. ``quiet``: they are dropped."""
     key: tuple | None = (op, tuple(_sig(a) for a in args),
                          tuple((k, _sig(v)) for k, v in kwargs.items()))
     try:
@@ -130,16 +132,26 @@ def output_specs(op: OpOverload, args: tuple, kwargs: dict, quiet: bool = False)
     except TypeError:  # an unhashable argument
         key, hit = None, None
     if hit is not None:
+        if _WARNS and not quiet and key in _WARNS:  # as the CPU, every call
+            for category, message in _WARNS[key]:
+                warnings.warn(message, category, stacklevel=3)
         return hit
     if quiet:
         results = silently(lambda: _meta_result(op, args, kwargs))
     else:
-        results = _meta_result(op, args, kwargs)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            results = _meta_result(op, args, kwargs)
+        for w in said:
+            warnings.warn(w.message, w.category, stacklevel=3)
     specs = [(tuple(r.shape), r.stride(), r.dtype) for r in results]
     if key is not None:
         if len(_SPECS) > 16384:
             _SPECS.clear()
+            _WARNS.clear()
         _SPECS[key] = specs
+        if not quiet and said:
+            _WARNS[key] = [(w.category, str(w.message)) for w in said]
     return specs
 
 
@@ -368,6 +380,43 @@ def inplace_kernel(backend: DeviceBackend, op: OpOverload, out_op: OpOverload,
         fn(self, *args, **kwargs, **{name: self})
         return self
     return kernel
+
+
+def planner(kind: str, op: OpOverload, out_op: OpOverload,
+            refuses: Callable[[tuple, dict], bool]) -> Callable[..., list[Spec] | None]:
+    """What the C++ caller of a vendor's out= kernel (``native_vendor_kernels.cpp``) asks once
+    per layout of ``op``'s arguments (``kind``: ``"out"``, ``"functional"``, ``"inplace"``),
+    for calls whose written tensors are contiguous and share memory with no other argument:
+    the new outputs' specs (none for ``out=`` and in place), or ``None`` where the kernel
+    above serves such calls (``refuses``: a dtype the vendor's kernel does not declare; an
+    ``out=`` to resize; an in-place result of another shape). Its errors (a meta kernel's
+    shape check) are the kernel's to raise, which C++ then calls. The layout decides each
+    answer: a meta kernel sees no values (floats it sees only by type where the op reads a
+    tensor)."""
+    names = out_names(out_op)
+
+    def out(*args: Any, **kwargs: Any) -> list[Spec] | None:
+        if refuses(args, kwargs):
+            return None
+        outs = [kwargs[n] for n in names]
+        check_overlap(out_op, args, kwargs, outs,
+                      [*args, *(v for k, v in kwargs.items() if k not in names)])
+        with warnings.catch_warnings(record=True):  # kept with the specs: the kernel's to give
+            warnings.simplefilter("always")
+            specs = output_specs(out_op, args, kwargs)
+        return None if any(o.shape != s[0] for o, s in zip(outs, specs, strict=True)) else []
+
+    def functional(*args: Any, **kwargs: Any) -> list[Spec] | None:
+        return None if refuses(args, kwargs) else output_specs(op, args, kwargs)
+
+    def inplace(self: Tensor, *args: Any, **kwargs: Any) -> list[Spec] | None:
+        if refuses((self, *args), kwargs):
+            return None
+        check_overlap(op, (self, *args), kwargs, [self], [*args, *kwargs.values()])
+        ((shape, _, _),) = output_specs(op, (self, *args), kwargs, quiet=True)
+        return [] if shape == tuple(self.shape) else None
+
+    return {"out": out, "functional": functional, "inplace": inplace}[kind]
 
 
 def checked_writes(op: OpOverload, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport.ops import (
+    c_kernels,
     core,
     derive,
     fallback,
@@ -37,13 +38,14 @@ from torchport.ops import (
     hostkernels,
     native_factories,
     native_hostops,
+    native_vendor,
     native_views,
     paths,
     quantized,
     sparse,
     teardown,
 )
-from torchport.ops.declarations import Decline, KernelDecl, KernelSet
+from torchport.ops.declarations import CFunction, Decline, KernelDecl, KernelSet
 from torchport.ops.plan import numbers_as_tensors, plan_for
 
 if TYPE_CHECKING:
@@ -195,27 +197,40 @@ def overload_name(op: torch._ops.OpOverload) -> str:
     return s.name.split("::")[1] + ("." + s.overload_name if s.overload_name else "")
 
 
-def _expand(decl: KernelDecl) -> list[tuple[torch._ops.OpOverload, Callable[..., Any] | None,
-                                            KernelDecl]]:
-    """(overload, kernel maker, declaration) for every overload a declaration covers."""
+_DERIVED = {"out": lambda b, op, out, fn: derive.out_kernel(b, op, fn),
+            "functional": derive.functional_kernel, "inplace": derive.inplace_kernel}
+
+
+def _expand(decl: KernelDecl) -> list[tuple[torch._ops.OpOverload, str | None,
+                                            torch._ops.OpOverload | None, KernelDecl]]:
+    """(overload, how derive makes its kernel -- ``"out"``, ``"functional"``, ``"inplace"``,
+    or ``None`` for the declared function itself --, the out= overload it is made from,
+    declaration) for every overload a declaration covers."""
     ops = resolve_overloads(decl.name)
     if decl.kind != "out":
-        return [(op, None, decl) for op in ops]
-    out: list[tuple[torch._ops.OpOverload, Callable[..., Any] | None, KernelDecl]] = []
+        return [(op, None, None, decl) for op in ops]
+    out: list[tuple[torch._ops.OpOverload, str | None, torch._ops.OpOverload | None,
+                    KernelDecl]] = []
     for o in ops:
         if not derive.is_out_overload(o):
             continue
-        out.append((o, lambda b, op, fn: derive.out_kernel(b, op, fn), decl))
+        out.append((o, "out", o, decl))
         oname = overload_name(o)
-        for f in derive.functional_overloads(o):
-            out.append((f, lambda b, op, fn, o=o: derive.functional_kernel(b, op, o, fn),
-                        decl.derived(oname)))
-        for i in derive.inplace_overloads(o):
-            out.append((i, lambda b, op, fn, o=o: derive.inplace_kernel(b, op, o, fn),
-                        decl.derived(oname)))
+        out += [(f, "functional", o, decl.derived(oname)) for f in derive.functional_overloads(o)]
+        out += [(i, "inplace", o, decl.derived(oname)) for i in derive.inplace_overloads(o)]
     if not out:
         raise ValueError(f"out_kernel({decl.name!r}): no out= overload of that name")
     return out
+
+
+def _vendor_function(backend: DeviceBackend, decl: KernelDecl,
+                     out_op: torch._ops.OpOverload | None) -> Callable[..., Any]:
+    """The declared kernel as Python calls it: a C function through ``ctypes``."""
+    if isinstance(decl.fn, CFunction):
+        assert out_op is not None
+        return c_kernels.CKernel(decl.fn, out_op, backend)
+    assert decl.fn is not None
+    return decl.fn
 
 
 def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library.Library | None = None,
@@ -243,7 +258,8 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
             sparse.declare_host_view(decl.to_cpu)
             continue
         ignored, installed = [], False
-        for op, make, d in _expand(decl):
+        made: dict[torch._ops.OpOverload | None, Callable[..., Any]] = {}
+        for op, make, out_op, d in _expand(decl):
             oname = overload_name(op)
             if oname in core.OVERRIDABLE and d.kind == "aten" and oname not in _OVERRIDES:
                 _OVERRIDES[oname] = d.fn if d.dtypes is None else _dtype_checked(op, d.fn, d.dtypes)
@@ -257,10 +273,15 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
             if oname in taken or not _has_backend_slot(op):
                 continue
             route = fallback.route_for(oname)
+            vendor: Callable[..., Any] | None = None
             if d.kind == "host":
                 fn = _host_kernel(backend, op, oname, d, route)
             else:
-                fn = derive.checked_writes(op, d.fn) if make is None else make(backend, op, d.fn)
+                if out_op not in made:
+                    made[out_op] = _vendor_function(backend, d, out_op)
+                vendor = made[out_op]
+                fn = derive.checked_writes(op, vendor) if make is None else \
+                    _DERIVED[make](backend, op, out_op, vendor)
                 if d.dtypes is not None:
                     fn = _dtype_checked(op, fn, d.dtypes)
                 fn = _wrap(backend, op, oname, fn, route)
@@ -270,6 +291,11 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                 backend.host_op_kernels.add(oname, op, fn)  # or the C++ host-op kernel serves
             elif d.kind == "host" and d.dtypes is None and hostkernels.schema.factory(op):
                 backend.host_op_kernels.add(oname, op, fn, composite=True)  # (likewise)
+            elif make is not None and out_op is not None and vendor is not None and \
+                    _no_layout_from_values(op, make) and native_vendor.register(
+                        backend, oname, op, make, out_op, fn, vendor,
+                        _refuses(d.dtypes), _next_path(backend, op, oname)):
+                pass  # the C++ caller of the vendor's kernel serves (Python's calls: fn)
             else:
                 if oname in native_views.OPS:  # the vendor's own view kernel serves
                     backend.view_kernels.give_way()
@@ -297,6 +323,31 @@ def _install_sparse(decl: KernelDecl) -> list[str]:
             _NATIVE[f"{oname} ({sparse.key_of(decl.layout)})"] = decl
             done.append(oname)
     return done
+
+
+def _no_layout_from_values(op: torch._ops.OpOverload, kind: str) -> bool:
+    """Is ``op`` in place or does it read a tensor (not only write one)? Then no number's
+    value but an integer's decides its results' layout (``arange.out``'s does): C++ keys
+    its calls by layout (``native_vendor``)."""
+    return kind == "inplace" or any(
+        not (a.alias_info is not None and a.alias_info.is_write)
+        and "Tensor" in str(a.real_type) for a in op._schema.arguments)
+
+
+def _refuses(dtypes: frozenset[torch.dtype] | None) -> Callable[[tuple, dict], bool]:
+    """Does a call have a tensor of a dtype the kernel does not declare?"""
+    def refuses(args: tuple, kwargs: dict) -> bool:
+        return dtypes is not None and any(
+            v.dtype not in dtypes for v in hostexec._iter_tensors(args, kwargs))
+    return refuses
+
+
+def _next_path(backend: DeviceBackend, op: torch._ops.OpOverload,
+               name: str) -> Callable[..., Any]:
+    """The path of a call the vendor's kernel declined."""
+    def next_path(*args: Any, **kwargs: Any) -> Any:
+        return fallback.next_path(backend, op, name, args, kwargs)
+    return next_path
 
 
 def _dtype_checked(op: torch._ops.OpOverload, fn: Callable[..., Any],

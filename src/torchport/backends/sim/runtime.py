@@ -79,6 +79,10 @@ class SimStream:
     priority: int = 0
     handle_id: int = 0
 
+    def __index__(self) -> int:
+        """The stream as a C kernel gets it (``torchport_kernel.h``'s ``stream``)."""
+        return self.handle_id
+
 
 @dataclass
 class SimEvent:
