@@ -97,6 +97,41 @@ def test_a_compiled_training_step_matches_compiled_cpu_bit_for_bit() -> None:
     torch.testing.assert_close(torch.stack(losses_dev).cpu(), torch.stack(losses_eager).cpu())
 
 
+def test_a_compiled_program_calls_no_python_of_torchport_per_step() -> None:
+    """Its buffers come from a C function and its kernels are called as on the CPU (where
+    the runtime is synchronous with host addresses; else the launcher's launch); the
+    C++ library serving."""
+    from torchport.core import native
+
+    if native.loaded() is None:
+        pytest.skip("the C++ library is not built here")
+    import cProfile
+    import pstats
+
+    torch.manual_seed(0)
+    model = _mlp().to("sim")
+    step = torch.compile(lambda x: model(x).square().sum())
+    x = torch.randn(8, model[0].in_features, device="sim")
+    for _ in range(3):
+        step(x).backward()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(5):
+        loss = step(x)
+        loss.backward()
+    profile.disable()
+    called = {f"{path}:{fn}" for path, _, fn in pstats.Stats(profile).stats  # type: ignore[attr-defined]
+              if os.sep + "torchport" + os.sep in path}
+    from torchport.ops import native_factories
+
+    if inductor.launcher("sim").direct:
+        assert called == set()
+    elif native_factories.SERVING[0].native:  # (not where the allocator is Python's)
+        # the kernels go through the launcher (views, the stream's queue); buffers do not
+        assert not [c for c in called if c.endswith("inductor.py:empty_strided")], called
+    torch.testing.assert_close(loss.cpu(), model.cpu()(x.cpu()).square().sum())
+
+
 def test_a_cnn_forward_and_backward_match_compiled_cpu() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1),

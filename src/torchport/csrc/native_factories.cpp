@@ -225,6 +225,56 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
                      nullptr);
 }
 
+// A compiled program's buffer: `empty_strided(size, stride, dtype, index)` as a C function
+// (its `self` the Python allocator serving what this does not: a refused dtype, a device
+// index out of range, an invalid layout, and every call while the kernels above are not
+// registered, so that intercepted ops see the program's allocations too).
+PyObject* compiled_empty_strided(PyObject* fallback, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs == 4 && registered && THPDtype_Check(args[2]) && PyLong_CheckExact(args[3]) &&
+      PyTuple_Check(args[0]) && PyTuple_Check(args[1]) &&
+      PyTuple_GET_SIZE(args[0]) == PyTuple_GET_SIZE(args[1]) && PyTuple_GET_SIZE(args[0]) <= 16) {
+    const Py_ssize_t n = PyTuple_GET_SIZE(args[0]);
+    int64_t sizes[16], strides[16];
+    bool ints = true;
+    for (Py_ssize_t i = 0; ints && i < n; ++i) {
+      PyObject* a = PyTuple_GET_ITEM(args[0], i);
+      PyObject* b = PyTuple_GET_ITEM(args[1], i);
+      ints = PyLong_CheckExact(a) && PyLong_CheckExact(b);
+      if (ints) {
+        sizes[i] = PyLong_AsLongLong(a);
+        strides[i] = PyLong_AsLongLong(b);
+      }
+    }
+    const long index = PyLong_AsLong(args[3]);
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      ints = false;
+    }
+    const c10::ScalarType scalar = reinterpret_cast<THPDtype*>(args[2])->scalar_type;
+    uint64_t nbytes = 0;
+    c10::IntArrayRef size(sizes, static_cast<size_t>(n)), stride(strides, static_cast<size_t>(n));
+    if (ints && index >= 0 && index < visible && torchport::caching_serves() &&
+        !rejected.test(static_cast<size_t>(scalar)) &&
+        layout_bytes(size, stride, c10::elementSize(scalar), nbytes)) {
+      try {
+        return THPVariable_Wrap(torchport::caching_new_tensor(
+            static_cast<int>(index), nbytes, scalar, size, stride,
+            torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index))));
+      } catch (python_error& e) {
+        e.restore();
+        return nullptr;
+      } catch (const std::exception&) {
+        // out of memory: the Python allocator's path (its retry, its error's type)
+      }
+    }
+  }
+  return PyObject_Vectorcall(fallback, args, static_cast<size_t>(nargs), nullptr);
+}
+
+PyMethodDef compiled_empty_strided_def = {
+    "empty_strided", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(compiled_empty_strided)),
+    METH_FASTCALL, "A compiled program's buffer (size, stride, dtype, device index)."};
+
 void keep(PyObject*& slot, PyObject* fn) {
   Py_XINCREF(fn);
   Py_XDECREF(slot);
@@ -279,6 +329,17 @@ extern "C" int torchport_native_factories_enable(PyObject* empty, PyObject* stri
     }
   }
   return 1;
+}
+
+// The allocator compiled programs call (torchport/graph/inductor.py): a C function taking
+// (size, stride, dtype, index) like `fallback`, the Python one it hands the rest to. A new
+// reference; NULL with a Python error. Through ctypes.PyDLL.
+extern "C" PyObject* torchport_compiled_empty_strided(PyObject* fallback) {
+  if (!PyCallable_Check(fallback)) {
+    PyErr_SetString(PyExc_TypeError, "expected a callable");
+    return nullptr;
+  }
+  return PyCFunction_NewEx(&compiled_empty_strided_def, fallback, nullptr);
 }
 
 // Removes them again (the dispatcher then finds the Python kernels once registered).

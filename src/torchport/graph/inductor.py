@@ -9,8 +9,9 @@ registers that with inductor for the device (``register_backend_for_device``: a
 ``CppScheduling`` and a wrapper of its own) and makes the generated program a
 well-behaved device program:
 
-* every buffer is allocated on its own device index by torchport's allocator
-  (the stock wrapper writes ``empty_strided(..., device="sim")`` without an index);
+* every buffer is allocated on its own device index by torchport's allocator, from C
+  without a Python frame where the C++ library serves (the stock wrapper writes
+  ``empty_strided(..., device="sim")`` without an index);
 * every C++ kernel is launched on the current stream with ``Runtime.launch`` and given
   the chip's views of its tensors (:class:`KernelLauncher`), so an asynchronous runtime
   runs it in stream order after the ops queued before it, and a runtime whose
@@ -81,6 +82,10 @@ class KernelLauncher:
         self._devices = backend.devices  # made once: a torch.device costs more than the buffer
         if self.direct or self.own is not None:
             self.launch = _call  # type: ignore[method-assign]
+        from torchport.ops.native_factories import compiled_allocator
+
+        #: what the programs allocate with: :meth:`empty_strided`, in C where it can
+        self.allocate = compiled_allocator(self.empty_strided)
 
     @property
     def mode(self) -> str:
@@ -387,7 +392,7 @@ def _wrapper_class(name: str) -> type:
                 f"""
                 from torchport.graph.inductor import launcher as _tp_launcher
                 _tp_{name} = _tp_launcher({name!r})
-                empty_strided_{name} = _tp_{name}.empty_strided
+                empty_strided_{name} = _tp_{name}.allocate
                 launch_{name} = _tp_{name}.launch
                 """, strip=True)
 
@@ -417,7 +422,10 @@ def _wrapper_class(name: str) -> type:
             if name in _OWN:  # the vendor's kernel object enqueues itself
                 self.writeline(self.wrap_kernel_call(kernel_name, call_args))
                 return None
-            # the same code in every launch mode: the launcher decides when the program runs
+            if launcher(name).direct:  # called as on the CPU (the cache key names the mode)
+                self.writeline(self.wrap_kernel_call(kernel_name, call_args))
+                return None
+            # the launcher decides when the program runs, and what memory its kernels see
             args = ", ".join([str(device.index or 0), repr(kernel_name), kernel_name, *call_args])
             self.writeline(f"launch_{name}({args}){self.ending}")
             return None

@@ -84,3 +84,13 @@ def install(backend: DeviceBackend, python: dict[str, Callable[..., Any]]) -> Fa
     kernels.use(not fallback.INTERCEPTING)
     fallback.on_slow_change(lambda slow: kernels.use(not slow))
     return kernels
+
+
+def compiled_allocator(fallback: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """What a compiled program allocates its buffers with, ``(size, stride, dtype, index)``:
+    a C function serving them as ``empty_strided`` does from C++ (no Python frame per
+    buffer), handing the rest to ``fallback`` (the same call in Python); ``fallback`` itself
+    where the library cannot."""
+    make = native.python_function("torchport_compiled_empty_strided", [ctypes.py_object],
+                                  ctypes.py_object)
+    return fallback if make is None else make(fallback)
