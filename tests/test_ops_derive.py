@@ -210,3 +210,28 @@ def test_overlap_of_an_index_op_is_found_whatever_the_made_up_indices():
     # an out= of its own memory: both runs fail on the indices alike, no overlap error
     assert derive._cpu_overlap_error(A.index_select.out, (a, 0, i),
                                      {"out": torch.empty(3)}) is None
+
+
+def test_output_specs_key_floats_by_type_where_the_op_reads_a_tensor(monkeypatch):
+    """A learning rate that changes every step runs no meta kernel again (its value decides
+    no layout of an op reading a tensor); an op reading none keeps the values in its key
+    (``arange``'s length is a float's)."""
+    ran: list[object] = []
+    real = derive._meta_result
+
+    def counted(op, args, kwargs):
+        ran.append(op)
+        return real(op, args, kwargs)
+
+    monkeypatch.setattr(derive, "_meta_result", counted)
+    a = torch.randn(3, 5, device="sim")
+    for lr in (0.125, 0.25, 0.5):
+        ((shape, _, dtype),) = derive.output_specs(A.add.Tensor, (a, a), {"alpha": lr})
+        assert shape == (3, 5) and dtype == torch.float32
+    assert ran == [A.add.Tensor]
+    ((shape, _, dtype),) = derive.output_specs(A.add.Tensor, (a, a), {"alpha": 2})
+    assert len(ran) == 2  # an integer: its value (and its type) is another key
+    out = torch.empty(0, device="sim")
+    for end, n in ((4.5, 5), (6.5, 7)):
+        ((shape, _, _),) = derive.output_specs(A.arange.out, (end,), {"out": out})
+        assert shape == (n,)

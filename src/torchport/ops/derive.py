@@ -117,16 +117,42 @@ def _sig(v: Any) -> Any:
     return (type(v), v)  # 2 and 2.0 are equal keys, but promote differently
 
 
+def _layout_sig(v: Any) -> Any:
+    """:func:`_sig` with a float by its type: the key of an op reading a tensor."""
+    if type(v) is float:
+        return float
+    if isinstance(v, (list, tuple)) and not isinstance(v, Tensor):
+        return (type(v), tuple(_layout_sig(x) for x in v))
+    return _sig(v)
+
+
+_READS: dict[OpOverload, bool] = {}
+
+
+def reads_tensor(op: OpOverload) -> bool:
+    """Does ``op`` read a tensor argument (not only write one)? Then no float's value
+    decides its results' layout (``arange.out``'s float does: it reads none)."""
+    reads = _READS.get(op)
+    if reads is None:
+        reads = _READS[op] = any(
+            not (a.alias_info is not None and a.alias_info.is_write)
+            and "Tensor" in str(a.real_type) for a in op._schema.arguments)
+    return reads
+
+
 def output_specs(op: OpOverload, args: tuple, kwargs: dict, quiet: bool = False) -> list[Spec]:
     """Shape, strides and dtype of each result of ``op``, from its meta kernel.
 
     Many meta kernels are Python reference implementations costing a millisecond; a
     training loop repeats the same shapes every step, so results are cached by the
-    arguments' metadata (never their values: a meta kernel sees none). Errors (shape
+    arguments' metadata (never their values: a meta kernel sees none), and by numbers but
+    floats where the op reads a tensor (a learning rate that changes every step; see
+    :func:`reads_tensor`). Errors (shape
     mismatches...) are raised each time, never cached, and the meta kernel's warnings (an
     ``out=`` resized) are warned again on each hit. ``quiet``: they are dropped."""
-    key: tuple | None = (op, tuple(_sig(a) for a in args),
-                         tuple((k, _sig(v)) for k, v in kwargs.items()))
+    sig = _layout_sig if reads_tensor(op) else _sig
+    key: tuple | None = (op, tuple(sig(a) for a in args),
+                         tuple((k, sig(v)) for k, v in kwargs.items()))
     try:
         hit = _SPECS.get(key)  # type: ignore[arg-type]
     except TypeError:  # an unhashable argument

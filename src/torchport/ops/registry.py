@@ -326,12 +326,9 @@ def _install_sparse(decl: KernelDecl) -> list[str]:
 
 
 def _no_layout_from_values(op: torch._ops.OpOverload, kind: str) -> bool:
-    """Is ``op`` in place or does it read a tensor (not only write one)? Then no number's
-    value but an integer's decides its results' layout (``arange.out``'s does): C++ keys
-    its calls by layout (``native_vendor``)."""
-    return kind == "inplace" or any(
-        not (a.alias_info is not None and a.alias_info.is_write)
-        and "Tensor" in str(a.real_type) for a in op._schema.arguments)
+    """Is ``op`` in place or does it read a tensor? Then no float's value decides its
+    results' layout, and C++ may key its calls by layout (``native_vendor``)."""
+    return kind == "inplace" or derive.reads_tensor(op)
 
 
 def _refuses(dtypes: frozenset[torch.dtype] | None) -> Callable[[tuple, dict], bool]:

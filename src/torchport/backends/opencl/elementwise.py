@@ -13,87 +13,15 @@ import torchport
 from torchport.backends.opencl.codegen import Context, _ctype, _operand
 from torchport.ops import Decline, KernelSet
 
-# in-place overloads an optimizer step calls with numbers that change every step (a
-# learning rate, a bias correction), and the out= overload each is derived from
-_INPLACE = {"add_.Tensor": "add.out", "sub_.Tensor": "sub.out", "mul_.Tensor": "mul.out",
-            "div_.Tensor": "div.out", "addcmul_": "addcmul.out", "addcdiv_": "addcdiv.out",
-            "lerp_.Scalar": "lerp.Scalar_out"}
-
-
-def _plain_update(self: torch.Tensor, args: tuple, kwargs: dict) -> bool:
-    """True for an in-place call whose meta kernel would raise nothing and keep ``self``'s
-    shape: a floating ``self``, tensors of its dtype and device broadcasting to its shape,
-    real numbers (the memory-overlap checks ran before)."""
-    dt, shape = self.dtype, self.shape
-    if not dt.is_floating_point:
-        return False
-    device = self.device
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor):
-            if v.dtype != dt or v.device != device:
-                return False
-            s = v.shape
-            if s != shape:
-                lead = len(shape) - len(s)
-                if lead < 0 or any(n != 1 and n != shape[lead + d] for d, n in enumerate(s)):
-                    return False
-        elif type(v) not in (int, float):
-            return False
-    return True
-
-
-def _declare_updates(ks: KernelSet, outs: dict[str, Callable[..., Any]],
-                     declared: dict[str, Sequence[torch.dtype]]) -> None:
-    """The in-place overloads of :data:`_INPLACE`, before their out= kernels (the first
-    declaration of an overload wins). The derived in-place kernel asks the meta kernel for
-    the result's shape, cached by the arguments, numbers' values included, so a learning
-    rate that changes every step runs it every step (about a millisecond for some); a
-    plain update (:func:`_plain_update`) writes ``self`` through the out= kernel directly,
-    and any other call takes the derived kernel, as before."""
-    from torchport.ops import derive
-    from torchport.ops.registry import resolve_overloads
-
-    for name, out_name in _INPLACE.items():
-        (op,) = resolve_overloads(name)
-        (out_op,) = resolve_overloads(out_name)
-        derived: list[Callable[..., Any]] = []
-
-        @ks.kernel(name)
-        def kernel(self, *args, _op=op, _out_op=out_op, _out=out_name, _derived=derived,
-                   **kwargs):
-            fn = outs[_out]
-            if _plain_update(self, args, kwargs) and self.dtype in declared[_out]:
-                fn(self, *args, **kwargs, out=self)
-                return self
-            for v in (self, *args, *kwargs.values()):  # the derived kernel's dtype check
-                if isinstance(v, torch.Tensor) and v.dtype not in declared[_out]:
-                    raise Decline(f"{_op} does not handle {v.dtype}")
-            if not _derived:
-                _derived.append(derive.inplace_kernel(torchport.current_backend(), _op,
-                                                      _out_op, fn))
-            return _derived[0](self, *args, **kwargs)
-
 
 def register(ks: KernelSet, k: Context) -> None:
     """Declare the elementwise kernels on ``ks``."""
     runtime, L, dtypes = k.runtime, k.launcher, k.dtypes
     floats, promote, isfloat = k.floats, k.promote, k.isfloat
-    outs: dict[str, Callable[..., Any]] = {}  # the out= kernels of _INPLACE's overloads
-    declared: dict[str, Sequence[torch.dtype]] = {}
-    _declare_updates(ks, outs, declared)
-
-    def keep(name: str, kernel_dtypes: Sequence[torch.dtype]) -> Callable[..., Any]:
-        """Record an out= kernel an in-place update calls (:func:`_declare_updates`)."""
-        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-            if name in _INPLACE.values():
-                outs[name], declared[name] = fn, frozenset(kernel_dtypes)
-            return fn
-        return deco
 
     # ---- binary ----
     def binary(name: str, expr: Callable[[torch.dtype], str],
                kind: PROMOTE = PROMOTE.DEFAULT) -> None:
-        @keep(name, dtypes)
         @ks.out_kernel(name, dtypes=dtypes)
         def kernel(self, other, *, out, alpha=1):
             ct = promote(kind, self, other)
@@ -112,7 +40,6 @@ def register(ks: KernelSet, k: Context) -> None:
         binary(f"{op}.Tensor_out", lambda ct, s=sym: f"a0 {s} a1", PROMOTE.ALWAYS_BOOL)
         binary(f"{op}.Scalar_out", lambda ct, s=sym: f"a0 {s} a1", PROMOTE.ALWAYS_BOOL)
 
-    @keep("div.out", dtypes)
     @ks.out_kernel("div.out", dtypes=dtypes)
     def div_out(self, other, *, out):
         ct = promote(PROMOTE.INT_TO_FLOAT, self, other)
@@ -135,14 +62,12 @@ def register(ks: KernelSet, k: Context) -> None:
         return L.elementwise(grad_input, [grad_output, output], "a0 * (1 - a1 * a1)", ct)
 
     # ---- ternary (the optimizers' foreach ops decompose into these) ----
-    @keep("addcmul.out", dtypes)
     @ks.out_kernel("addcmul.out", dtypes=dtypes)
     def addcmul(self, tensor1, tensor2, *, value=1, out):
         ct = promote(PROMOTE.DEFAULT, self, tensor1, tensor2)
         return L.elementwise(out, [self, tensor1, tensor2], "a0 + s0 * a1 * a2", ct,
                              [(ct, value)])
 
-    @keep("addcdiv.out", floats)
     @ks.out_kernel("addcdiv.out", dtypes=floats)
     def addcdiv(self, tensor1, tensor2, *, value=1, out):
         ct = promote(PROMOTE.DEFAULT, self, tensor1, tensor2)
@@ -151,7 +76,6 @@ def register(ks: KernelSet, k: Context) -> None:
 
     lerp = "fabs(a2) < 0.5f ? a0 + a2 * (a1 - a0) : a1 - (a1 - a0) * (1 - a2)"
 
-    @keep("lerp.Scalar_out", floats)
     @ks.out_kernel("lerp.Scalar_out", dtypes=floats)
     def lerp_scalar(self, end, weight, *, out):
         ct = promote(PROMOTE.DEFAULT, self, end)
