@@ -289,6 +289,17 @@ def python_function(name: str, argtypes: list[Any], restype: Any) -> Any:
     return fn
 
 
+def counters(name: str, n: int) -> tuple[int, ...]:
+    """The ``n`` counts the library's function ``name`` writes (``void name(int64_t*)``);
+    zeros where the library or the function is missing."""
+    cpp = loaded()
+    if cpp is None or not hasattr(cpp, name):
+        return (0,) * n
+    out = (ctypes.c_int64 * n)()
+    getattr(cpp, name)(out)
+    return tuple(out)
+
+
 @functools.cache
 def _growable() -> Any:
     return python_function("torchport_growable_host_storage",

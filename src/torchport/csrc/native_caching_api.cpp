@@ -260,22 +260,10 @@ extern "C" int torchport_caching_record_use(int device, uint64_t ptr, int stream
 #include <torch/csrc/autograd/python_variable.h>
 
 namespace {
-bool read_ints(PyObject* seq, std::vector<int64_t>& out) {
-  PyObject* fast = PySequence_Fast(seq, "expected a sequence of ints");
-  if (!fast) return false;
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  out.resize(static_cast<size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    out[static_cast<size_t>(i)] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
-  }
-  Py_DECREF(fast);
-  return !PyErr_Occurred();
-}
-
 // A tensor layout from Python (a torch.dtype, sizes, strides); false with a Python error.
 bool read_layout(PyObject* dtype, PyObject* size, PyObject* stride, c10::ScalarType& scalar,
                  std::vector<int64_t>& sizes, std::vector<int64_t>& strides) {
-  if (!read_ints(size, sizes) || !read_ints(stride, strides)) return false;
+  if (!torchport::read_ints(size, sizes) || !torchport::read_ints(stride, strides)) return false;
   if (!THPDtype_Check(dtype)) {
     PyErr_SetString(PyExc_TypeError, "expected a torch.dtype");
     return false;

@@ -108,6 +108,8 @@ void python_kernel_call(PyObject* fn, PyObject* prefix, const c10::OperatorHandl
 // native_hostops.cpp: an argument as a Python kernel receives it (a new reference; null with
 // a Python error). Takes no GIL: the caller holds it.
 PyObject* python_argument(const c10::Argument& arg, const c10::IValue& v);
+// native_queued_ops.cpp: the ints of a Python sequence; false with a Python error.
+bool read_ints(PyObject* seq, std::vector<int64_t>& out);
 // native_factories.cpp: the dtypes of `list` (a Python list of torch.dtype) set in `out`;
 // false with a Python TypeError for anything else.
 bool read_dtype_set(PyObject* list, std::bitset<256>& out);

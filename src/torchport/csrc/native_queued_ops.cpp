@@ -241,10 +241,6 @@ void QueuedTeaching::keep(QueuedCalls& calls, std::string key) {
   calls.by_layout[std::move(key)] = std::move(taught);
 }
 
-}  // namespace torchport
-
-namespace {
-
 bool read_ints(PyObject* seq, std::vector<int64_t>& out) {
   PyObject* fast = PySequence_Fast(seq, "expected a sequence of ints");
   if (!fast) return false;
@@ -261,7 +257,7 @@ bool read_ints(PyObject* seq, std::vector<int64_t>& out) {
   return true;
 }
 
-}  // namespace
+}  // namespace torchport
 
 extern "C" {
 // Queue host-op calls from C++ on the default streams' queues `queues` (a list of queue
@@ -343,8 +339,8 @@ int torchport_queued_teach(const char* name, const char* overload, PyObject* out
         torchport::QueuedSpec s;
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OOOK", &sizes, &strides,
                               &dtype, &nbytes) ||
-            !THPDtype_Check(dtype) || !read_ints(sizes, s.sizes) ||
-            !read_ints(strides, s.strides)) {
+            !THPDtype_Check(dtype) || !torchport::read_ints(sizes, s.sizes) ||
+            !torchport::read_ints(strides, s.strides)) {
           Py_DECREF(fast);
           if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "expected a torch.dtype");
           return -1;

@@ -116,22 +116,6 @@ done:
   return result;
 }
 
-bool read_ints(PyObject* seq, std::vector<int64_t>& out) {
-  PyObject* fast = PySequence_Fast(seq, "expected a sequence of ints");
-  if (!fast) return false;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  out.resize(static_cast<size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
-    if (out[i] == -1 && PyErr_Occurred()) {
-      Py_DECREF(fast);
-      return false;
-    }
-  }
-  Py_DECREF(fast);
-  return true;
-}
-
 // The planner's list of (sizes, strides, dtype) as specs; false with a Python error.
 bool read_specs(PyObject* list, std::vector<Spec>& specs) {
   PyObject* fast = PySequence_Fast(list, "expected a list of output specs");
@@ -141,7 +125,7 @@ bool read_specs(PyObject* list, std::vector<Spec>& specs) {
     PyObject *sizes, *strides, *dtype;
     Spec s;
     ok = PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OOO", &sizes, &strides, &dtype) &&
-         read_ints(sizes, s.sizes) && read_ints(strides, s.strides);
+         torchport::read_ints(sizes, s.sizes) && torchport::read_ints(strides, s.strides);
     if (ok && !THPDtype_Check(dtype)) {
       PyErr_SetString(PyExc_TypeError, "expected a torch.dtype");
       ok = false;

@@ -267,12 +267,7 @@ def _result_function(backend: DeviceBackend) -> Callable[[torch.Tensor, int], to
 def counts() -> tuple[int, int, int]:
     """(calls served in C++, calls handed to the Python kernels, new results copied or
     converted after the CPU kernel made them in host memory) in this process."""
-    cpp = native.loaded()
-    if cpp is None or not hasattr(cpp, "torchport_native_hostops_counts"):
-        return (0, 0, 0)
-    out = (ctypes.c_int64 * 3)()
-    cpp.torchport_native_hostops_counts(out)
-    return (out[0], out[1], out[2])
+    return native.counters("torchport_native_hostops_counts", 3)  # type: ignore[return-value]
 
 
 def install(backend: DeviceBackend) -> None:

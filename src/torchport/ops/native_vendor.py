@@ -101,9 +101,4 @@ def python_only() -> Iterator[None]:
 def counts() -> tuple[int, int, int]:
     """(calls served from C++, calls handed to Python, calls the vendor's kernel declined
     in C++) in this process."""
-    cpp = native.loaded()
-    if cpp is None or not hasattr(cpp, "torchport_vendor_kernels_counts"):
-        return (0, 0, 0)
-    out = (ctypes.c_int64 * 3)()
-    cpp.torchport_vendor_kernels_counts(out)
-    return (out[0], out[1], out[2])
+    return native.counters("torchport_vendor_kernels_counts", 3)  # type: ignore[return-value]
