@@ -157,6 +157,22 @@ def test_a_cnn_forward_and_backward_match_compiled_cpu() -> None:
         torch.testing.assert_close(d.cpu(), c)
 
 
+def test_inductor_sizes_a_strided_reduction_from_the_device_properties() -> None:
+    # A vendor's own code generator takes inductor's GPU reduction heuristics, which size
+    # a split from the properties torch.<device> reports; the defaults a runtime leaves
+    # unset are the ones inductor assumes for a device that reports nothing.
+    from torch._inductor.choices import InductorChoices
+
+    props = torch.sim.get_device_properties(0)
+    assert (props.warp_size, props.max_threads_per_block,
+            props.max_threads_per_multi_processor) == (32, 1024, 2048)
+    for numel, outputs in ((33, 17), (64, 8), (300, 40), (4096, 3)):
+        for inner in (True, False):
+            split = InductorChoices.reduction_split_factor(
+                torch.device("sim", 0), numel, outputs, inner_reduction=inner)
+            assert split >= 1, (numel, outputs, inner, split)
+
+
 def test_a_graph_on_the_second_device_stays_there() -> None:
     a = torch.randn(64, 64, device="sim:1")
     f = torch.compile(lambda t: (t.relu() @ t).softmax(-1) + 1)

@@ -306,6 +306,27 @@ def test_the_sim_keeps_the_host_codegen() -> None:
 
 
 @pytest.mark.opencl_full
+def test_strided_reductions_of_every_length_compile_as_on_the_cpu(ocl):  # noqa: F811
+    # Inductor sizes a strided reduction's split from the device's properties (compute
+    # units, threads per unit, warp size); they are the OpenCL device's own, and with any of
+    # them no reduction fails to lower.
+    ocl.run("""
+    import torch.nn.functional as F
+    props = torch.ocl.get_device_properties(0)
+    d = cl.get_platforms()[0].get_devices()[0]
+    assert props.max_threads_per_block == d.max_work_group_size, props.max_threads_per_block
+    assert props.multi_processor_count == d.max_compute_units
+    for shape in ((33, 17), (64, 8), (100, 5), (300, 40), (4096, 3)):
+        x = torch.randn(*shape)
+        out, ref = compiled(lambda v: (v.sum(0), v.amax(0), v.var(0)), x)
+        for o, r in zip(out, ref):
+            close(o, r, rtol=1e-5)
+    x = torch.randn(33, 17)
+    out, ref = compiled(lambda v: F.layer_norm(v.t().contiguous(), (33,)), x)
+    close(out, ref, rtol=1e-5)
+    """)
+
+
 def test_dynamic_shapes_and_the_second_device(ocl, ocl2):  # noqa: F811
     ocl.run("""
     torch._dynamo.reset()

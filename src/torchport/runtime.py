@@ -76,9 +76,14 @@ class DeviceProperties:
     # for CUDA reads them (inductor's cache key reads gcnArchName on a build without CUDA).
     is_integrated: int = 0
     is_multi_gpu_board: int = 0
-    max_threads_per_multi_processor: int = 1
-    max_threads_per_block: int = 1
-    warp_size: int = 1
+    # A runtime that does not set the thread model gets what inductor assumes for a device
+    # that reports none (torch/_inductor/runtime/hints.py, choices.py): its GPU reduction
+    # heuristics, which a vendor's own code generator takes, size a split from these and
+    # divide by zero unless multi_processor_count * max_threads_per_multi_processor is at
+    # least 8 warps.
+    max_threads_per_multi_processor: int = 2048
+    max_threads_per_block: int = 1024
+    warp_size: int = 32
     uuid: str = ""
     L2_cache_size: int = 0  # noqa: N815  (CUDA's name)
     clock_rate: int = 0

@@ -150,8 +150,19 @@ class OpenCLRuntime(Runtime):
 
     def get_device_properties(self, index: int) -> DeviceProperties:
         d = self.devices[index]
+        # CUDA's thread model in OpenCL's terms: a compute unit holds at least one work-group
+        # of max_work_group_size work-items; a warp is the vendor's (NVIDIA's warp, AMD's
+        # wavefront) or else the float lanes the device prefers (a CPU driver's SIMD width)
         return DeviceProperties(name=d.name.strip(), total_memory=d.global_mem_size,
                                 multi_processor_count=d.max_compute_units,
+                                max_threads_per_block=d.max_work_group_size,
+                                max_threads_per_multi_processor=d.max_work_group_size,
+                                warp_size=_warp_size(d),
+                                is_integrated=int(bool(d.host_unified_memory)),
+                                L2_cache_size=d.global_mem_cache_size,
+                                clock_rate=d.max_clock_frequency * 1000,  # kHz, as CUDA's
+                                shared_memory_per_block=d.local_mem_size,
+                                shared_memory_per_multiprocessor=d.local_mem_size,
                                 extra={"platform": d.platform.name, "opencl": d.version})
 
     # ---- memory ----
@@ -384,3 +395,14 @@ def _has(device: cl.Device, extension: str) -> bool:
 def _host(address: int, nbytes: int) -> np.ndarray:
     """Host memory at ``address`` as the numpy buffer pyopencl copies to or from."""
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+
+
+def _warp_size(device: Any) -> int:
+    """The device's lock-step width: an NVIDIA warp or an AMD wavefront where the driver
+    reports one, else its preferred float vector width (at least 1)."""
+    for name in ("warp_size_nv", "wavefront_width_amd"):
+        try:
+            return max(1, int(getattr(device, name)))
+        except (cl.Error, AttributeError):
+            continue
+    return max(1, int(device.preferred_vector_width_float))
