@@ -54,6 +54,13 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
     c = torch.empty(8, 8, device=device)
     host = torch.randn(8, 8)
     s = a.sum()
+
+    def autocast_linear_softmax() -> object:
+        """Two autocast policies in one region: the linear cast to bfloat16 (its weight's
+        cast cached), the softmax computed in float32."""
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return torch.nn.functional.linear(a, w).softmax(1)
+
     return {
         "add": lambda: a + b,
         "mul": lambda: a * b,
@@ -75,6 +82,7 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
         "full": lambda: torch.full((8, 8), 2.0, device=device),
         "arange": lambda: torch.arange(64, device=device),
         "resize_ (grow)": lambda: torch.empty(0, device=device).resize_(64),
+        "autocast linear+softmax": autocast_linear_softmax,
     }
 
 

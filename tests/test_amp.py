@@ -12,6 +12,7 @@ from torch import nn
 
 import torchport.device.amp as tamp
 import torchport.sim  # noqa: F401
+from torchport.core import native
 from torchport.device.amp import policy
 
 LOW, FP32, WIDEST = "low", "fp32", "widest"
@@ -85,12 +86,21 @@ def _cases() -> dict[str, tuple[str, Callable[[str], torch.Tensor]]]:
 
 
 CASES = _cases()
+#: the promote cases whose first input is float32
+FLOAT32_FIRST = frozenset({"addcmul", "cross"})
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_autocast_output_dtype_matches_cuda_policy(name: str, dtype: torch.dtype) -> None:
     kind, fn = CASES[name]
+    if kind == WIDEST and dtype == torch.bfloat16 and name not in FLOAT32_FIRST:
+        # CUDA's promote type (at::autocast::prioritize) takes the inputs in order: a
+        # float16 input under bfloat16 autocast raises unless a float32 one came first
+        with torch.autocast(device_type="sim", dtype=dtype), \
+                pytest.raises(RuntimeError, match="Unexpected floating ScalarType"):
+            fn("sim")
+        return
     with torch.autocast(device_type="sim", dtype=dtype):
         out = fn("sim")
     expected = {LOW: dtype, FP32: torch.float32, WIDEST: torch.float32}.get(kind)
@@ -155,6 +165,31 @@ def test_autocast_backward_and_grad_dtypes() -> None:
     assert w.grad.dtype == torch.float32
     ref = 2 * x.cpu().t() @ (x.cpu() @ w.detach().cpu())
     torch.testing.assert_close(w.grad.cpu(), ref, rtol=5e-2, atol=5e-2)
+
+
+def _weight_casts(device: str, cache_enabled: bool) -> tuple[bool, bool]:
+    """(the two products of one autocast region read one cast of the weight, the next
+    region casts it again)."""
+    w = torch.randn(4, 4, device=device, requires_grad=True)
+    x = torch.randn(3, 4, device=device)
+
+    def cast_of_weight(y: torch.Tensor) -> object:
+        return y.grad_fn.next_functions[1][0]
+
+    with torch.autocast(device, dtype=torch.bfloat16, cache_enabled=cache_enabled):
+        a, b = x @ w, x @ w
+    with torch.autocast(device, dtype=torch.bfloat16, cache_enabled=cache_enabled):
+        c = x @ w
+    return cast_of_weight(a) is cast_of_weight(b), cast_of_weight(c) is cast_of_weight(a)
+
+
+def test_casts_of_a_weight_are_cached_within_an_autocast_region_as_on_the_cpu() -> None:
+    if native.load() is None:
+        pytest.skip("the Python autocast policy does not cache casts (docs/limitations.md)")
+    for cache_enabled in (True, False):
+        expected = _weight_casts("cpu", cache_enabled)
+        assert expected == (cache_enabled, False)
+        assert _weight_casts("sim", cache_enabled) == expected, cache_enabled
 
 
 def test_autocast_disabled_and_nested() -> None:

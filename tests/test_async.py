@@ -415,8 +415,9 @@ def test_cpp_queues_the_calls_the_python_kernels_taught_it():
 @needs_cpp
 def test_a_failure_of_a_call_queued_from_cpp_is_reported_at_the_next_sync():
     """The second call of a layout is queued from C++: its CPU kernel fails on the worker,
-    the failure (with the op's name) is raised by the next synchronising call, the
-    device stays usable, and the next failure is reported in its turn."""
+    the failure (with the op's name and the kernel's exception, as the Python worker
+    reports it) is raised by the next synchronising call, the device stays usable, and the
+    next failure is reported in its turn."""
     out = run("""
         from torchport.ops import native_hostops as nh
         x = torch.randn(5, device="sim")
@@ -431,6 +432,8 @@ def test_a_failure_of_a_call_queued_from_cpp_is_reported_at_the_next_sync():
                 torch.sim.synchronize()
             except RuntimeError as e:
                 assert "index_select" in str(e) and "out of range" in str(e), str(e)
+                assert "IndexError: index out of range" in str(e), str(e)
+                assert isinstance(e.__cause__, IndexError), repr(e.__cause__)
             else:
                 raise AssertionError("no error reported")
             assert torch.equal((x * 2).cpu(), x.cpu() * 2)   # the device still works

@@ -18,6 +18,7 @@
 #include <ATen/core/stack.h>
 #include <Python.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/util/Exception.h>
 
 #include <atomic>
 #include <chrono>
@@ -124,8 +125,9 @@ class Queue {
     PyObject* exc = error_;
     error_ = nullptr;
     std::string name = std::move(error_name_), message = std::move(error_message_);
+    PyObject* type = error_type_;
     l.unlock();
-    if (exc == nullptr) exc = PyObject_CallFunction(PyExc_RuntimeError, "s", message.c_str());
+    if (exc == nullptr) exc = PyObject_CallFunction(type, "s", message.c_str());
     if (exc == nullptr) return nullptr;
     PyObject* out = Py_BuildValue("(sN)", name.c_str(), exc);
     return out;
@@ -177,7 +179,7 @@ class Queue {
             c10::InferenceMode inference(true);  // device work knows no autograd
             job.op->redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &job.stack);
           } catch (const c10::Error& e) {
-            fail(job.name, nullptr, e.what_without_backtrace());
+            fail(job.name, nullptr, e.what_without_backtrace(), python_class(e));
           } catch (const std::exception& e) {
             fail(job.name, nullptr, e.what());
           }
@@ -221,7 +223,19 @@ class Queue {
   }
 
   // Keeps the first failure; `exc` (a new reference, or null) is taken.
-  void fail(const std::string& name, PyObject* exc, const char* message) {
+  // The Python class PyTorch raises a C++ error of the CPU kernel as (its
+  // torch/csrc/Exceptions.h mapping), so that the report names the kernel's exception as
+  // the Python worker's does; a pointer to a static type object, read without the GIL.
+  static PyObject* python_class(const c10::Error& e) {
+    if (dynamic_cast<const c10::IndexError*>(&e)) return PyExc_IndexError;
+    if (dynamic_cast<const c10::ValueError*>(&e)) return PyExc_ValueError;
+    if (dynamic_cast<const c10::TypeError*>(&e)) return PyExc_TypeError;
+    if (dynamic_cast<const c10::NotImplementedError*>(&e)) return PyExc_NotImplementedError;
+    return PyExc_RuntimeError;
+  }
+
+  void fail(const std::string& name, PyObject* exc, const char* message,
+            PyObject* type = PyExc_RuntimeError) {
     std::unique_lock<std::mutex> l(m_);
     if (failed_) {
       l.unlock();
@@ -231,6 +245,7 @@ class Queue {
     failed_ = true;
     error_name_ = name;
     error_message_ = message;
+    error_type_ = type;
     error_ = exc;
   }
 
@@ -245,6 +260,7 @@ class Queue {
   bool failed_ = false;
   std::string error_name_, error_message_;
   PyObject* error_ = nullptr;
+  PyObject* error_type_ = PyExc_RuntimeError;
   bool started_ = false;
   std::thread::id worker_;
 

@@ -158,7 +158,7 @@ class OpenCLRuntime(Runtime):
                                 max_threads_per_block=d.max_work_group_size,
                                 max_threads_per_multi_processor=d.max_work_group_size,
                                 warp_size=_warp_size(d),
-                                is_integrated=int(bool(d.host_unified_memory)),
+                                is_integrated=int(bool(_query(d, "host_unified_memory", 0))),
                                 L2_cache_size=d.global_mem_cache_size,
                                 clock_rate=d.max_clock_frequency * 1000,  # kHz, as CUDA's
                                 shared_memory_per_block=d.local_mem_size,
@@ -397,12 +397,18 @@ def _host(address: int, nbytes: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
 
 
+def _query(device: Any, name: str, default: Any) -> Any:
+    """A device query a driver may not answer (a vendor extension's, or one OpenCL 3.0 made
+    optional), or ``default``."""
+    try:
+        return getattr(device, name)
+    except (cl.Error, AttributeError):
+        return default
+
+
 def _warp_size(device: Any) -> int:
     """The device's lock-step width: an NVIDIA warp or an AMD wavefront where the driver
     reports one, else its preferred float vector width (at least 1)."""
-    for name in ("warp_size_nv", "wavefront_width_amd"):
-        try:
-            return max(1, int(getattr(device, name)))
-        except (cl.Error, AttributeError):
-            continue
-    return max(1, int(device.preferred_vector_width_float))
+    width = (_query(device, "warp_size_nv", 0) or _query(device, "wavefront_width_amd", 0)
+             or device.preferred_vector_width_float)
+    return max(1, int(width))

@@ -13,17 +13,21 @@ the same categories CUDA uses (``aten/src/ATen/autocast_mode.cpp``):
 * banned: ``binary_cross_entropy`` raises, as on CUDA.
 
 Only device tensors of a floating type other than float64 are cast (CUDA's
-``is_eligible``). Unlike CUDA, casts of weights are not cached between ops.
+``is_eligible``). Where torchport's C++ library serves, ``native_autocast.cpp`` registers
+the same policy with PyTorch's own lists and wrappers instead, which also cache the casts of
+weights within an autocast region, as on CUDA; these Python kernels do not.
 """
 
 from __future__ import annotations
 
+import ctypes
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport.core import compat
+from torchport.core import compat, native
 
 if TYPE_CHECKING:
     from torchport.core.contracts import DeviceBackend
@@ -106,11 +110,19 @@ class _Caster:
                 {k: self.cast(v, dtype) for k, v in kwargs.items()})
 
     def widest(self, args: tuple, kwargs: dict, start: torch.dtype) -> torch.dtype:
+        """CUDA's promote type (``at::autocast::prioritize``), the inputs taken in order:
+        float32 wins, float64 is ignored, and a lower-precision type other than the
+        autocast one (float16 under bfloat16) raises unless a float32 came first."""
         out = start
         for v in (*args, *kwargs.values()):
             for t in (v if isinstance(v, (list, tuple)) else (v,)):
-                if self.eligible(t):
-                    out = torch.promote_types(out, t.dtype)
+                if not self.eligible(t):
+                    continue
+                if out == torch.float32 or t.dtype == torch.float32:
+                    out = torch.float32
+                elif not (out == start and t.dtype == start):
+                    raise RuntimeError("Unexpected floating ScalarType in "
+                                       "at::autocast::prioritize")
         return out
 
     def first_eligible(self, args: tuple, kwargs: dict) -> bool:
@@ -174,11 +186,41 @@ def policy_table() -> dict[str, str]:
     return table
 
 
+def _registered() -> list[str]:
+    """The ``aten`` overloads with a kernel for the autocast key, as the policy table
+    names them."""
+    return sorted(n.removeprefix("aten::") for n in
+                  torch._C._dispatch_get_registrations_for_dispatch_key(KEY)
+                  if n.startswith("aten::"))
+
+
+def _install_native() -> bool:
+    """The policy from C++ (``native_autocast.cpp``: PyTorch's own lists and wrappers, with
+    CUDA's cache of weight casts), where the library is there and nothing holds the key."""
+    cpp = native.load()
+    if cpp is None or not hasattr(cpp, "torchport_autocast_enable"):
+        return False
+    if _registered():
+        return False  # another plug-in's kernels: the Python policy fills the rest
+    has_fallthrough = torch._C._dispatch_has_backend_fallback(
+        torch._C.DispatchKey.AutocastPrivateUse1)
+    error = ctypes.create_string_buffer(512)
+    if not cpp.torchport_autocast_enable(int(not has_fallthrough), error, len(error)):
+        warnings.warn(f"torchport: the C++ autocast policy failed to register "
+                      f"({error.value.decode(errors='replace')}); autocast runs in Python",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
 def install(backend: DeviceBackend) -> list[str]:
     """Register the policy for ``backend``'s autocast key; return the overloads added.
 
-    Ops PyTorch (or another plug-in) already registered for the key are left alone,
-    and the key gets a fallthrough for every other op."""
+    From C++ where the library serves (``TORCHPORT_NATIVE``); else from Python, where ops
+    PyTorch (or another plug-in) already registered for the key are left alone. Either
+    way the key gets a fallthrough for every other op."""
+    if _install_native():
+        return _registered()
     caster = _Caster(backend.name)
     lib = backend.library()
     added = []
