@@ -216,11 +216,12 @@ def _install_native() -> bool:
 def install(backend: DeviceBackend) -> list[str]:
     """Register the policy for ``backend``'s autocast key; return the overloads added.
 
-    From C++ where the library serves (``TORCHPORT_NATIVE``); else from Python, where ops
-    PyTorch (or another plug-in) already registered for the key are left alone. Either
-    way the key gets a fallthrough for every other op."""
-    if _install_native():
-        return _registered()
+    From C++ where the library serves (``TORCHPORT_NATIVE``): PyTorch's shared lists;
+    then from Python the ops the C++ lists leave out (CUDA registers some outside them:
+    ``linalg_matrix_sqrth`` in 2.14), or all of them without the library. Ops PyTorch (or
+    another plug-in) already registered for the key are left alone, and the key gets a
+    fallthrough for every other op."""
+    native_served = _install_native()
     caster = _Caster(backend.name)
     lib = backend.library()
     added = []
@@ -237,4 +238,4 @@ def install(backend: DeviceBackend) -> list[str]:
         added.append(name)
     if not torch._C._dispatch_has_backend_fallback(torch._C.DispatchKey.AutocastPrivateUse1):
         backend.library("_").fallback(torch.library.fallthrough_kernel, KEY)
-    return added
+    return _registered() if native_served else added
