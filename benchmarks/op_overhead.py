@@ -69,6 +69,7 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
         "linear": lambda: torch.nn.functional.linear(a, w),
         "index_select": lambda: a.index_select(0, idx),
         "getitem[idx]": lambda: a[idx],
+        "cat": lambda: torch.cat([a, b]),
         "empty": lambda: torch.empty(8, 8, device=device),
         "copy_": lambda: c.copy_(a),
         "copy_ from cpu": lambda: c.copy_(host),

@@ -453,7 +453,7 @@ def test_unary_foreach_ops_on_large_tensors_compute_tensor_by_tensor() -> None:
             dev = [x.to("sim") for x in xs]
             with torchport.ops.record() as rec:
                 want, got = op(xs), op(dev)
-            sub = "general" if active_backend().runtime.asynchronous else "foreach-per-tensor"
+            sub = "launch" if active_backend().runtime.asynchronous else "foreach-per-tensor"
             assert rec.subpaths_of(name) == {f"native:{sub}": 1}, name
             for g, w in zip(got, want, strict=True):
                 assert (g.device.type, g.dtype, g.shape, g.stride()) == \
@@ -771,8 +771,17 @@ def test_list_op_errors_are_the_cpus_and_free_the_output() -> None:
     ok, bad = torch.tensor([0, 3], device="sim"), torch.tensor([0, 9], device="sim")
     x[ok]  # the plan for this layout exists: the error comes from the out= kernel
     before = len(alloc.active)
-    with pytest.raises(IndexError, match="out of bounds"):
-        x[bad]
+    if active_backend().runtime.asynchronous:
+        # queued, as CUDA launches it: the index is checked on the stream (CUDA's
+        # device-side assert), the error raised at the next synchronising call
+        y = x[bad]
+        with pytest.raises(RuntimeError, match="out of bounds") as raised:
+            torch.sim.synchronize()
+        assert isinstance(raised.value.__cause__, IndexError)
+        del y
+    else:
+        with pytest.raises(IndexError, match="out of bounds"):
+            x[bad]
     with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
         torch.cat([x, torch.randn(4, 5, device="sim")])
     assert len(alloc.active) == before
@@ -909,7 +918,10 @@ def test_large_results_of_random_ops_are_adopted(op: str, monkeypatch: pytest.Mo
     copied = _bytes_copied_to_device(monkeypatch)
     got = run(xs)
     assert copied == []
-    assert dm.memory_stats()["segment.large_pool.current"] == segments + len(got)
+    if not (op == "native_dropout" and active_backend().runtime.asynchronous):
+        assert dm.memory_stats()["segment.large_pool.current"] == segments + len(got)
+    # (else its mask is drawn at the call and the stream computes into device tensors:
+    # no CPU result to adopt, and no copy either)
     assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
 
 

@@ -11,8 +11,9 @@
 // hold (each tensor's dtype, sizes and strides; each number but a float's value; a float
 // list's length), so one of ours stands for one of theirs.
 //
-// Served: calls whose tensors are plain strided tensors of one device (and the dispatcher's
-// wrapped numbers, which the CPU kernel is given as they are), while its default
+// Served: calls whose tensors are plain strided tensors of one device (in tensor lists and
+// index's `Tensor?[]` too; and the dispatcher's wrapped numbers, which the CPU kernel is
+// given as they are), while its default
 // stream is current (a side stream takes the Python kernel). An in-place call two of whose
 // tensors share memory as different views is the Python kernel's (it checks overlaps).
 // Switched by torchport/ops/native_hostops.py.
@@ -31,6 +32,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -68,6 +70,14 @@ bool takes(const at::Tensor& t, int& index) {
   if (index >= 0 && d != index) return false;
   index = d;
   return true;
+}
+
+// Is `argument` a `Tensor?[]` (index's indices)?
+bool is_optional_tensor_list(const c10::Argument& argument) {
+  const auto list = argument.type()->cast<c10::ListType>();
+  if (!list) return false;
+  const auto element = list->getElementType()->cast<c10::OptionalType>();
+  return element && element->getElementType()->kind() == c10::TypeKind::TensorType;
 }
 
 // The queue C++ queues device `index`'s calls on: its default stream's, while that stream is
@@ -119,6 +129,20 @@ bool layout_key(const c10::FunctionSchema& schema, const torch::jit::Stack& stac
         if (!t.defined() || !takes(t, index)) return false;
         put_tensor(key, t);
         tensors.emplace_back(t.storage().data(), t.unsafeGetTensorImpl());
+      }
+    } else if (v.isList() && is_optional_tensor_list(arguments[i])) {
+      // index's indices (x[:, i] is [None, i]): the same as a tensor list's, None kept
+      const c10::List<c10::IValue> l = v.toList();
+      put(key, 'O');
+      put(key, static_cast<int64_t>(l.size()));
+      for (const c10::IValue& e : l) {
+        if (e.isNone() || (e.isTensor() && !e.toTensor().defined())) {
+          put(key, 'n');
+          continue;
+        }
+        if (!e.isTensor() || !takes(e.toTensor(), index)) return false;
+        put_tensor(key, e.toTensor());
+        tensors.emplace_back(e.toTensor().storage().data(), e.toTensor().unsafeGetTensorImpl());
       }
     } else if (v.isNone()) {
       put(key, 'n');
@@ -209,6 +233,15 @@ bool queued_serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, Queue
       c10::List<at::Tensor> mapped;
       mapped.reserve(v.toTensorList().size());
       for (const at::Tensor& t : v.toTensorList()) mapped.push_back(cpu_alias(t, aliases, storages));
+      job.emplace_back(std::move(mapped));
+    } else if (v.isList() && is_optional_tensor_list(schema.arguments()[i])) {
+      c10::List<std::optional<at::Tensor>> mapped;
+      for (const c10::IValue& e : v.toList()) {
+        if (e.isTensor() && e.toTensor().defined())
+          mapped.push_back(cpu_alias(e.toTensor(), aliases, storages));
+        else
+          mapped.push_back(std::nullopt);
+      }
       job.emplace_back(std::move(mapped));
     } else {
       job.push_back(v);

@@ -103,6 +103,17 @@ def _meta_result(op: OpOverload, args: tuple, kwargs: dict) -> list[Tensor]:
     return [r] if isinstance(r, Tensor) else list(r)
 
 
+def meta_accepts(op: OpOverload, args: tuple, kwargs: dict) -> bool:
+    """Does ``op``'s meta kernel accept arguments laid out as these (no data-dependent
+    result shape, no bad input)? A result it leaves undefined (a backward's gradient not
+    asked for) is fine. Not cached: its callers cache their answer."""
+    try:
+        silently(lambda: _meta_result(op, args, kwargs))
+    except Exception:
+        return False
+    return True
+
+
 Spec = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]  # shape, strides, dtype
 _SPECS: dict[tuple, list[Spec]] = {}
 _WARNS: dict[tuple, list[tuple[type[Warning], str]]] = {}  # what a cached meta call warned

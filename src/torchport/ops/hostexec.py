@@ -92,6 +92,21 @@ def generator_error(expected: str, found: str, plan: OpPlan,
                                 f"'{found}' (in {plan.overload_name}; {fix})")
 
 
+def cpu_generator_of(backend: DeviceBackend, given: torch.Generator,
+                     plan: OpPlan) -> torch.Generator:
+    """The CPU generator a CPU kernel draws from for a generator of ``backend``'s device
+    type (of any index, as CUDA takes one); another type raises as CUDA's kernels do."""
+    name = backend.name
+    found = given.device.type
+    if found != name:
+        # torch.<device>.default_generators without the C++ library (the dispatcher
+        # hands a kernel a new Python object: compare the generators themselves)
+        if any(given._cdata == g._cdata for g in backend.generators):
+            return given
+        raise generator_error(name, found, plan, backend)
+    return native.generator_state(given)
+
+
 def _mismatch(a: torch.device, b: torch.device, plan: OpPlan, name: str = "",
               args: tuple = (), kwargs: dict | None = None) -> None:
     if plan.has_generator_arg and kwargs is not None:
@@ -327,13 +342,7 @@ class HostCall:
             named = named_device(self.plan, args, kwargs)
             if named is None or named.type != name:  # a CPU op reached us by the generator
                 raise generator_error("cpu" if named is None else named.type, found, self.plan)
-        if found != name:
-            # torch.<device>.default_generators without the C++ library (the dispatcher
-            # hands a kernel a new Python object: compare the generators themselves)
-            if any(given._cdata == g._cdata for g in self.backend.generators):
-                return given
-            raise generator_error(name, found, self.plan, self.backend)
-        return native.generator_state(given)
+        return cpu_generator_of(self.backend, given, self.plan)
 
     def _write_back(self, args: tuple, kwargs: dict, cargs: list, ckw: dict) -> None:
         plan = self.plan

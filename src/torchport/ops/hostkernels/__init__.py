@@ -28,11 +28,15 @@ random          ``native_dropout``...            the CPU kernel on the views dra
 lists           ``cat``, ``index``, foreach      ``out=`` into new device tensors      general
                 (synchronous runtime)            (out, trial), foreach twins, or CPU
                                                  results moved (cpu-result)
-launch          functional ops                   the ``out=`` call queued on the       general: the host computes
-                (asynchronous runtime)           current stream (launch)               after the stream
+launch          functional ops, ``cat``,         the ``out=`` call queued on the       general: the host computes
+                ``index``, ``native_dropout``    current stream (launch); else the     after the stream
+                (asynchronous runtime)           functional kernel, results copied;
+                                                 dropout's mask drawn at the call
 functional      functional ops                   ``out=`` into new device tensors      general
                 (synchronous runtime)            (out; trial on a new layout) or a CPU
                                                  result moved (cpu-result)
+drawn           ``uniform_``, ``normal_``...     the host draws the numbers now into   general: values the draws
+                (asynchronous runtime)           a temporary; their copy is queued     depend on, not dense
 general         everything else                  the whole schema, on host views or    (the CPU's errors)
                                                  copies (general)
 =============== ================================ ===================================== ==========================
@@ -48,6 +52,7 @@ import torch
 
 from torchport.ops import fallback, hostexec, hostviews, stats
 from torchport.ops.hostkernels import schema
+from torchport.ops.hostkernels.drawing import fill_kernel
 from torchport.ops.hostkernels.factories import factory_kernel
 from torchport.ops.hostkernels.functional import functional_kernel, random_kernel
 from torchport.ops.hostkernels.inplace import inplace_kernel, lists_inplace_kernel
@@ -130,12 +135,16 @@ KINDS: tuple[Kind, ...] = (
     Kind("lists", _lists,
          lambda s, g, slow, t: list_kernel(s.backend, s.op, s.views, _list_into(s), g, slow, t),
          "out= into new device tensors, foreach twins, or CPU results moved"),
-    Kind("launch", lambda op, a: a and schema.qualifies(op),
+    Kind("launch", lambda op, a: a and (schema.qualifies(op, lists=True)
+                                        or schema.random_functional(op)),
          lambda s, g, slow, t: launching_kernel(s.backend, s.into, g, slow, t),
          "the out= call queued on the current stream"),
     Kind("functional", lambda op, a: not a and schema.qualifies(op),
          lambda s, g, slow, t: functional_kernel(s.backend, s.into, g, slow, t),
          "out= into new device tensors, or a CPU result moved"),
+    Kind("drawn", lambda op, a: a and schema.random_fill(op),
+         lambda s, g, slow, t: fill_kernel(s.backend, s.op, s.views, s.layouts, g, slow, t),
+         "the host draws the numbers now; their copy is queued"),
     Kind("general", lambda op, a: True,
          lambda s, g, slow, t: stats.traced(lambda *args, **kw: g(args, kw), "general", t),
          "the whole schema on host views or copies (hostexec.run_on_host)"),

@@ -77,7 +77,8 @@ class IntoDevice:
         returns = op._schema.returns
         plain = all(isinstance(r.type, torch.TensorType) for r in returns)
         self.out = schema.out_overload(op) if plain else None  # Tensor[] results: CPU, then copy
-        self.single = len(returns) == 1
+        self.single = len(returns) == 1 and isinstance(returns[0].type, torch.TensorType)
+        self.list_result = len(returns) == 1 and isinstance(returns[0].type, torch.ListType)
         self.out_names: list[str] = []
         self.out_call: Callable[..., Any] | None = None
         if self.out is not None:
@@ -244,16 +245,55 @@ class IntoDevice:
         return [outputs.spec_for(self.backend, shape, stride, dtype)
                 for shape, stride, dtype in specs]
 
+    def _host_args(self, args: tuple, kwargs: dict) -> tuple[list, dict]:
+        """The chip's views of a call's tensors, those in tensor lists too (``None`` stays,
+        as in ``x[:, i]``'s indices)."""
+        entry = self.views.entry
+
+        def host(a: Any) -> Any:
+            if isinstance(a, Tensor):
+                return entry(a, False)[0]
+            if type(a) is list or type(a) is tuple:
+                return type(a)(entry(x, False)[0] if isinstance(x, Tensor) else x for x in a)
+            return a
+        return [host(a) for a in args], {k: host(v) for k, v in kwargs.items()}
+
     def launch(self, index: int, specs: list, args: tuple, kwargs: dict, rt: Any, phys: int,
                stream: Any, label: str) -> Any:
         """New device tensors laid out as ``specs`` say (from :meth:`launch_specs`), the
         computation into them queued on ``stream``; returns them."""
         b = self.backend
         outs = [outputs.new_output(b, index, s) for s in specs]
-        to_cpu = self.to_cpu
-        cargs = [to_cpu(a) if isinstance(a, Tensor) else a for a in args]
-        ckw = {k: to_cpu(v) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
-        ckw.update({n: to_cpu(o) for n, o in zip(self.out_names, outs, strict=True)})
+        cargs, ckw = self._host_args(args, kwargs)
+        entry = self.views.entry
+        ckw.update({n: entry(o, False)[0] for n, o in zip(self.out_names, outs, strict=True)})
         out = self.out
         rt.launch(phys, stream, lambda: device_side(out, cargs, ckw), label)
+        return outs[0] if self.single else tuple(outs)
+
+    def launch_copy(self, index: int, specs: list, args: tuple, kwargs: dict, rt: Any,
+                    phys: int, stream: Any, label: str) -> Any:
+        """New device tensors laid out as ``specs`` say (from
+        :func:`.trials.copy_launch_specs`; ``None``: a result left undefined), and queued
+        on ``stream``, the functional CPU kernel with its results copied into them."""
+        b = self.backend
+        outs = [None if s is None else outputs.new_output(b, index, s) for s in specs]
+        cargs, ckw = self._host_args(args, kwargs)
+        entry = self.views.entry
+        views = [None if o is None else entry(o, False)[0] for o in outs]
+        cpu_call = self.cpu_call
+
+        def functional() -> None:
+            r = cpu_call(*cargs, **ckw)
+            for v, x in zip(views, [r] if isinstance(r, Tensor) else r, strict=True):
+                if v is None:
+                    continue
+                if x is None or x.shape != v.shape or x.dtype != v.dtype:
+                    got = "none" if x is None else f"{x.dtype} {list(x.shape)}"
+                    raise RuntimeError(f"{label}: the kernel gave a result of {got} where its "
+                                       f"launch made {v.dtype} {list(v.shape)}")
+                v.copy_(x)
+        rt.launch(phys, stream, lambda: device_side(functional, [], {}), label)
+        if self.list_result:
+            return outs
         return outs[0] if self.single else tuple(outs)

@@ -35,11 +35,26 @@ class LayoutCache(dict):
 
 
 def layout_of(v: Any) -> Any:
-    """What of an argument can decide a result's layout: a float's value never does."""
+    """What of an argument can decide a result's layout: a float's value never does; a
+    tensor list's (``cat``, ``index``) is its tensors' layouts."""
     if isinstance(v, Tensor):
         return (v.dtype, v.shape, v.stride())
     t = type(v)
-    return t if t is float else (t, tuple(v) if t is list else v)
+    if t is list or t is tuple:
+        if any(isinstance(x, Tensor) for x in v):
+            return (t, tuple(map(layout_of, v)))
+        return (t, tuple(v))
+    return t if t is float else (t, v)
+
+
+def exact_layout_of(v: Any) -> Any:
+    """:func:`layout_of` with a float by its value: the key of a random op, whose floats
+    (a ``dropout_p``) decide whether it draws."""
+    if type(v) is float:
+        return (float, v)
+    if type(v) is list or type(v) is tuple:
+        return (type(v), tuple(map(exact_layout_of, v)))
+    return layout_of(v)
 
 
 def argument_key(a: Any) -> Any:

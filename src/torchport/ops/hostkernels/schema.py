@@ -45,6 +45,18 @@ def in_place(op: torch._ops.OpOverload) -> bool:
             and not p.has_device_arg and all(a == first for a in p.return_alias))
 
 
+def random_fill(op: torch._ops.OpOverload) -> bool:
+    """An in-place random op filling its first argument from a generator it may be given
+    (``uniform_``, ``normal_``, ``bernoulli_``, ``random_``, ``exponential_``...): whether
+    a call's numbers are independent of the tensor's values is the kernel's trial
+    (:func:`.drawing.fill_trial`)."""
+    p = plan_for(op)
+    first = p.arg_names[0] if p.arg_names else None
+    return (op._schema.name.endswith("_") and p.write_args == (first,) and p.random
+            and p.has_generator_arg and not p.has_device_arg
+            and all(a == first for a in p.return_alias))
+
+
 def writes_lists_in_place(op: torch._ops.OpOverload) -> bool:
     """An in-place op writing several tensor lists and returning nothing: the fused
     optimizers (``_fused_adamw_`` updates parameters, gradients, moments). Like

@@ -215,6 +215,48 @@ def specs_on_stand_ins(op: torch._ops.OpOverload, out: Callable[..., Any],
     return specs
 
 
+def copy_launch_specs(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list | None:
+    """(shape, strides, dtype) of each result -- ``None`` for one left undefined -- of
+    functional ``op`` for inputs laid out as ``args`` and ``kwargs``, where the functional
+    kernel itself may be queued (an op with no ``out=`` overload, a backward leaving a
+    gradient undefined, a foreach op's list): the meta kernel accepts the layouts, and
+    the CPU kernel runs on stand-ins (as :func:`launch_specs` fills them) silently, with
+    results that are new tensors, drawing no random number (a random op with its
+    randomness off for these arguments: an attention's ``dropout_p=0``). ``None``
+    otherwise."""
+    if not derive.meta_accepts(op, args, kwargs):
+        return None
+    random = plan_for(op).random
+    gen = torch.default_generator
+    for value in (None, 0, 1):
+        sargs, skw = stand_ins(op, args, kwargs, value)
+        got: list = []
+        saved = gen.get_state() if random else None
+        try:
+            if warnings_of(lambda a=sargs, k=skw, into=got: into.append(op._op(*a, **k))):
+                return None
+        except Exception:
+            continue  # refused: the next stand-in values
+        finally:
+            drew = saved is not None and not torch.equal(gen.get_state(), saved)
+            if saved is not None:
+                gen.set_state(saved)  # the CPU's own random numbers stay untouched
+        if drew:
+            return None
+        r = got[0]
+        results = [r] if isinstance(r, Tensor) else list(r) if isinstance(r, (tuple, list)) \
+            else None
+        if not results or not all(x is None or isinstance(x, Tensor) for x in results):
+            return None
+        inputs = {tensors.storage_ptr(v) for v in flat_tensors([*sargs, *skw.values()])
+                  if v.numel()}
+        if any(x is not None and x.numel() and tensors.storage_ptr(x) in inputs
+               for x in results):
+            return None  # a result aliasing an input: the general path says how
+        return [None if x is None else (tuple(x.shape), x.stride(), x.dtype) for x in results]
+    return None
+
+
 def inplace_launchable(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
     """Can in-place ``op`` called with arguments laid out as ``args``/``kwargs`` be queued
     without the host looking at values? Its meta kernel accepts the layouts, and its CPU
