@@ -202,6 +202,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/autograd_threads.py
 	$(BIN)/python benchmarks/optimizer_step.py
 	$(BIN)/python benchmarks/async_overlap.py
+	TORCHPORT_SIM_ASYNC=1 $(BIN)/python benchmarks/async_waits.py
 	$(BIN)/python benchmarks/allreduce.py
 
 # Style, then the layers (pyproject.toml, [tool.importlinter]; docs/architecture.md, Layers).

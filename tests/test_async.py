@@ -635,3 +635,64 @@ def test_random_ops_draw_at_the_call_in_call_order_without_waiting():
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+def test_explicit_out_calls_are_queued_with_their_errors_at_the_call():
+    """``torch.add(a, b, out=c)`` and other ``out=`` calls whose outputs already have the
+    result's shape are queued, as CUDA launches them: the CPU ``out=`` kernel into the
+    outputs' own layouts (a transposed ``out`` too), the CPU's bits; a bad dtype or shape
+    raises at the call, nothing queued. An output to resize, or one sharing memory with an
+    input, is computed by the host after the stream (with the CPU's warning)."""
+    out = run("""
+        import warnings
+        a, b = torch.randn(5, 6), torch.randn(5, 6)
+        da, db = a.to("sim"), b.to("sim")
+        def outs(dev):
+            return [torch.empty(5, 6, device=dev), torch.empty(6, 5, device=dev).t(),
+                    torch.empty(5, device=dev), torch.empty(5, dtype=torch.long, device=dev),
+                    torch.empty(10, 6, device=dev), torch.empty(5, 6, device=dev),
+                    torch.empty(5, 6, dtype=torch.long, device=dev)]
+        def calls(x, y, o):
+            torch.add(x, y, alpha=2, out=o[0])
+            torch.mul(x, y, out=o[1])
+            torch.max(x, 1, out=(o[2], o[3]))
+            torch.cat([x, y], out=o[4])
+            torch.sort(x, 1, out=(o[5], o[6]))
+            return o
+        want = calls(a, b, outs("cpu"))
+        for _ in range(2):                              # a layout's first call, then later ones
+            got_outs = outs("sim")
+            close_gate()
+            timer = threading.Timer(10.0, gate.set)
+            timer.start()
+            got = calls(da, db, got_outs)
+            assert not gate.is_set(), "an out= call waited for the stream"
+            assert not torch.sim.current_stream().query()
+            try:
+                torch.add(da, db, out=torch.empty(5, 6, dtype=torch.long, device="sim"))
+            except RuntimeError as e:
+                assert "can't be cast to the desired output type Long" in str(e), str(e)
+            else:
+                raise AssertionError("no error at the call")
+            try:
+                torch.add(da, db, out=torch.empty(5, 6, device="sim").expand(3, 5, 6))
+            except RuntimeError as e:
+                assert "more than one element" in str(e), str(e)
+            else:
+                raise AssertionError("no error at the call")
+            gate.set()
+            timer.cancel()
+            for g, w in zip(got, want, strict=True):
+                assert g.device.type == "sim" and g.dtype == w.dtype and g.stride() == w.stride()
+                assert torch.equal(g.cpu(), w), (g, w)
+        small = torch.empty(2, device="sim")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.add(da, db, out=small)                # resized: the host's, with the warning
+        assert any("resized" in str(w.message) for w in seen), seen
+        c = da.clone()
+        torch.add(c, db, out=c)                         # out= an input: the host's
+        assert torch.equal(small.cpu(), a + b) and torch.equal(c.cpu(), a + b)
+        print("ok")
+    """)
+    assert out.strip() == "ok"

@@ -35,6 +35,9 @@ launch          functional ops, ``cat``,         the ``out=`` call queued on the
 functional      functional ops                   ``out=`` into new device tensors      general
                 (synchronous runtime)            (out; trial on a new layout) or a CPU
                                                  result moved (cpu-result)
+out-call        ``add.out``... (asynchronous     the ``out=`` kernel queued on the     general: an output to
+                runtime)                         stream into the outputs as they are   resize, or sharing memory
+                                                 (launch)                              with an input
 drawn           ``uniform_``, ``normal_``...     the host draws the numbers now into   general: values the draws
                 (asynchronous runtime)           a temporary; their copy is queued     depend on, not dense
 general         everything else                  the whole schema, on host views or    (the CPU's errors)
@@ -61,6 +64,7 @@ from torchport.ops.hostkernels.launching import launching_kernel
 from torchport.ops.hostkernels.layouts import LayoutCache
 from torchport.ops.hostkernels.lists import list_kernel
 from torchport.ops.hostkernels.mapping import Call, sync_devices
+from torchport.ops.hostkernels.out_calls import out_call_kernel
 from torchport.ops.hostkernels.views import view_kernel
 from torchport.ops.plan import plan_for
 
@@ -142,6 +146,9 @@ KINDS: tuple[Kind, ...] = (
     Kind("functional", lambda op, a: not a and schema.qualifies(op),
          lambda s, g, slow, t: functional_kernel(s.backend, s.into, g, slow, t),
          "out= into new device tensors, or a CPU result moved"),
+    Kind("out-call", lambda op, a: a and schema.out_call(op),
+         lambda s, g, slow, t: out_call_kernel(s.backend, s.op, s.views, s.layouts, g, slow, t),
+         "the out= kernel queued into outputs of the result's shape"),
     Kind("drawn", lambda op, a: a and schema.random_fill(op),
          lambda s, g, slow, t: fill_kernel(s.backend, s.op, s.views, s.layouts, g, slow, t),
          "the host draws the numbers now; their copy is queued"),

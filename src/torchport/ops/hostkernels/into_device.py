@@ -18,7 +18,7 @@ from torchport.memory.tensors import storage_ptr
 from torchport.ops import derive, hostviews, quiet
 from torchport.ops.hostkernels import outputs, schema, trials
 from torchport.ops.hostkernels.layouts import LayoutCache
-from torchport.ops.hostkernels.mapping import CPU_KS
+from torchport.ops.hostkernels.mapping import CPU_KS, host_arguments
 from torchport.ops.plan import numbers_as_tensors, plan_for
 
 if TYPE_CHECKING:
@@ -245,26 +245,13 @@ class IntoDevice:
         return [outputs.spec_for(self.backend, shape, stride, dtype)
                 for shape, stride, dtype in specs]
 
-    def _host_args(self, args: tuple, kwargs: dict) -> tuple[list, dict]:
-        """The chip's views of a call's tensors, those in tensor lists too (``None`` stays,
-        as in ``x[:, i]``'s indices)."""
-        entry = self.views.entry
-
-        def host(a: Any) -> Any:
-            if isinstance(a, Tensor):
-                return entry(a, False)[0]
-            if type(a) is list or type(a) is tuple:
-                return type(a)(entry(x, False)[0] if isinstance(x, Tensor) else x for x in a)
-            return a
-        return [host(a) for a in args], {k: host(v) for k, v in kwargs.items()}
-
     def launch(self, index: int, specs: list, args: tuple, kwargs: dict, rt: Any, phys: int,
                stream: Any, label: str) -> Any:
         """New device tensors laid out as ``specs`` say (from :meth:`launch_specs`), the
         computation into them queued on ``stream``; returns them."""
         b = self.backend
         outs = [outputs.new_output(b, index, s) for s in specs]
-        cargs, ckw = self._host_args(args, kwargs)
+        cargs, ckw = host_arguments(self.views, args, kwargs)
         entry = self.views.entry
         ckw.update({n: entry(o, False)[0] for n, o in zip(self.out_names, outs, strict=True)})
         out = self.out
@@ -278,7 +265,7 @@ class IntoDevice:
         on ``stream``, the functional CPU kernel with its results copied into them."""
         b = self.backend
         outs = [None if s is None else outputs.new_output(b, index, s) for s in specs]
-        cargs, ckw = self._host_args(args, kwargs)
+        cargs, ckw = host_arguments(self.views, args, kwargs)
         entry = self.views.entry
         views = [None if o is None else entry(o, False)[0] for o in outs]
         cpu_call = self.cpu_call

@@ -11,7 +11,7 @@ from torchport.ops import fallback, stats, switch
 from torchport.ops.hostkernels import drawing, outputs, trials
 from torchport.ops.hostkernels.into_device import IntoDevice
 from torchport.ops.hostkernels.layouts import exact_layout_of, layout_of
-from torchport.ops.hostkernels.mapping import Call
+from torchport.ops.hostkernels.mapping import Call, plain_device
 
 if TYPE_CHECKING:
     from torchport.core.contracts import DeviceBackend
@@ -83,20 +83,7 @@ def launching_kernel(backend: DeviceBackend, into: IntoDevice, general: Call,
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if slow is not None and fb.SLOW:
             return slow(args, kwargs)
-        device = None
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, Tensor):
-                items: Any = (a,)
-            elif type(a) is list or type(a) is tuple:  # cat's tensors, index's indices
-                items = a
-            else:
-                continue
-            for t in items:
-                if isinstance(t, Tensor):
-                    if t.device.type != name or (device is not None and t.device != device) \
-                            or t.is_conj() or t.is_neg():
-                        return general(args, kwargs)
-                    device = t.device
+        device = plain_device(name, args, kwargs)
         if device is None:
             return general(args, kwargs)
         key = (tuple(map(key_of, args)), tuple((k, key_of(v)) for k, v in kwargs.items()))

@@ -79,6 +79,41 @@ def device_views(args: tuple, kwargs: dict, views: hostviews.HostViews,
     return cargs
 
 
+def plain_device(name: str, args: tuple, kwargs: dict) -> torch.device | None:
+    """The one device of a call's tensors (keyword ones and those in tensor lists too), when
+    all are plain tensors (no conjugate or negative view) of device type ``name``; else
+    ``None``, as when the call has no tensor."""
+    device = None
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            items: Any = (a,)
+        elif type(a) is list or type(a) is tuple:  # cat's tensors, index's indices
+            items = a
+        else:
+            continue
+        for t in items:
+            if isinstance(t, Tensor):
+                if t.device.type != name or (device is not None and t.device != device) \
+                        or t.is_conj() or t.is_neg():
+                    return None
+                device = t.device
+    return device
+
+
+def host_arguments(views: hostviews.HostViews, args: tuple, kwargs: dict) -> tuple[list, dict]:
+    """The chip's views of a call's tensors, keyword ones and those in tensor lists too
+    (``None`` stays, as in ``x[:, i]``'s indices): a call :func:`plain_device` accepted."""
+    entry = views.entry
+
+    def host(a: Any) -> Any:
+        if isinstance(a, Tensor):
+            return entry(a, False)[0]
+        if type(a) is list or type(a) is tuple:
+            return type(a)(entry(x, False)[0] if isinstance(x, Tensor) else x for x in a)
+        return a
+    return [host(a) for a in args], {k: host(v) for k, v in kwargs.items()}
+
+
 def on_views(views: hostviews.HostViews, bits: bool, general: Call, slow: Call | None,
              body: Callable[[tuple, list, dict], Any]) -> Callable[..., Any]:
     """A kernel calling ``body(args, the chip's views of args, kwargs)``; calls

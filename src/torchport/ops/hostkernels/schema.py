@@ -45,6 +45,16 @@ def in_place(op: torch._ops.OpOverload) -> bool:
             and not p.has_device_arg and all(a == first for a in p.return_alias))
 
 
+def out_call(op: torch._ops.OpOverload) -> bool:
+    """An ``out=`` overload (``add.out``, ``max.dim_max``): it writes only its keyword-only
+    outputs, draws no random number, and takes no device argument."""
+    p = plan_for(op)
+    outs = [a for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    return bool(outs) and all(a.kwarg_only for a in outs) \
+        and set(p.write_args) == {a.name for a in outs} and not p.random \
+        and not p.has_device_arg and not p.is_view
+
+
 def random_fill(op: torch._ops.OpOverload) -> bool:
     """An in-place random op filling its first argument from a generator it may be given
     (``uniform_``, ``normal_``, ``bernoulli_``, ``random_``, ``exponential_``...): whether
