@@ -770,6 +770,7 @@ def test_list_op_errors_are_the_cpus_and_free_the_output() -> None:
     x = torch.randn(4, 3, device="sim")
     ok, bad = torch.tensor([0, 3], device="sim"), torch.tensor([0, 9], device="sim")
     x[ok]  # the plan for this layout exists: the error comes from the out= kernel
+    gc.collect()
     before = len(alloc.active)
     if active_backend().runtime.asynchronous:
         # queued, as CUDA launches it: the index is checked on the stream (CUDA's
@@ -778,7 +779,7 @@ def test_list_op_errors_are_the_cpus_and_free_the_output() -> None:
         with pytest.raises(RuntimeError, match="out of bounds") as raised:
             torch.sim.synchronize()
         assert isinstance(raised.value.__cause__, IndexError)
-        del y
+        del y, raised  # (its traceback's frames hold tensors)
     else:
         with pytest.raises(IndexError, match="out of bounds"):
             x[bad]
@@ -849,6 +850,7 @@ def test_threads_making_tensors_of_one_layout_get_their_own_blocks() -> None:
     alloc = b.allocators[0]
     x = torch.randn(16, 16, device="sim")
     want = (x.cpu() * 2 + 1)
+    gc.collect()  # earlier tests' garbage (an exception's frames) must not die mid-count
     before = len(alloc.active)
     errors: list[str] = []
 
