@@ -7,7 +7,7 @@ that same order, into a host temporary; what reads them is queued on the stream.
 generator is then only ever the host's: nothing waits for the stream, and seeding or
 reading its state needs no synchronisation. Only ops whose draws do not depend on a
 tensor's values qualify: the in-place fills (``uniform_``, ``normal_``, ``bernoulli_(p)``,
-``random_``, ``exponential_``..., also what ``rand``/``randn``/``rand_like`` call) and
+``random_``, ``exponential_``..., also what ``rand_like`` calls) and
 ``native_dropout`` (its mask is a ``bernoulli_`` fill; the output is computed from it).
 Each is proven once per layout against the CPU kernel (:func:`fill_trial`,
 :func:`dropout_trial`); the others compute on the host after the stream (general path).
