@@ -149,12 +149,30 @@ def test_a_cnn_forward_and_backward_match_compiled_cpu() -> None:
     out_cpu = torch.compile(run)(m_cpu, x)
     torch._dynamo.reset()
     out_dev = torch.compile(run)(m_dev, x.to("sim"))
-    # within float rounding: the CPU compiles convolutions for mkldnn's channels-last layout
-    # (docs/graph-mode.md, "Where compiled sim differs from compiled CPU")
+    # bit for bit: both lay the convolutions out channels-last for oneDNN (cpu_checks)
     for d, c in zip(torch.utils._pytree.tree_leaves(out_dev),
                     torch.utils._pytree.tree_leaves(out_cpu), strict=True):
-        assert d.device.type == "sim" and d.dtype == c.dtype and d.shape == c.shape
-        torch.testing.assert_close(d.cpu(), c)
+        _same(d, c)
+
+
+def test_convolutions_are_laid_out_for_onednn_as_on_the_cpu() -> None:
+    from torch._inductor.graph import GraphLowering
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.compile(lambda t: t + 1)(torch.ones(1, device="sim"))  # inductor set up for the sim
+
+    def conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.conv2d(x, w, b, padding=1).relu()
+
+    decided = {}
+    for dev in ("cpu", "sim", "meta"):  # (meta: a device inductor gives cuDNN's heuristics)
+        args = [torch.randn(s, device=dev) for s in ((4, 3, 32, 32), (16, 3, 3, 3), (16,))]
+        gm = make_fx(conv, tracing_mode="fake")(*args)
+        decided[dev] = GraphLowering.decide_layout_opt(gm, is_inference=False)
+        if dev != "sim":
+            original = GraphLowering.decide_layout_opt.__torchport_extends__
+            assert decided[dev] == original(gm, is_inference=False)
+    assert decided == {"cpu": True, "sim": True, "meta": False}
 
 
 def test_inductor_sizes_a_strided_reduction_from_the_device_properties() -> None:

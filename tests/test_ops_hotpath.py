@@ -701,6 +701,30 @@ def test_fill_factories_are_one_allocation_and_one_fill() -> None:
     assert len(alloc.active) == before
 
 
+_EMPTIES = {  # PyTorch's composites over the device's empty / empty_strided, as on CUDA
+    "new_empty_strided": lambda t: t.new_empty_strided((3, 4), (1, 3), dtype=torch.float64),
+    "new_empty_strided, no elements": lambda t: t.new_empty_strided((0, 4), (4, 1)),
+    "new_empty": lambda t: t.new_empty((3, 4)),
+    "empty_like": lambda t: torch.empty_like(t),
+    "empty_permuted": lambda t: torch.empty_permuted((2, 3, 4), (2, 0, 1), device=t.device),
+}
+
+
+@pytest.mark.parametrize("make", list(_EMPTIES.values()), ids=list(_EMPTIES))
+@pytest.mark.parametrize("index", [0, 1])
+def test_empty_factories_allocate_without_a_host_kernel(make, index: int) -> None:
+    # (autograd's accumulation calls new_empty_strided for each gradient whose layout is
+    # not its parameter's: a host kernel made it the general path, 30 us a call)
+    x = torch.randn(4, 6).t()
+    xd = x.to(f"sim:{index}")
+    with torchport.ops.record() as rec:
+        got = make(xd)
+    want = make(x)
+    assert got.device == xd.device and (got.dtype, got.shape, got.stride()) == \
+        (want.dtype, want.shape, want.stride())
+    assert set(rec.ops) <= {"empty_strided", "empty.memory_format", "as_strided"}, rec.table()
+
+
 def test_factory_op_naming_another_device() -> None:
     x = torch.randn(3, device="sim:0")
     y = torch.zeros_like(x, device="sim:1")

@@ -25,6 +25,11 @@ FakeTensor's convolution rule             the memory format of a convolution's r
                                           PyTorch's rule for a PrivateUse1 device
                                           (``Overrideable``) says contiguous, and the
                                           compiled program's stride check fails
+``GraphLowering.decide_layout_opt``       not correctness but the same fact: the device's
+                                          convolution is the CPU's oneDNN kernel, for
+                                          which inductor lays convolutions out channels-last
+                                          (other devices get cuDNN's heuristics, which keep
+                                          small CNNs in NCHW: a compiled step 1.2x slower)
 =======================================  ==================================================
 
 Each is extended, not replaced: the function keeps its name, and answers as before for
@@ -133,6 +138,24 @@ def install(name: str) -> None:
 
     _extend(lowering, "use_two_step_variance", two_step)
 
+    def layout_opt(original: Callable[..., bool]) -> Callable[..., bool]:
+        def decide_layout_opt(gm: Any, *, is_inference: bool) -> bool:
+            import torch
+
+            if config.layout_optimization and torch.backends.mkldnn.enabled \
+                    and torch.backends.mkldnn.is_available():
+                convs = [n for n in gm.graph.nodes
+                         if n.target is torch.ops.aten.convolution.default]
+                if convs and all(_device_type(getattr(n.args[i].meta.get("val"), "device", None))
+                                 in devices for n in convs for i in (0, 1)):
+                    return True  # the CPU's answer for its oneDNN convolutions
+            return original(gm, is_inference=is_inference)
+        return decide_layout_opt
+
+    from torch._inductor.graph import GraphLowering as lowering_class
+    _extend(lowering_class, "decide_layout_opt", layout_opt)
+    lowering_class.decide_layout_opt = staticmethod(lowering_class.decide_layout_opt)
+
     # every module that imported the function by name holds its own binding
     patched = None
     for mod_name in ("torch._inductor.utils", "torch._inductor.codegen.common",
@@ -206,4 +229,5 @@ def extended() -> list[str]:
     """The inductor functions answered for the devices (for ``torchport info`` and tests)."""
     return ["scheduler.BaseSchedulerNode.is_cpu", "ir.is_cpu", "utils.get_current_backend",
             "lowering.div_prim", "lowering.use_two_step_variance",
+            "graph.GraphLowering.decide_layout_opt",
             "fake_impls.op_implementations_dict[aten.convolution*]"]

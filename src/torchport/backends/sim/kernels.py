@@ -57,7 +57,7 @@ MODEL_OPS = [
     "scatter_add", "scatter_reduce", "masked_scatter", "masked_select", "nonzero", "cat",
     "constant_pad_nd", "reflection_pad2d", "replication_pad2d", "flip", "roll", "repeat",
     "tril", "triu", "arange", "one_hot", "bucketize", "searchsorted", "unique_dim",
-    "_unique2", "new_zeros", "new_ones", "new_full", "new_empty_strided", "full", "zeros_like",
+    "_unique2", "new_zeros", "new_ones", "new_full", "full", "zeros_like",
     "ones_like", "full_like", "scalar_tensor",
     # backward of views (their composite kernels would enter Python four times: zeros,
     # zero_, the view, copy_)
