@@ -84,6 +84,13 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
         "arange": lambda: torch.arange(64, device=device),
         "resize_ (grow)": lambda: torch.empty(0, device=device).resize_(64),
         "autocast linear+softmax": autocast_linear_softmax,
+        # autograd's accumulation of a gradient laid out otherwise than its parameter
+        "new_empty_strided": lambda: a.new_empty_strided((8, 8), (1, 8)),
+        # random ops: the device's generator (a training step's dropout: native_dropout on
+        # the device, the CPU's composite on the CPU)
+        "randn": lambda: torch.randn(8, 8, device=device),
+        "normal_": lambda: c.normal_(),
+        "dropout": lambda: torch.nn.functional.dropout(a, 0.5),
     }
 
 

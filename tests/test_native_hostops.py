@@ -357,6 +357,72 @@ def test_composite_factories_run_in_cpp(name, fn) -> None:
     _same(r, fn("cpu"))
 
 
+def _attention(x: torch.Tensor) -> torch.Tensor:
+    qkv = x.view(1, 2, 4, 6).cos()
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qkv, qkv, qkv,
+                                                                      dropout_p=0.0)[0]
+
+
+_RANDOM = [  # random ops taking a generator, and the composites drawing through them
+    ("normal_", lambda d, g: torch.empty(5, 3, device=d).normal_(2.0, 3.0, generator=g)),
+    ("uniform_ transposed", lambda d, g: torch.empty(4, 6, device=d).t().uniform_(-1, 2,
+                                                                              generator=g)),
+    ("bernoulli_", lambda d, g: torch.empty(9, device=d).bernoulli_(0.3, generator=g)),
+    ("exponential_", lambda d, g: torch.empty(7, device=d).exponential_(generator=g)),
+    ("random_", lambda d, g: torch.empty(8, dtype=torch.int64, device=d).random_(0, 10,
+                                                                             generator=g)),
+    ("normal tensors", lambda d, g: torch.normal(torch.arange(6.0, device=d),
+                                                 torch.ones(6, device=d), generator=g)),
+    ("bernoulli tensor", lambda d, g: torch.bernoulli(torch.full((10,), 0.4, device=d),
+                                                      generator=g)),
+    ("multinomial", lambda d, g: torch.multinomial(torch.tensor([0.1, 0.5, 0.4], device=d), 5,
+                                                   replacement=True, generator=g)),
+    ("randn", lambda d, g: torch.randn(3, 4, device=d, generator=g)),
+    ("rand", lambda d, g: torch.rand(6, device=d, generator=g)),
+    ("randint", lambda d, g: torch.randint(3, 9, (2, 5), device=d, generator=g)),
+    # taking no generator: the device's default one, through the CPU's
+    ("rand_like", lambda d, g: torch.rand_like(torch.empty(4, 2, device=d).t())),
+    ("native_dropout", lambda d, g: torch.native_dropout(
+        torch.arange(24.0, device=d).view(4, 6).t(), 0.4, True)),
+    ("attention (a random op)", lambda d, g: _attention(torch.arange(48.0, device=d))),
+]
+_TAKE_NO_GENERATOR = ("rand_like", "native_dropout", "attention (a random op)")
+
+
+@needs_cpp
+@pytest.mark.parametrize("name,fn", _RANDOM, ids=[n for n, _ in _RANDOM])
+def test_random_ops_draw_in_cpp_from_the_device_generator(name, fn) -> None:
+    # the CPU's numbers for the seed, drawn from the generator CUDA would draw from (the
+    # tensors' device's default one, or the one given, of any index), without Python
+    fn("sim:1", None)  # (a new segment of the pool comes from the Python runtime)
+    torch.manual_seed(7)
+    want = fn("cpu", None)
+    torch.manual_seed(7)
+    before = torch.sim.get_rng_state(0)
+    with calls() as c, torchport_frames() as frames:
+        got = fn("sim:1", None)
+    assert c.handed == 0 and c.served >= 1 and frames == [], (c.served, c.handed, frames)
+    _same(got, want)
+    assert torch.equal(torch.sim.get_rng_state(0), before)  # another device's untouched
+    if name in _TAKE_NO_GENERATOR:
+        return
+    given = torch.Generator(device="sim:0").manual_seed(11)
+    state = torch.sim.get_rng_state(1)
+    with calls() as c:
+        got = fn("sim:1", given)
+    assert c.handed == 0, c.handed
+    _same(got, fn("cpu", torch.Generator().manual_seed(11)))
+    assert torch.equal(torch.sim.get_rng_state(1), state)  # the default one did not draw
+    # a generator of another type: the Python kernel's error, CUDA's
+    assert _outcome(lambda: fn("sim:1", torch.Generator())) == \
+        _python_outcome(lambda: fn("sim:1", torch.Generator()))
+
+
+def _python_outcome(fn) -> tuple:
+    with python_host_kernels():
+        return _outcome(fn)
+
+
 @needs_cpp
 def test_a_pinned_factory_call_is_handed_to_python() -> None:
     with calls() as c:

@@ -18,16 +18,20 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
+#include <ATen/core/ivalue.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/GeneratorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
+
+#include "native_layer.h"
 
 namespace torchport {
 
@@ -145,6 +149,52 @@ c10::DeviceIndex resolve(c10::DeviceIndex index, std::size_t count) {
 const at::Generator& default_generator(c10::DeviceIndex index) {
   const auto& gens = adopted();
   return gens[static_cast<std::size_t>(resolve(index, gens.size()))];
+}
+
+// The CPU generator a CPU kernel draws from for a random op's `generator` argument on device
+// `index`: a device generator's own (of any index, as CUDA's kernels take one), or for none
+// the default generator's of device `index`; undefined for a generator of another type, or
+// where the device has no generators (its Python kernel then raises or draws).
+at::Generator drawing_generator(const c10::IValue& given, c10::DeviceIndex index) {
+  c10::GeneratorImpl* impl = nullptr;
+  at::Generator held;
+  if (given.isNone()) {
+    std::lock_guard<std::mutex> lock(defaults_mutex);
+    if (defaults == nullptr || index < 0 || static_cast<std::size_t>(index) >= defaults->size())
+      return at::Generator();
+    held = (*defaults)[static_cast<std::size_t>(index)];
+  } else if (given.isGenerator()) {
+    held = given.toGenerator();
+  } else {
+    return at::Generator();
+  }
+  impl = held.unsafeGetGeneratorImpl();
+  auto* device = dynamic_cast<DeviceGenerator*>(impl);
+  return device == nullptr ? at::Generator() : device->inner();
+}
+
+// While alive, the CPU's default generator draws the numbers of `gen` (a CPU generator), for
+// a CPU kernel with no generator argument (native_dropout): the two swap their engines and
+// cached normal samples, and swap them back after (also when the kernel raises). Drawing so
+// is what the Python kernels do with the generators' states (hostexec.drawing_from).
+DefaultDrawsFrom::DefaultDrawsFrom(at::Generator gen) : gen_(std::move(gen)) { swap(); }
+DefaultDrawsFrom::~DefaultDrawsFrom() { swap(); }
+
+void DefaultDrawsFrom::swap() {
+  at::Generator fallback = at::detail::getDefaultCPUGenerator();
+  if (fallback.unsafeGetGeneratorImpl() == gen_.unsafeGetGeneratorImpl()) return;
+  auto* a = at::check_generator<at::CPUGeneratorImpl>(fallback);
+  auto* b = at::check_generator<at::CPUGeneratorImpl>(gen_);
+  std::scoped_lock lock(fallback.mutex(), gen_.mutex());
+  at::mt19937 engine = a->engine();
+  a->set_engine(b->engine());
+  b->set_engine(engine);
+  std::optional<float> f = a->next_float_normal_sample();
+  a->set_next_float_normal_sample(b->next_float_normal_sample());
+  b->set_next_float_normal_sample(f);
+  std::optional<double> d = a->next_double_normal_sample();
+  a->set_next_double_normal_sample(b->next_double_normal_sample());
+  b->set_next_double_normal_sample(d);
 }
 
 // A new generator of device `index` (-1: the current device), seeded as CUDA's and the

@@ -23,6 +23,8 @@
 // and the device passed to the CPU kernel as it is (and returned as it is), and its own
 // `_to_copy` (to the CPU, to the device from the CPU, a dtype on one device), and the
 // factories whose CPU kernel is PyTorch's composite one, which runs for the device too.
+// A random op taking a generator draws from the CPU generator its device generator owns (the
+// device's default one for none: native_generator.cpp), as its Python kernel does.
 // Anything else -- another device, a CPU tensor with dimensions (but a copy's), a conjugate
 // or negative view, a copy with the host while a side stream is current, an out= argument
 // to grow where the CPU allocator's wrapper cannot serve -- is handed to the op's Python
@@ -50,6 +52,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -116,7 +119,8 @@ class HostOp final : public c10::OperatorKernel {
   }
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
-    if (torchport::queued_mode()) return queued(op, stack);
+    if (torchport::queued_mode())  // (a random op draws at the call: its Python kernel)
+      return random(op) ? python(op, stack) : queued(op, stack);
     if (to_copy_) return to_copy(op, stack);
     if (composite_) return composite(op, stack);
     const auto& schema = op.schema();
@@ -124,10 +128,13 @@ class HostOp final : public c10::OperatorKernel {
     const size_t first = stack->size() - nargs;
     int index = -1;
     bool host = false;
+    int drawn = -1;  // a random op's generator argument
     // 1. Is the call one this kernel serves?
     for (size_t i = 0; i < nargs; ++i) {
       const c10::IValue& v = (*stack)[first + i];
-      if (v.isTensor()) {
+      if (v.isGenerator() || (v.isNone() && is_generator(schema.arguments()[i]))) {
+        drawn = static_cast<int>(i);
+      } else if (v.isTensor()) {
         // a 0-dim CPU tensor is an operand, never an output: CUDA raises for a written one
         const auto* alias = schema.arguments()[i].alias_info();
         if (!servable(v.toTensor(), /*cpu_scalar=*/alias == nullptr || !alias->isWrite(), index,
@@ -143,7 +150,7 @@ class HostOp final : public c10::OperatorKernel {
                            : !(e.isNone() || e.isScalar()))
             return python(op, stack);
         }
-      } else if (v.isObject() || v.isGenerator()) {
+      } else if (v.isObject()) {
         return python(op, stack);
       }
     }
@@ -163,6 +170,23 @@ class HostOp final : public c10::OperatorKernel {
     c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 6> storages;
     c10::SmallVector<c10::IValue, 8> originals;  // what an op writing its arguments was given
     if (!functional_ || host) originals.assign((*stack).begin() + first, (*stack).end());
+    // A random op draws from the CPU generator of the device's generator (the default one
+    // of the device for none), as the Python kernels do: the CPU's numbers for the seed.
+    if (drawn >= 0) {
+      at::Generator cpu = torchport::drawing_generator(
+          (*stack)[first + drawn], static_cast<c10::DeviceIndex>(index));
+      if (!cpu.defined()) return python(op, stack);  // another type's: its error there
+      (*stack)[first + drawn] = c10::IValue(std::move(cpu));
+    }
+    // One taking no generator (native_dropout) draws from the CPU's default generator, which
+    // draws the device's numbers while its CPU kernel runs.
+    std::optional<torchport::DefaultDrawsFrom> drawing;
+    if (drawn < 0 && random(op)) {
+      at::Generator cpu = torchport::drawing_generator(c10::IValue(),
+                                                       static_cast<c10::DeviceIndex>(index));
+      if (!cpu.defined()) return python(op, stack);
+      drawing.emplace(std::move(cpu));
+    }
     // the CPU kernel may grow the storages of an op writing its arguments (an out= it
     // resizes): into blocks of the device, which the device storages then take
     const bool grow = !functional_ && !host && results_in_blocks;
@@ -199,6 +223,7 @@ class HostOp final : public c10::OperatorKernel {
       // an out= argument to grow where the CPU storages cannot grow: nothing computed yet,
       // the Python kernel resizes the device tensor
       if (grow || functional_ || std::strstr(e.what(), "not resizable") == nullptr) throw;
+      drawing.reset();
       restore(stack, first, originals);
       return python(op, stack);
     }
@@ -304,6 +329,26 @@ class HostOp final : public c10::OperatorKernel {
     served.fetch_add(1, std::memory_order_relaxed);
   }
 
+  // Is the argument a random op's generator (Generator?)?
+  static bool is_generator(const c10::Argument& a) {
+    const c10::TypePtr& t = a.real_type();
+    return t->kind() == c10::TypeKind::OptionalType &&
+           t->castRaw<c10::OptionalType>()->getElementType()->kind() ==
+               c10::TypeKind::GeneratorType;
+  }
+
+  // Does the op draw random numbers (PyTorch's tag, or a generator argument)?
+  bool random(const c10::OperatorHandle& op) {
+    int8_t known = random_.load(std::memory_order_relaxed);
+    if (known < 0) {
+      known = op.hasTag(at::Tag::nondeterministic_seeded) ? 1 : 0;
+      for (const c10::Argument& a : op.schema().arguments())
+        if (is_generator(a)) known = 1;
+      random_.store(known, std::memory_order_relaxed);
+    }
+    return known == 1;
+  }
+
   // Does the op return a tensor (anything but numbers: Tensor.item does not)?
   static bool makes_tensors(const c10::FunctionSchema& schema) {
     for (const c10::Argument& r : schema.returns())
@@ -326,6 +371,9 @@ class HostOp final : public c10::OperatorKernel {
     for (size_t i = 0; i < arguments.size(); ++i) {
       const c10::IValue& v = (*stack)[first + i];
       if (arguments[i].name() == "pin_memory" && v.isBool() && v.toBool())
+        return python(op, stack);
+      // (a random one given another type's generator: the error names the op called)
+      if (v.isGenerator() && v.toGenerator().device().type() != kDevice)
         return python(op, stack);
     }
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
@@ -442,6 +490,7 @@ class HostOp final : public c10::OperatorKernel {
   bool to_copy_;
   bool composite_;
   torchport::QueuedCalls queued_;
+  std::atomic<int8_t> random_{-1};  // random(op), once known
 };
 
 }  // namespace

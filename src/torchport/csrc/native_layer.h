@@ -5,6 +5,7 @@
 #pragma once
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 #include <c10/core/Storage.h>
 
 #include <cstddef>
@@ -70,6 +71,19 @@ bool done(Queue* q, int64_t ticket);  // ticket 0: everything queued so far
 // native_generator.cpp
 const at::Generator& default_generator(c10::DeviceIndex index);
 at::Generator new_generator(c10::DeviceIndex index);
+at::Generator drawing_generator(const c10::IValue& given, c10::DeviceIndex index);
+// While alive, the CPU's default generator draws the numbers of CPU generator `gen`.
+class DefaultDrawsFrom {
+ public:
+  explicit DefaultDrawsFrom(at::Generator gen);
+  ~DefaultDrawsFrom();
+  DefaultDrawsFrom(const DefaultDrawsFrom&) = delete;
+  DefaultDrawsFrom& operator=(const DefaultDrawsFrom&) = delete;
+
+ private:
+  void swap();
+  at::Generator gen_;
+};
 }  // namespace torchport
 
 #if __has_include(<Python.h>)

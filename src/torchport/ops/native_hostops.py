@@ -60,14 +60,16 @@ _ARG_TYPES = frozenset({
     "Tensor", "Tensor?", "number", "number?", "int", "int?", "bool", "bool?", "float",
     "float?", "str", "str?", "List[int]", "List[int]?", "List[bool]", "List[float]",
     "List[float]?", "ScalarType", "ScalarType?", "MemoryFormat", "MemoryFormat?",
-    "List[Tensor]", "List[Optional[Tensor]]", "List[number]"})
+    "List[Tensor]", "List[Optional[Tensor]]", "List[number]", "Generator?"})
 _RETURN_TYPES = frozenset({"Tensor", "number", "int", "float", "bool", "List[Tensor]"})
 
 
 def servable(op: torch._ops.OpOverload) -> bool:
     """Can ``op``'s host kernel be served in C++ (its schema alone decides)?"""
     p = plan_for(op)
-    if p.is_view or p.random or p.has_device_arg or p.has_generator_arg or p.stride_blind_out \
+    # (a random op draws in C++ from the CPU generator of the device's generator: the one
+    # given, or through the CPU's default one, as the Python kernels do)
+    if p.is_view or p.has_device_arg or p.stride_blind_out \
             or (p.num_returns == 0 and not p.write_args) or torch.Tag.inplace_view in op.tags:
         return False
     name = op._schema.name.split("::")[1]

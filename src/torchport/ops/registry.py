@@ -289,7 +289,8 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                 backend.view_kernels.add(oname, fn)  # or PyTorch's C++ kernels serve
             elif d.kind == "host" and d.dtypes is None and native_hostops.servable(op):
                 backend.host_op_kernels.add(oname, op, fn)  # or the C++ host-op kernel serves
-            elif d.kind == "host" and d.dtypes is None and hostkernels.schema.factory(op):
+            elif d.kind == "host" and d.dtypes is None and \
+                    hostkernels.schema.factory(op, random=True):
                 backend.host_op_kernels.add(oname, op, fn, composite=True)  # (likewise)
             elif make is not None and out_op is not None and vendor is not None and \
                     _no_layout_from_values(op, make) and native_vendor.register(

@@ -78,14 +78,16 @@ def writes_lists_in_place(op: torch._ops.OpOverload) -> bool:
             and all(types[n] == "List[Tensor]" for n in p.write_args))
 
 
-def factory(op: torch._ops.OpOverload) -> bool:
+def factory(op: torch._ops.OpOverload, random: bool = False) -> bool:
     """A factory op whose CPU kernel is PyTorch's composite one (``full``, ``zeros_like``,
     ``new_ones``, ``scalar_tensor``, ``arange``): a ``device=`` argument, one new tensor,
-    nothing written, nothing random; ``empty`` plus an op that fills it."""
+    nothing written, nothing random; ``empty`` plus an op that fills it. ``random``: random
+    ones too (``randn``, ``rand_like``: ``empty`` plus an in-place random op, which draws
+    from the device's generator when it runs on the device)."""
     p = plan_for(op)
     name = op.name()
     return p.has_device_arg and p.num_returns == 1 and not (
-        p.write_args or p.random or p.is_view or p.mixed_device_ok
+        p.write_args or (p.random and not random) or p.is_view or p.mixed_device_ok
         or takes_tensor_lists(op)) and _has_kernel(name, "CompositeExplicitAutograd") \
         and not _has_kernel(name, "CPU")
 
