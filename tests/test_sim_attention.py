@@ -74,3 +74,33 @@ def test_fused_sdp_choice_answers_as_on_cpu_from_metadata(case: tuple) -> None:
     assert rec.path_of("_fused_sdp_choice") == "native"
     assert set(rec.ops) == {"_fused_sdp_choice"}
     assert not hostviews.cached()  # the memory was never viewed
+
+
+def test_with_the_library_pytorchs_own_attention_makes_the_cpus_choice() -> None:
+    # the CPU's choice fills PyTorch's dispatch stub for the device (native_attention.cpp):
+    # no kernel of torchport's on the autograd key, no Python call per attention
+    import sys
+
+    from torchport.core import native
+
+    ours = torch._C._dispatch_has_kernel_for_dispatch_key(
+        "aten::scaled_dot_product_attention", "AutogradPrivateUse1")
+    if native.loaded() is None:
+        assert ours  # the Python kernel makes the choice
+        return
+    assert not ours
+    q = torch.randn(2, 4, 16, 8)
+    qs = q.to("sim").requires_grad_()
+    called: list[str] = []
+
+    def note(frame, event, arg) -> None:  # noqa: ANN001
+        if event == "call" and frame.f_code.co_filename.endswith("sim/attention.py"):
+            called.append(frame.f_code.co_name)
+    sys.setprofile(note)
+    try:
+        out = F.scaled_dot_product_attention(qs, qs, qs, is_causal=True)
+    finally:
+        sys.setprofile(None)
+    assert called == []
+    assert type(out.grad_fn).__name__ == "ScaledDotProductFlashAttentionForCpuBackward0"
+    assert torch.equal(out.detach().cpu(), F.scaled_dot_product_attention(q, q, q, is_causal=True))

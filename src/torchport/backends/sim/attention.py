@@ -12,6 +12,11 @@ CPU's too.
 The CPU's selection rules read shapes, strides, dtypes and flags, never data, so
 ``_fused_sdp_choice`` runs PyTorch's CPU kernel on the device tensors themselves
 (as view ops do): no host views, no host op, in both memory modes.
+
+With torchport's C++ library the choice fills PyTorch's own stub instead
+(``native_attention.cpp``): PyTorch's ``scaled_dot_product_attention`` and
+MultiheadAttention's fast path then make the CPU's choice for the device themselves, with
+no Python call, and the autograd kernel here is not registered.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention import SDPBackend
 
+from torchport.core import native
 from torchport.ops import KernelSet
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -53,8 +59,17 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     return out
 
 
+def cpu_choice_in_cpp() -> bool:
+    """Make PyTorch's attention stub give the CPU's choice for the device, where the C++
+    library is there (``native_attention.cpp``); whether it does."""
+    cpp = native.load()
+    enable = getattr(cpp, "torchport_attention_cpu_choice", None) if cpp is not None else None
+    return enable is not None and enable(1) == 1
+
+
 def make_attention_kernels() -> KernelSet:
     ks = KernelSet("sim-attention")
     ks.kernel("_fused_sdp_choice")(fused_sdp_choice)
-    ks.autograd_kernel("scaled_dot_product_attention")(scaled_dot_product_attention)
+    if not cpu_choice_in_cpp():
+        ks.autograd_kernel("scaled_dot_product_attention")(scaled_dot_product_attention)
     return ks
