@@ -20,20 +20,26 @@
 
 namespace {
 
-int64_t cpu_choice(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                   const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-                   std::optional<double> scale, bool enable_gqa) {
-  return at::_ops::_fused_sdp_choice::redispatch(
-      c10::DispatchKeySet(c10::DispatchKey::CPU), query, key, value, attn_mask, dropout_p,
-      is_causal, scale, enable_gqa);
-}
+// The stub's function, whatever arguments the torch built against gives it: the CPU's kernel
+// of the op the stub stands for, which takes the same ones.
+template <typename Fn>
+struct CpuChoice;
+
+template <typename R, typename... Args>
+struct CpuChoice<R (*)(Args...)> {
+  static R choose(Args... args) {
+    return at::_ops::_fused_sdp_choice::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                   args...);
+  }
+};
 
 }  // namespace
 
 // Answer PrivateUse1's attention choice as the CPU (enable 1) or no more (0: the math path).
 // Returns 1 when set, 0 when cleared.
 extern "C" int torchport_attention_cpu_choice(int enable) {
-  at::native::_fused_sdp_choice_stub.set_privateuse1_dispatch_ptr(enable ? &cpu_choice
+  using Choice = CpuChoice<at::native::fused_sdp_choice_fn>;
+  at::native::_fused_sdp_choice_stub.set_privateuse1_dispatch_ptr(enable ? &Choice::choose
                                                                           : nullptr);
   return enable ? 1 : 0;
 }
