@@ -118,8 +118,9 @@ def test_ctrl_c_abandons_queued_work() -> None:
 # event recorded), an allocation, an event wait, the profiler's event. Each loop must stop
 # with KeyboardInterrupt, and the memory of what it made must all return.
 _INTERRUPTED_CALLBACK = """
-    import sys, torch, torchport.sim
+    import signal, sys, torch, torchport.sim
     from torch.profiler import ProfilerActivity, profile
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background job ignores it)
     where, scenario = sys.argv[1], sys.argv[2]
     rt = torchport.sim.BACKEND.runtime
     original, calls = getattr(rt, where), [0]
