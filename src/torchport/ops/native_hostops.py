@@ -10,9 +10,10 @@ allocator. Its uncommon calls (another device, conjugate views, CPU tensors with
 dimensions) it hands to the op's Python kernel, so results and errors stay the Python ones.
 
 Served so: the functional, in-place and ``out=`` ops whose schema holds only tensors,
-tensor lists, numbers, strings, dtypes and memory formats (no device, generator or
-layout), that draw no random numbers and change no tensor's metadata; and the factories
-whose CPU kernel is PyTorch's composite one (``full``, ``arange``), which C++ runs. On an
+tensor lists, numbers, strings, dtypes, memory formats and a generator (no device or
+layout), that change no tensor's metadata; random ones draw from the CPU generator the
+device's generator holds (``native_generator.cpp``). And the factories whose CPU kernel is
+PyTorch's composite one (``full``, ``arange``, ``randn``), which C++ runs. On an
 asynchronous runtime with C++ queues (the sim's, :meth:`HostOpKernels.queues`) the same C++
 kernels compute nothing: they queue the calls the Python kernels taught them
 (``native_queued_ops.cpp``) and hand the rest to the Python kernels. As with the view and
