@@ -29,6 +29,13 @@ gate = threading.Event()
 def close_gate(stream=None):
     gate.clear()
     rt.launch(0, stream, gate.wait, "gate")
+def raises_at_the_call(call, message):
+    try:
+        call()
+    except RuntimeError as e:
+        assert message in str(e), str(e)
+    else:
+        raise AssertionError("no error at the call")
 """
 
 
@@ -464,12 +471,7 @@ def test_copies_within_a_device_are_queued():
         h, i = d.half(), d.to(torch.int32)
         assert not gate.is_set(), "a copy waited for the stream"
         assert not torch.sim.current_stream().query()   # all queued behind the gate
-        try:
-            x.copy_(torch.ones(4, 5, device="sim"))
-        except RuntimeError as e:
-            assert "must match" in str(e), str(e)
-        else:
-            raise AssertionError("no error at the call")
+        raises_at_the_call(lambda: x.copy_(torch.ones(4, 5, device="sim")), "must match")
         gate.set()
         timer.cancel()
         for got, want in ((x, a), (t, a), (b, a.double().expand(3, 6, 5)), (h, a.half()),
@@ -516,12 +518,8 @@ def test_list_ops_and_factories_are_queued_as_cuda_queues_them():
                 assert torch.equal(g.cpu(), w), (g, w)
         close_gate()
         threading.Timer(10.0, gate.set).start()         # (a bad call may wait: the host's error)
-        try:
-            torch.cat([da, torch.ones(2, 3, device="sim")])
-        except RuntimeError as e:
-            assert "Sizes of tensors must match" in str(e), str(e)
-        else:
-            raise AssertionError("no error at the call")
+        raises_at_the_call(lambda: torch.cat([da, torch.ones(2, 3, device="sim")]),
+                           "Sizes of tensors must match")
         bad = da[torch.tensor([0, 9], device="sim")]     # returns; fails on the worker
         gate.set()
         try:
@@ -668,18 +666,11 @@ def test_explicit_out_calls_are_queued_with_their_errors_at_the_call():
             got = calls(da, db, got_outs)
             assert not gate.is_set(), "an out= call waited for the stream"
             assert not torch.sim.current_stream().query()
-            try:
-                torch.add(da, db, out=torch.empty(5, 6, dtype=torch.long, device="sim"))
-            except RuntimeError as e:
-                assert "can't be cast to the desired output type Long" in str(e), str(e)
-            else:
-                raise AssertionError("no error at the call")
-            try:
-                torch.add(da, db, out=torch.empty(5, 6, device="sim").expand(3, 5, 6))
-            except RuntimeError as e:
-                assert "more than one element" in str(e), str(e)
-            else:
-                raise AssertionError("no error at the call")
+            long = torch.empty(5, 6, dtype=torch.long, device="sim")
+            raises_at_the_call(lambda: torch.add(da, db, out=long),
+                               "can't be cast to the desired output type Long")
+            expanded = torch.empty(5, 6, device="sim").expand(3, 5, 6)
+            raises_at_the_call(lambda: torch.add(da, db, out=expanded), "more than one element")
             gate.set()
             timer.cancel()
             for g, w in zip(got, want, strict=True):
