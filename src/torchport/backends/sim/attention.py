@@ -14,9 +14,9 @@ The CPU's selection rules read shapes, strides, dtypes and flags, never data, so
 (as view ops do): no host views, no host op, in both memory modes.
 
 With torchport's C++ library the choice fills PyTorch's own stub instead
-(``native_attention.cpp``): PyTorch's ``scaled_dot_product_attention`` and
-MultiheadAttention's fast path then make the CPU's choice for the device themselves, with
-no Python call, and the autograd kernel here is not registered.
+(``native_attention.cpp``): PyTorch's ``scaled_dot_product_attention`` then makes the
+CPU's choice for the device itself, with no Python call, and the autograd kernel here is
+not registered.
 """
 
 from __future__ import annotations
