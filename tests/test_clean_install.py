@@ -156,7 +156,7 @@ def test_every_command_has_help(venv: Path, tmp_path: Path):
         assert name in top.stdout, name
         r = _run(venv, "torchport", name, "--help", cwd=tmp_path)
         assert r.returncode == 0 and "Usage" in r.stdout, (name, r.stdout + r.stderr)
-    for module in ("torchport.run", "torchport.tools.conformance"):
+    for module in ("torchport.tools.run", "torchport.tools.conformance"):
         r = _run(venv, "python", "-m", module, "--help", cwd=tmp_path)
         assert r.returncode == 0 and "usage" in r.stdout.lower(), (module, r.stdout + r.stderr)
 

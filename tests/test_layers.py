@@ -1,9 +1,11 @@
 """torchport's layers (pyproject.toml, [tool.importlinter]; docs/architecture.md, Layers).
 
 ``lint-imports`` checks the source as ``make lint`` does; then a copy of the package with
-one upward import added must break the contract, whichever way the import is written.
+one upward import added must break the contract, whichever way the import is written. The
+package root holds only what docs/architecture.md's Layout names.
 """
 
+import re
 import shutil
 import subprocess
 import sys
@@ -168,65 +170,31 @@ def test_two_hooks_on_one_module_import_both_run(tmp_path: Path, monkeypatch: py
     assert seen[-1] == "later"
 
 
-def test_the_old_paths_of_moved_modules_are_the_moved_modules():
-    """``torchport.allocator`` and the others moved into core/, memory/ and device/: the old
-    name is the same module object (monkeypatch targets, pickles), with a DeprecationWarning."""
-    out = _python(
-        "import importlib, warnings\n"
-        "moved = {'settings': 'core', 'native': 'core', 'allocator': 'memory',\n"
-        "         'tensors': 'memory', 'device_module': 'device', 'streams': 'device'}\n"
-        "for old, folder in moved.items():\n"
-        "    with warnings.catch_warnings(record=True) as caught:\n"
-        "        warnings.simplefilter('always')\n"
-        "        m = importlib.import_module('torchport.' + old)\n"
-        "    assert m is importlib.import_module(f'torchport.{folder}.{old}'), old\n"
-        "    assert any(issubclass(w.category, DeprecationWarning)\n"
-        "               and f'torchport.{folder}.{old}' in str(w.message) for w in caught), old\n"
-        "from torchport.allocator import DeviceAllocator\n"
-        "from torchport.memory.allocator import DeviceAllocator as again\n"
-        "assert DeviceAllocator is again\n"
-        "print('ok')\n")
-    assert out.strip() == "ok", out
+def _documented_layout() -> set[str]:
+    """The top-level entries of src/torchport/ that docs/architecture.md's Layout block
+    names: its lines indented by two spaces, each a path (or paths, comma-separated) then
+    its description; ``ops/plan.py`` names ``ops``."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    lines = block.split("src/torchport/\n", 1)[1].splitlines()
+    names = set()
+    for line in lines:
+        if not line.startswith("  "):
+            break  # the next top-level entry (src/_torchport_autoload/)
+        if line.startswith("   "):
+            continue  # a subfolder's entry or a description's continuation
+        paths = re.match(r"  ((?:[\w./]+, )*[\w./]+)", line).group(1)
+        names |= {path.split("/")[0] for path in paths.split(", ")}
+    return names
 
 
-def test_the_old_paths_of_moved_packages_are_the_moved_packages_with_their_submodules():
-    """``torchport.debug``, ``.migrate``, ``.conformance`` (now under tools/) and ``.amp`` (now
-    device/amp): the package and each submodule, imported by the old name, are the moved
-    module objects, which keep their own ``__name__``/``__spec__`` (pickles of their classes
-    name the new path); the old package's import warns once with the new path."""
-    out = _python(
-        "import importlib, pickle, sys, warnings\n"
-        "moved = {'debug': 'tools.debug', 'migrate': 'tools.migrate',\n"
-        "         'conformance': 'tools.conformance', 'amp': 'device.amp'}\n"
-        "subs = {'debug': 'compare', 'migrate': 'rewriter', 'conformance': 'catalog',\n"
-        "        'amp': 'policy'}\n"
-        "for old, new in moved.items():\n"
-        "    with warnings.catch_warnings(record=True) as caught:\n"
-        "        warnings.simplefilter('always')\n"
-        "        sub = importlib.import_module(f'torchport.{old}.{subs[old]}')\n"
-        "    real = importlib.import_module(f'torchport.{new}.{subs[old]}')\n"
-        "    assert sub is real, old\n"
-        "    assert real.__spec__.name == real.__name__ == f'torchport.{new}.{subs[old]}', old\n"
-        "    assert importlib.import_module(f'torchport.{old}') is importlib.import_module(\n"
-        "        f'torchport.{new}'), old\n"
-        "    assert any(issubclass(w.category, DeprecationWarning)\n"
-        "               and f'torchport.{new}' in str(w.message) for w in caught), old\n"
-        "from torchport.debug.compare import TensorDiff\n"
-        "from torchport.tools.debug.compare import TensorDiff as again\n"
-        "assert TensorDiff is again and TensorDiff.__module__ == 'torchport.tools.debug.compare'\n"
-        "import torchport.debug\n"
-        "assert torchport.debug.autocompare is importlib.import_module(\n"
-        "    'torchport.tools.debug.crosscheck').autocompare\n"
-        "print('ok')\n")
-    assert out.strip() == "ok", out
-
-
-def test_python_m_runs_the_moved_package_by_its_old_name():
-    """``python -m torchport.conformance`` (a package's ``__main__``) and ``python -m
-    torchport.conformance.compiled`` (a submodule) run the moved code as ``__main__``."""
-    for name, prog in (("torchport.conformance", "torchport.tools.conformance"),
-                       ("torchport.conformance.compiled", "torchport.tools.conformance.compiled")):
-        proc = subprocess.run([sys.executable, "-m", name, "--help"], capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        assert f"usage: python -m {prog}" in " ".join(proc.stdout.split()), proc.stdout
+def test_the_package_root_holds_only_the_documented_modules():
+    """src/torchport/ holds the public modules and the layer folders, each named in
+    docs/architecture.md's Layout; a module moved into a layer leaves no file (or empty
+    folder, which Python would import as a namespace package) behind."""
+    documented = _documented_layout()
+    assert {"__init__.py", "runtime.py", "backend.py", "core", "ops", "tools"} <= documented
+    present = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"}
+    assert present == documented, (
+        f"src/torchport/ and docs/architecture.md's Layout differ: not documented "
+        f"{sorted(present - documented)}, documented but missing {sorted(documented - present)}")

@@ -1,5 +1,0 @@
-"""Moved to :mod:`torchport.tools.debug`; this old path is an alias of it (and of its submodules)."""
-
-from torchport._moved import alias_package
-
-alias_package(__name__, "torchport.tools.debug")
