@@ -53,6 +53,74 @@ def test_the_generator_covers_the_op_families() -> None:
         assert family in tags, family
 
 
+def test_the_generator_draws_sparse_quantized_and_same_op_sequences() -> None:
+    from torchport.tools.fuzz.generator import _Gen
+
+    tags: set[str] = set()
+    ran: set[str] = set()  # kinds the CPU ran without an error (their results are compared)
+    runs: list[list[str]] = []  # consecutive calls of one op: each call's source
+    for i in range(60):
+        g = _Gen(0, i, lambda tag: False)
+        g.build()
+        prev = None
+        for step, rec in zip(g.steps, g.rec.steps, strict=True):
+            kind = ":".join(step.tag.split("@")[0].split(":")[:2])
+            tags.add(kind)
+            if rec["error"] is None:
+                ran.add(kind)
+            op = step.tag.split("@")[0] if step.tag.startswith("seq:") else None
+            if op and op == prev:
+                runs[-1].append(step.code[0].split(" = ", 1)[1])
+            elif op:
+                runs.append([step.code[0].split(" = ", 1)[1]])
+            prev = op
+    for kind in ("sparse:coo", "sparse:coo-uncoalesced", "sparse:csr", "sparse:csc",
+                 "quant:dev", "quant:cpu"):
+        assert kind in ran, kind
+    assert len({t for t in tags if t.startswith("seq:")}) >= 15
+    # the calls of a sequence differ in their arguments: a learnt path is tried on others
+    varied = [r for r in runs if len(r) >= 2 and len(set(r)) == len(r)]
+    assert len(varied) >= 20, runs
+    dtypes = [{c.split("torch.")[1].split(")")[0] for c in r if "torch." in c} for r in runs]
+    assert sum(len(d) >= 2 for d in dtypes) >= 5  # dtype changes within a sequence
+
+
+def test_the_comparator_compares_sparse_and_quantized_tensors() -> None:
+    steps = [Step("sparse", ["s = mk((3, 4), torch.float32, 1).to(dev).to_sparse_csr()",
+                             "r = s.to_sparse()"], ["s", "r"]),
+             Step("quant", ["q = torch.quantize_per_tensor(mk((4,), torch.float32, 2).to(dev),"
+                            " 0.1, 3, torch.quint8)"], ["q"])]
+    ns: dict[str, Any] = {k: getattr(prelude, k) for k in dir(prelude) if not k.startswith("__")}
+    exec(Program(0, 0, steps).source(), ns)  # noqa: S102
+    cpu = prelude.run(ns["program"], "cpu", "cpu")
+    dev = prelude.run(ns["program"], "sim", "sim:1")
+    assert cpu["steps"][0]["error"] is None and cpu["steps"][1]["error"] is None
+    assert cpu["steps"][0]["values"]["s"]["layout"] == "torch.sparse_csr"
+    assert prelude.compare_traces(cpu, dev) == []
+
+    def planted(edit: Any) -> list[str]:
+        d = copy.deepcopy(dev)
+        edit(d["steps"])
+        return [x["kind"] for x in prelude.compare_traces(cpu, d)]
+
+    def layout(steps: list) -> None:
+        steps[0]["values"]["r"]["layout"] = "torch.sparse_csr"
+
+    def dense_value(steps: list) -> None:
+        steps[0]["values"]["s"]["values"][0, 0] += 1
+
+    def quantizer(steps: list) -> None:
+        steps[1]["values"]["q"]["quantizer"] = ("torch.per_tensor_affine", 0.1, 4)
+
+    def int_repr(steps: list) -> None:
+        steps[1]["values"]["q"]["values"][0] += 1
+
+    assert planted(layout) == ["layout"]
+    assert planted(dense_value) == ["value"]
+    assert planted(quantizer) == ["quantizer"]
+    assert planted(int_repr) == ["value"]
+
+
 def test_excluded_tags_are_not_drawn() -> None:
     exclude = known.excluder("default")
     for i in range(30):

@@ -24,12 +24,13 @@ from torchport.tools.fuzz.catalog import ALL_DTYPES, FLOATS, INTS, SHAPES, dt
 from torchport.tools.fuzz.program import Program, Step, Var
 from torchport.tools.fuzz.steps_compute import ComputeSteps
 from torchport.tools.fuzz.steps_features import FeatureSteps
+from torchport.tools.fuzz.steps_layouts import LayoutSteps
 from torchport.tools.fuzz.steps_memory import MemorySteps
 
 __all__ = ["ALL_DTYPES", "FLOATS", "INTS", "SHAPES", "Program", "Step", "Var", "dt", "generate"]
 
 
-class _Gen(MemorySteps, ComputeSteps, FeatureSteps):
+class _Gen(MemorySteps, ComputeSteps, FeatureSteps, LayoutSteps):
     """Builds one program, running each step on the CPU as it goes."""
 
     def build(self) -> Program:
@@ -40,7 +41,8 @@ class _Gen(MemorySteps, ComputeSteps, FeatureSteps):
                  (self.linalg, 1.5), (self.autograd, 1.5), (self.module, 0.6),
                  (self.random, 1), (self.serialize, 0.7), (self.device1, 0.8),
                  (self.thread, 0.8), (self.resize, 0.7), (self.join, 1), (self.item, 1),
-                 (self.copy, 1.2)]
+                 (self.copy, 1.2), (self.sparse, 0.8), (self.quantized, 0.8),
+                 (self.sequence, 2)]
         fns, weights = zip(*kinds, strict=True)
         target, tries = self.rng.randint(5, 20), 0
         while len(self.steps) < target + 4 and tries < 200:

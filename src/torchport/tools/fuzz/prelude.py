@@ -73,6 +73,23 @@ def in_thread(fn: Callable[[], Any]) -> Any:
 def snapshot(v: Any) -> dict[str, Any]:
     """What a run remembers of a value: a tensor's dtype, shape, strides, device and values
     (a CPU copy), a sequence's items, a plain Python value itself."""
+    if isinstance(v, torch.Tensor) and v.layout != torch.strided:
+        # sparse: no strides; its layout and its values as a dense CPU tensor
+        t = v.detach()
+        return {"t": "T", "dtype": str(t.dtype), "shape": tuple(t.shape), "stride": (),
+                "layout": str(t.layout), "device": str(t.device),
+                "requires_grad": v.requires_grad, "values": t.cpu().to_dense()}
+    if isinstance(v, torch.Tensor) and v.is_quantized:
+        # quantized: its quantization parameters, and its integer representation as values
+        t = v.detach()
+        if t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            q: Any = (str(t.qscheme()), t.q_scale(), t.q_zero_point())
+        else:
+            q = (str(t.qscheme()), t.q_per_channel_scales().cpu().tolist(),
+                 t.q_per_channel_zero_points().cpu().tolist(), t.q_per_channel_axis())
+        return {"t": "T", "dtype": str(t.dtype), "shape": tuple(t.shape),
+                "stride": tuple(t.stride()), "quantizer": q, "device": str(t.device),
+                "requires_grad": v.requires_grad, "values": t.cpu().int_repr()}
     if isinstance(v, torch.Tensor):
         t = v.detach()
         return {"t": "T", "dtype": str(t.dtype), "shape": tuple(t.shape),
@@ -220,6 +237,10 @@ def _compare_value(path: str, c: dict[str, Any], d: dict[str, Any], step: dict[s
     if c["shape"] != d["shape"]:
         out.append(("shape", f"{path}: cpu {c['shape']} vs device {d['shape']}"))
         return
+    for key in ("layout", "quantizer"):  # sparse and quantized tensors
+        if c.get(key) != d.get(key):
+            out.append((key, f"{path}: cpu {c.get(key)} vs device {d.get(key)}"))
+            return
     if top in step["strides"] and c["stride"] != d["stride"] and math.prod(c["shape"]) > 1:
         out.append(("stride", f"{path}: cpu {c['stride']} vs device {d['stride']}"))
     if c["requires_grad"] != d["requires_grad"]:
@@ -275,7 +296,7 @@ def compare_step(c: dict[str, Any], d: dict[str, Any],
 # Steps CUDA computes where the CPU raises: the device must compute too (its values are
 # CUDA's, with no CPU result to compare). Integer histc: CUDA's kernel (SummaryOps.cu) takes
 # integer dtypes, the CPU's is floating-only.
-CUDA_COMPUTES = ("reduce:histc*@*int*",)
+CUDA_COMPUTES = ("reduce:histc*@*int*", "seq:histc@*int*")
 
 
 def compare_traces(cpu: dict[str, Any], dev: dict[str, Any]) -> list[dict[str, Any]]:
