@@ -18,6 +18,10 @@ serve it:
   ``DispatchStub`` on the device tensor ("missing kernel for sim"); here the ``out=``
   overload with the tensor as its own output, which reaches the device's kernel (or the
   CPU fallback).
+* ``mode.values``: its only kernel is a composite that refuses any device but the CPU,
+  CUDA and XPU ("mode only supports CPU, CUDA and XPU device type"); here the CPU's
+  composite through the CPU fallback (``at::mode`` then copies into the outputs, as on
+  CUDA), so ``torch.mode(x, out=(v, i))`` gives the functional call's bits.
 * ``_scaled_dot_product_fused_attention_overrideable`` and its backward: the fused
   attention a PrivateUse1 backend may route SDPA to; here computed by PyTorch's math
   path on the device, returning what the op's meta kernel promises.
@@ -51,6 +55,7 @@ Tensor = torch.Tensor
 _CONV = torch.ops.aten.convolution.default
 _CONV_BACKWARD = torch.ops.aten.convolution_backward.default
 _SDPA_MATH = torch.ops.aten._scaled_dot_product_attention_math.default
+_MODE_VALUES = torch.ops.aten.mode.values
 _INT_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 _I64 = torch.iinfo(torch.int64)
 
@@ -203,6 +208,12 @@ def make_kernel_set(backend: DeviceBackend) -> KernelSet:
         if not self.is_complex():
             return self  # the composite's own shortcut
         return torch.ops.aten.conj_physical.out(self, out=self)
+
+    @ks.kernel("mode.values")
+    def mode_values(self: Tensor, dim: int = -1, keepdim: bool = False, *, values: Tensor,
+                    indices: Tensor) -> tuple[Tensor, Tensor]:
+        return fallback.run_cpu(backend, _MODE_VALUES, "mode", (self, dim, keepdim),
+                                {"values": values, "indices": indices})
 
     @ks.kernel("convolution_overrideable.default")
     def convolution_overrideable(input: Tensor, weight: Tensor, bias: Tensor | None,  # noqa: A002

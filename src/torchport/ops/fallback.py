@@ -292,9 +292,9 @@ def _choose_path(backend: DeviceBackend, op: Any, name: str, args: tuple,
 def _run_path(backend: DeviceBackend, op: Any, name: str, args: tuple, kwargs: dict,
               d: Callable[..., Any] | None, forced: bool) -> Any:
     if d is not None:
-        plan = plan_for(op)
-        if plan.write_args:  # the decomposition would write a CPU out= (CUDA raises)
-            hostexec.op_device(backend, op, plan, args, kwargs)
+        # CUDA's device checks first: the decomposition would write a CPU out=, or take a
+        # CPU index its ops accept (``take`` becomes ``x.flatten()[index]``)
+        hostexec.op_device(backend, op, plan_for(op), args, kwargs)
         if not stats.ENABLED:
             return _run_decomposition(op, d, args, kwargs)
         t0 = time.perf_counter()

@@ -23,7 +23,7 @@ import torch
 from torchport.core import native
 from torchport.memory import qtensors, tensors
 from torchport.ops import teardown
-from torchport.ops.plan import OpPlan, numbers_as_tensors, plan_for
+from torchport.ops.plan import OpPlan, bind, named_arguments, numbers_as_tensors, plan_for
 
 if TYPE_CHECKING:
     from torchport.core.contracts import DeviceBackend
@@ -38,6 +38,11 @@ class DeviceMismatchError(RuntimeError):
     """Tensors of one op live on different devices."""
 
 
+class HostArgumentError(RuntimeError):
+    """A device tensor where CUDA's kernels read the argument on the host and require a CPU
+    tensor (foreach's packed ``scalars``)."""
+
+
 class GeneratorDeviceError(RuntimeError):
     """A random op was given a generator of another device type (CUDA's kernels raise
     RuntimeError with the same words)."""
@@ -45,18 +50,25 @@ class GeneratorDeviceError(RuntimeError):
 
 def op_device(backend: DeviceBackend, op: Any, plan: OpPlan, args: tuple, kwargs: dict) -> int | None:
     """The device index an op runs on (``None``: a factory op naming a device of another
-    type, ``ones_like(x, device="cpu")``, whose result stays there); raises when its
-    tensors are on different devices."""
+    type, ``ones_like(x, device="cpu")``, whose result stays there); raises where CUDA's
+    kernels do when its tensors are on different devices: a CPU tensor is accepted as a
+    0-dim operand (TensorIterator's CPU scalars) or where :data:`torchport.ops.plan.CPU_ARGS`
+    and :data:`~torchport.ops.plan.HOST_ARGS` say CUDA takes one."""
     name = backend.name
     found: torch.device | None = None
-    for v in _iter_tensors(args, kwargs):
+    for arg, v in _named_tensors(plan, args, kwargs):
         d = v.device
         if d.type == name:
+            if arg in plan.host_args:
+                raise HostArgumentError(
+                    f"Expected {arg} to be on CPU, got {d} instead (in {plan.overload_name}; "
+                    f"pass them as a CPU tensor: {arg}.cpu())")
             if found is None:
                 found = d
             elif d != found:
                 _mismatch(found, d, plan)
-        elif v.dim() > 0 and not plan.mixed_device_ok:
+        elif v.dim() > 0 and arg not in plan.cpu_args and arg not in plan.host_args \
+                and not _masked_fill_value(plan, arg, v, name, args, kwargs):
             _raise_argument_error(op, backend.name, args, kwargs)
             _mismatch(found or torch.device(name), d, plan, name, args, kwargs)
     if plan.write_args:  # a 0-dim CPU tensor is an operand, never an output (as on CUDA)
@@ -67,6 +79,32 @@ def op_device(backend: DeviceBackend, op: Any, plan: OpPlan, args: tuple, kwargs
     if named is not None:  # ``zeros_like(x, device="sim:1")``: there
         return backend.index_of(named) if named.type == name else None
     return backend.index_of(None) if found is None else found.index
+
+
+def _named_tensors(plan: OpPlan, args: tuple, kwargs: dict):
+    """(schema name, tensor) of each tensor of a call, also inside tensor lists."""
+    for arg, v in named_arguments(plan, args, kwargs):
+        if isinstance(v, Tensor):
+            yield arg, v
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                if isinstance(x, Tensor):
+                    yield arg, x
+
+
+def _masked_fill_value(plan: OpPlan, arg: str, v: Tensor, name: str, args: tuple,
+                       kwargs: dict) -> bool:
+    """``index_put_``'s CPU ``values`` of one element that CUDA takes: ATen's
+    ``canDispatchToMaskedFill`` makes ``x[mask] = v`` a ``masked_fill_`` with ``v.item()``
+    when nothing accumulates and the only index is a bool/uint8 mask on the device."""
+    if arg != "values" or "indices" not in plan.cpu_args or v.numel() != 1:
+        return False
+    bound = bind(plan, args, kwargs)
+    if bound.get("accumulate", False):
+        return False
+    given = [i for i in bound.get("indices") or () if i is not None]
+    return len(given) == 1 and given[0].dtype in (torch.bool, torch.uint8) \
+        and given[0].device.type == name
 
 
 def named_device(plan: OpPlan, args: tuple, kwargs: dict) -> torch.device | None:

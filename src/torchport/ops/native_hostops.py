@@ -70,7 +70,9 @@ def servable(op: torch._ops.OpOverload) -> bool:
     p = plan_for(op)
     # (a random op draws in C++ from the CPU generator of the device's generator: the one
     # given, or through the CPU's default one, as the Python kernels do)
-    if p.is_view or p.has_device_arg or p.stride_blind_out \
+    # (an argument that must be a CPU tensor, foreach's ``scalars``: the Python kernel
+    # checks it, hostexec.op_device)
+    if p.is_view or p.has_device_arg or p.stride_blind_out or p.host_args \
             or (p.num_returns == 0 and not p.write_args) or torch.Tag.inplace_view in op.tags:
         return False
     name = op._schema.name.split("::")[1]

@@ -16,11 +16,24 @@ import torch
 
 _PLANS: dict[object, OpPlan] = {}
 
-# Ops whose CUDA kernels accept CPU index tensors next to device tensors.
-MIXED_DEVICE_OK = frozenset({
-    "aten::index.Tensor", "aten::index.Tensor_out", "aten::index_put_", "aten::index_put",
-    "aten::_index_put_impl_", "aten::_index_put_impl",
-})
+# Where CUDA's kernels take a tensor argument on the CPU next to device tensors; everywhere
+# else only TensorIterator's CPU scalars (0-dim) may be (hostexec.op_device applies both).
+# CPU_ARGS: any CPU tensor -- index tensors ATen's AdvancedIndex moves to the device (the
+# ``values`` of index_put stay on the device unless 0-dim, or the masked_fill shortcut).
+_INDICES = frozenset({"indices"})
+CPU_ARGS: dict[str, frozenset[str]] = {
+    "aten::index.Tensor": _INDICES, "aten::index.Tensor_out": _INDICES,
+    "aten::index_put_": _INDICES, "aten::index_put": _INDICES,
+    "aten::_index_put_impl_": _INDICES, "aten::_index_put_impl": _INDICES,
+}
+# HOST_ARGS: arguments CUDA reads on the host and requires on the CPU: foreach's packed
+# scalars (ForeachUtils.h ``convert_tensor_to_scalar_list``: "Expected scalars to be on
+# CPU"), checked before anything else, so also for integer and bool inputs.
+_SCALARS = frozenset({"scalars"})
+HOST_ARGS: dict[str, frozenset[str]] = {
+    f"aten::_foreach_{op}.Tensor": _SCALARS
+    for op in ("addcdiv", "addcdiv_", "addcmul", "addcmul_")
+}
 
 # out= overloads whose CPU kernel writes its output as if it were contiguous: given a
 # non-contiguous ``out`` of the right size, it scatters wrong values (CUDA's kernels
@@ -57,7 +70,9 @@ class OpPlan:
     has_device_arg: bool
     has_generator_arg: bool
     random: bool
-    mixed_device_ok: bool
+    mixed_device_ok: bool  # takes a tensor on the CPU by design (CPU_ARGS or HOST_ARGS)
+    cpu_args: frozenset[str]  # CPU_ARGS: may be CPU tensors of any shape
+    host_args: frozenset[str]  # HOST_ARGS: must be CPU tensors
     stride_blind_out: bool  # in STRIDE_BLIND_OUT
     num_returns: int
     # positions of single-Tensor arguments: there a boxed call to Python hands a kernel a
@@ -114,7 +129,9 @@ def _make_plan(op: torch._ops.OpOverload) -> OpPlan:
         has_device_arg="device" in names,
         has_generator_arg="generator" in names,
         random=torch.Tag.nondeterministic_seeded in op.tags,
-        mixed_device_ok=name in MIXED_DEVICE_OK,
+        mixed_device_ok=name in CPU_ARGS or name in HOST_ARGS,
+        cpu_args=CPU_ARGS.get(name, frozenset()),
+        host_args=HOST_ARGS.get(name, frozenset()),
         stride_blind_out=name in STRIDE_BLIND_OUT,
         num_returns=len(schema.returns),
         number_slots=tuple(i for i, a in enumerate(schema.arguments)

@@ -30,7 +30,7 @@ def qualifies(op: torch._ops.OpOverload, lists: bool = False, random: bool = Fal
     ``_foreach_*``); ``random``: also random ops (:func:`random_functional`)."""
     p = plan_for(op)  # (a list kernel sends any tensor of another device to the general path)
     return not (p.write_args or (p.random and not random) or p.has_device_arg or p.is_view
-                or (p.mixed_device_ok and not lists) or p.num_returns == 0
+                or (p.mixed_device_ok and not lists) or p.host_args or p.num_returns == 0
                 or (not lists and takes_tensor_lists(op)))
 
 
@@ -38,10 +38,12 @@ def in_place(op: torch._ops.OpOverload) -> bool:
     """An in-place op (``add_``, ``_foreach_mul_``, ``index_put_``): it writes its first
     argument (a tensor or a list of them) and returns it or nothing; no resize, no
     randomness. (``index_put_`` with CPU indices, which CUDA accepts, reaches the general
-    path: the in-place kernel takes tensors of the device only.)"""
+    path: the in-place kernel takes tensors of the device only; so do ops whose argument
+    must be on the CPU, ``_foreach_addcdiv_``'s ``scalars``: a device one raises there.)"""
     p = plan_for(op)
     first = p.arg_names[0] if p.arg_names else None
     return (op._schema.name.endswith("_") and p.write_args == (first,) and not p.random
+            and not p.host_args
             and not p.has_device_arg and all(a == first for a in p.return_alias))
 
 
