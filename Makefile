@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-torch test-graph test-opencl conformance compiled-conformance examples zoo quant stress fuzz bench lint clean
+.PHONY: demo test test-torch test-graph test-opencl test-vendor conformance compiled-conformance examples zoo quant stress fuzz bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -100,6 +100,21 @@ test-opencl: $(STAMP)
 # compiled training, minutes of compiling on 2 cores).
 test-graph: $(STAMP)
 	TORCHPORT_FULL_MODELS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m graph tests
+
+# The reference backend (torchport.backends.reference, device ref: device-only memory, a
+# worker thread per stream, numpy kernels) through the long suites: every OpInfo
+# (reports/conformance-ref.{json,md}), its own tests, and PyTorch's device-generic test
+# files where ../shared/upstream has them. All runs always execute.
+test-vendor: $(STAMP)
+	rc=0; \
+	$(BIN)/python -m torchport.tools.conformance --backend torchport.backends.reference \
+		$(CONFORMANCE_ARGS) --name conformance-ref || rc=1; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_vendor_reference.py || rc=1; \
+	if [ -f ../shared/upstream/run_upstream.sh ]; then \
+		UPSTREAM_DEVICE_UNDER_TEST=ref UPSTREAM_BACKEND=torchport.backends.reference \
+			bash ../shared/upstream/run_upstream.sh || rc=1; \
+	fi; \
+	exit $$rc
 
 # Every OpInfo of PyTorch's op_db, sim vs CPU (python -m torchport.tools.conformance, which a vendor
 # runs with --backend against its own), in both sim memory modes, default
