@@ -178,6 +178,7 @@ with torch.ref.stream(s):
         "factories": (torch.full((3, 4), 2.5, device="ref") + torch.ones(3, 4, device="ref"),
                       torch.full((3, 4), 3.5)),
         "arange": (torch.arange(10, device="ref") * 3, torch.arange(10) * 3),
+        "fallback": (y.exp(), (x * 2).exp()),
         "to ref:1": (y.to("ref:1"), x * 2),
     }
     z = torch.zeros(16, 12, device="ref")
