@@ -312,6 +312,65 @@ def test_quantized_ops_compute_as_the_cpu(name: str) -> None:
     assert_same_q(f(c.to("sim")), f(c))
 
 
+def _quantizing_calls(dev: str) -> list:
+    """Quantization on ``dev``: the dense ops that make quantized tensors, ``int_repr`` and
+    ``dequantize`` of each scheme and sub-byte dtype, quantized kernels, fake quantization."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 3, 4, 4, generator=g) * 2).to(dev)
+    scales, zps = torch.tensor([0.05, 0.1, 0.02]).to(dev), torch.tensor([3, 0, 7]).to(dev)
+    qt = torch.quantize_per_tensor(x, 0.05, 64, torch.quint8)
+    qs = torch.quantize_per_tensor(x, torch.tensor(0.03).to(dev), torch.tensor(2).to(dev),
+                                   torch.qint8)
+    qc = torch.quantize_per_channel(x, scales, zps, 1, torch.qint32)
+    q4 = torch.quantize_per_tensor(x, 0.3, 8, torch.quint4x2)
+    qd = torch.quantize_per_tensor_dynamic(x, torch.quint8, False)
+    made = torch._make_per_tensor_quantized_tensor(qt.int_repr(), 0.05, 64)
+    fake, mask = torch.ops.aten.fake_quantize_per_tensor_affine_cachemask(x, 0.1, 3, 0, 255)
+    return [*(q.int_repr() for q in (qt, qs, qc, q4, qd, made)),
+            *(q.dequantize() for q in (qt, qs, qc, q4, qd, made)),
+            F.max_pool2d(qt, 2).int_repr(), torch.ops.quantized.add(qt, qt, 0.1, 10).int_repr(),
+            qt.mean((2, 3)).int_repr(), fake, mask]
+
+
+def test_quantized_ops_are_the_sims_own_kernels() -> None:
+    """The sim computes with the CPU's kernels and declares its quantized ones its own (as
+    its sparse ones): no fallback warning, the native path, the CPU's results."""
+    import warnings
+    expected = _quantizing_calls("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tops.FallbackWarning)
+        with tops.record() as r:
+            got = _quantizing_calls("sim")
+    for g, e in zip(got, expected, strict=True):
+        assert g.device.type == "sim" and g.dtype == e.dtype and g.stride() == e.stride()
+        assert torch.equal(g.cpu(), e)
+    for name in ("quantize_per_tensor", "quantize_per_tensor.tensor_qparams",
+                 "quantize_per_channel", "quantize_per_tensor_dynamic", "int_repr",
+                 "dequantize.self", "quantized_max_pool2d", "fake_quantize_per_tensor_affine_cachemask"):
+        assert r.path_of(name) == "native", (name, r.ops[name].paths)
+
+
+@pytest.fixture
+def without_quantized_host_ops(monkeypatch):
+    """The sim as a backend that did not declare the CPU's quantized kernels its own."""
+    from torchport.ops import fallback, quantized
+    monkeypatch.setattr(quantized, "_HOST_VIEW", [])
+    monkeypatch.setattr(fallback, "_WARNED", set())
+    monkeypatch.setattr(fallback, "_WARNED_SITES", set())
+
+
+@pytest.mark.usefixtures("without_quantized_host_ops")
+def test_other_backends_take_the_cpu_fallback_with_its_warning() -> None:
+    x = torch.randn(3, 5)
+    with pytest.warns(tops.FallbackWarning, match="quantize_per_tensor"), tops.record() as r:
+        d = torch.quantize_per_tensor(x.to("sim"), 0.05, 3, torch.quint8)
+    with pytest.warns(tops.FallbackWarning, match="int_repr"):
+        ints = d.int_repr()
+    c = torch.quantize_per_tensor(x, 0.05, 3, torch.quint8)
+    assert torch.equal(ints.cpu(), c.int_repr())
+    assert r.path_of("quantize_per_tensor") == "fallback"
+
+
 def test_eager_mode_quantized_modules() -> None:
     """torch.ao's quantized modules (packed weights stay the CPU's objects) on device inputs."""
     import torch.ao.nn.quantized as nnq

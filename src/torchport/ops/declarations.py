@@ -49,8 +49,8 @@ class KernelDecl:
     to_cpu: Callable[[torch.Tensor], torch.Tensor] | None = None
     dtypes: frozenset[torch.dtype] | None = None
     kind: str = "aten"  # "aten": as registered; "out": functional/in-place derived; "host";
-    # "autograd"; "sparse": for sparse tensors of ``layout``; "sparse_host": the CPU's sparse
-    # kernels over ``to_cpu``'s views
+    # "autograd"; "sparse": for sparse tensors of ``layout``; "sparse_host"/"quantized_host":
+    # the CPU's sparse/quantized kernels over ``to_cpu``'s views
     derived_from: str | None = None  # for overloads derived from an out= kernel
     layout: torch.layout | None = None  # a "sparse" kernel's layout
 
@@ -120,6 +120,14 @@ class KernelSet:
         ``to_cpu`` of the indices and values (as :meth:`host_ops` does for dense ops): they
         serve sparse ops as native kernels, without a fallback warning."""
         self.decls.append(KernelDecl("sparse", None, to_cpu, None, "sparse_host"))
+
+    def quantized_host_ops(self, to_cpu: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Declare PyTorch's CPU quantized kernels this device's own (those of
+        ``QuantizedCPU``, and the dense ops that make quantized tensors, such as
+        ``quantize_per_tensor``), run on views made by ``to_cpu`` of the device's bytes (as
+        :meth:`sparse_host_ops` does for sparse ones): native kernels, without a fallback
+        warning."""
+        self.decls.append(KernelDecl("quantized", None, to_cpu, None, "quantized_host"))
 
     def host_ops(self, names: Iterable[str], to_cpu: Callable[[torch.Tensor], torch.Tensor],
                  dtypes: Iterable[torch.dtype] | None = None) -> None:

@@ -15,6 +15,11 @@ paths:
   view (or copy) of the device tensors (:mod:`torchport.memory.qtensors` makes those views) and
   returns results to the device. Results are the CPU's, bit for bit.
 
+A device whose kernels are CPU kernels on its own view of its memory (the sim) declares
+those CPU kernels its own with ``ks.quantized_host_ops(to_cpu)``, as it does the sparse
+ones: then they run on that view as native kernels, without a fallback warning, and so do
+the dense ops that make quantized tensors (:data:`QUANTIZING`, ``quantize_per_tensor``...).
+
 Copies (``copy_``, ``.to``) reach ``_copy_from`` here, served by :func:`copy`.
 
 The int8/int4 matmuls (:data:`LOW_BIT_KERNELS`) are ordinary dense ops a vendor declares in
@@ -24,6 +29,7 @@ its kernel set; :func:`install_int_mm_route` sends torchao's int8 x int8 product
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +38,8 @@ import torch
 from torchport.core import native
 from torchport.memory import qtensors, tensors
 from torchport.memory.allocator import NativeAllocator
-from torchport.ops import fallback
+from torchport.ops import fallback, hostexec, stats
+from torchport.ops.declarations import Decline
 from torchport.ops.plan import plan_for
 
 if TYPE_CHECKING:
@@ -53,6 +60,21 @@ METADATA = frozenset({
 # declaration they take the CPU fallback.
 LOW_BIT_KERNELS = ("_int_mm", "_weight_int8pack_mm", "_convert_weight_to_int4pack_for_cpu",
                    "_weight_int4pack_mm_for_cpu")
+
+
+# The dense ops of quantization (float in; quantized or fake-quantized out): the CPU's
+# kernels serve them on a device that declared its quantized kernels the CPU's.
+QUANTIZING = ("quantize_per_tensor.default", "quantize_per_tensor.tensor_qparams",
+              "quantize_per_tensor.tensors", "quantize_per_tensor_dynamic.default",
+              "quantize_per_channel.default", "_make_per_tensor_quantized_tensor.default",
+              "_make_per_channel_quantized_tensor.default",
+              "fake_quantize_per_tensor_affine_cachemask.default",
+              "_fake_quantize_per_tensor_affine_cachemask_tensor_qparams.default",
+              "fake_quantize_per_channel_affine_cachemask.default")
+
+# the device's own view of its memory, where the CPU's quantized kernels are its own
+_HOST_VIEW: list[Callable[[torch.Tensor], torch.Tensor]] = []
+_HAS_CPU_KERNEL: dict[str, bool] = {}
 
 
 class QuantizedUnavailableError(NotImplementedError):
@@ -98,9 +120,73 @@ def make_fallback(backend: DeviceBackend) -> Callable[..., Any]:
             return copy(backend, args[1], args[0])
         if name == "resize_":
             return resize(backend, args, kwargs)
-        return fallback.run_cpu(backend, op, plan_for(op).overload_name, args, kwargs,
-                                cpu_key="QuantizedCPU")
+        overload = plan_for(op).overload_name
+        if _HOST_VIEW and _has_cpu_kernel(op, "QuantizedCPU") \
+                and not fallback.is_forced(overload):
+            return _timed(overload, lambda: run_on_host(backend, op, args, kwargs), args,
+                          kwargs)
+        return fallback.run_cpu(backend, op, overload, args, kwargs, cpu_key="QuantizedCPU")
     return quantized_fallback
+
+
+def _has_cpu_kernel(op: Any, key: str) -> bool:
+    qualified = f"{op.name()}@{key}"
+    has = _HAS_CPU_KERNEL.get(qualified)
+    if has is None:
+        has = _HAS_CPU_KERNEL[qualified] = \
+            torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), key)
+    return has
+
+
+def _timed(name: str, fn: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
+    if not stats.ENABLED:
+        return fn()
+    t0 = time.perf_counter()
+    try:
+        return fn()
+    finally:
+        stats.add(name, "native", args, kwargs, time.perf_counter() - t0, "quantized")
+
+
+def declare_host_view(to_cpu: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """The backend's kernels are the CPU's over ``to_cpu``'s views, quantized ones included
+    (the first declaration wins)."""
+    if _HOST_VIEW:
+        return False
+    _HOST_VIEW.append(to_cpu)
+    return True
+
+
+def _quantized_view(to_cpu: Callable[[torch.Tensor], torch.Tensor]
+                    ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``to_cpu`` for quantized tensors too: the CPU quantized tensor with ``t``'s
+    quantizer over ``to_cpu``'s view of its storage's bytes (a view of dense dtypes only)."""
+    def view(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_quantized:
+            return to_cpu(t)
+        raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        cpu = to_cpu(raw)
+        return qtensors.over_storage(t, cpu.untyped_storage(),
+                                     cpu.storage_offset() // t.element_size() + t.storage_offset(),
+                                     t.shape, t.stride())
+    return view
+
+
+def run_on_host(backend: DeviceBackend, op: Any, args: tuple, kwargs: dict) -> Any:
+    """``op`` by its CPU kernel on the device's declared view of its memory."""
+    index = hostexec.op_device(backend, op, plan_for(op), args, kwargs)
+    backend.host_sync(backend.current_device() if index is None else index)
+    return hostexec.run_on_host(backend, op, args, kwargs, _quantized_view(_HOST_VIEW[0]), True)
+
+
+def dense_kernel(backend: DeviceBackend, op: Any) -> Callable[..., Any]:
+    """A :data:`QUANTIZING` op's kernel where the backend declared the CPU's quantized
+    kernels its own (a :class:`Decline` while none is declared: the CPU fallback)."""
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if not _HOST_VIEW:
+            raise Decline("no quantized host view declared")
+        return run_on_host(backend, op, args, kwargs)
+    return kernel
 
 
 def install(backend: DeviceBackend, lib: torch.library.Library) -> None:

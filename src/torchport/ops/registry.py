@@ -257,6 +257,11 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
             assert decl.to_cpu is not None
             sparse.declare_host_view(decl.to_cpu)
             continue
+        if decl.kind == "quantized_host":  # the QuantizedPrivateUse1 path, and the dense
+            assert decl.to_cpu is not None  # ops that make quantized tensors
+            if quantized.declare_host_view(decl.to_cpu):
+                done += _install_quantizing(backend, lib, taken, decl)
+            continue
         ignored, installed = [], False
         made: dict[torch._ops.OpOverload | None, Callable[..., Any]] = {}
         for op, make, out_op, d in _expand(decl):
@@ -311,6 +316,24 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                           f"{', '.join(ignored)} already has a kernel (torchport's own, or an "
                           f"earlier declaration); declare each overload once", stacklevel=3)
     paths.forget_decisions()
+    return done
+
+
+def _install_quantizing(backend: DeviceBackend, lib: torch.library.Library, taken: set[str],
+                        decl: KernelDecl) -> list[str]:
+    """The CPU's kernels of the dense ops of quantization, native on the device (those
+    another declaration took keep their kernel)."""
+    done = []
+    for name in quantized.QUANTIZING:
+        for op in resolve_overloads(name):
+            oname = overload_name(op)
+            if oname in taken or not _has_backend_slot(op):
+                continue
+            lib.impl(oname, _wrap(backend, op, oname, quantized.dense_kernel(backend, op),
+                                  fallback.route_for(oname)), "PrivateUse1")
+            taken.add(oname)
+            _NATIVE[oname] = decl
+            done.append(oname)
     return done
 
 

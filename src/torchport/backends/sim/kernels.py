@@ -165,4 +165,5 @@ def make_kernels(device_view) -> KernelSet:
     ks.host_ops(_with_inplace(MODEL_OPS + CORE_OPS + EXACT_OPS) + _foreach_ops(),
                 to_cpu=device_view)
     ks.sparse_host_ops(to_cpu=device_view)  # sparse ops: ATen's CPU sparse kernels too
+    ks.quantized_host_ops(to_cpu=device_view)  # and its quantized ones
     return ks
