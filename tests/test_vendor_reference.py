@@ -261,6 +261,9 @@ def test_a_failing_blocking_copy_raises_at_the_call_and_changes_nothing(ref):
     rt.faults.copy_raise_after = 0
     raises(RuntimeError, "DMA error", lambda: torch.tensor([1.0, 2.0], device="ref"))
     assert torch.equal((d + 1).cpu(), torch.arange(6.0) + 1)
+    rt.faults.copy_raise_after = 1                   # the CPU fallback's write-back fails
+    raises(RuntimeError, "DMA error in copy_h2d", lambda: d.exp_())
+    assert torch.equal(d.cpu(), torch.arange(6.0))   # nothing half-written
     del d
     torch.ref.synchronize()
     assert torch.ref.memory_allocated() == base
@@ -294,6 +297,13 @@ def test_a_failing_kernel_is_reported_at_the_next_synchronisation_of_its_stream(
     raises(ref.RefDeviceError, "mul.out failed", lambda: e.synchronize())
     with torch.ref.stream(s):
         torch.testing.assert_close((a * 3).cpu(), x * 3, rtol=0, atol=0)
+    import os
+    os.environ["TORCHPORT_LAUNCH_BLOCKING"] = "1"    # the error at the op instead
+    try:
+        rt.faults.kernel_raise_after = 0
+        raises(ref.RefDeviceError, "sub.out failed", lambda: a - 1)
+    finally:
+        del os.environ["TORCHPORT_LAUNCH_BLOCKING"]
     del a, y, z
     torch.ref.synchronize()
     assert torch.ref.memory_allocated() == base
