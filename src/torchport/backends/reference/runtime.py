@@ -208,13 +208,14 @@ class RefEvent:
     """An event: the marker last recorded on a queue (``stream`` and ``ticket``), and the
     time the queue reached it (timing events)."""
 
-    __slots__ = ("enable_timing", "index", "stream", "ticket", "time")
+    __slots__ = ("enable_timing", "index", "mark", "stream", "ticket", "time")
 
     def __init__(self, index: int, enable_timing: bool) -> None:
         self.index, self.enable_timing = index, enable_timing
         self.stream: RefStream | None = None
         self.ticket = 0
         self.time: float | None = None
+        self.mark = object()  # the latest record's (an earlier marker still queued stamps nothing)
 
 
 class RefRuntime(Runtime):
@@ -436,10 +437,12 @@ class RefRuntime(Runtime):
 
     def record_event(self, index: int, event: RefEvent, stream: RefStream | None) -> None:
         q = self._q(index, stream)
-        event.time = None
+        mark = object()
+        event.time, event.mark = None, mark
 
         def reached() -> None:
-            event.time = time.perf_counter()
+            if event.mark is mark:
+                event.time = time.perf_counter()
         event.stream, event.ticket = q, q.submit(reached, "record_event")
 
     def stream_wait_event(self, index: int, stream: RefStream | None, event: RefEvent) -> None:
