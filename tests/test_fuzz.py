@@ -89,13 +89,20 @@ def test_the_comparator_compares_sparse_and_quantized_tensors() -> None:
     steps = [Step("sparse", ["s = mk((3, 4), torch.float32, 1).to(dev).to_sparse_csr()",
                              "r = s.to_sparse()"], ["s", "r"]),
              Step("quant", ["q = torch.quantize_per_tensor(mk((4,), torch.float32, 2).to(dev),"
-                            " 0.1, 3, torch.quint8)"], ["q"])]
+                            " 0.1, 3, torch.quint8)", "qs = q[::2]"], ["q", "qs"])]
     ns: dict[str, Any] = {k: getattr(prelude, k) for k in dir(prelude) if not k.startswith("__")}
     exec(Program(0, 0, steps).source(), ns)  # noqa: S102
-    cpu = prelude.run(ns["program"], "cpu", "cpu")
-    dev = prelude.run(ns["program"], "sim", "sim:1")
+    always = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)  # warn-once warnings (CSR's beta note): in both runs, as workers
+    try:
+        cpu = prelude.run(ns["program"], "cpu", "cpu")
+        dev = prelude.run(ns["program"], "sim", "sim:1")
+    finally:
+        torch.set_warn_always(always)
     assert cpu["steps"][0]["error"] is None and cpu["steps"][1]["error"] is None
     assert cpu["steps"][0]["values"]["s"]["layout"] == "torch.sparse_csr"
+    # values are CPU tensors (what the workers send): a non-dense quantized one's too
+    assert dev["steps"][1]["values"]["qs"]["values"].device.type == "cpu"
     assert prelude.compare_traces(cpu, dev) == []
 
     def planted(edit: Any) -> list[str]:
@@ -239,6 +246,24 @@ def test_known_open_entries_are_well_formed() -> None:
     assert known.known_open("copysign:scalar@float32", "default") is not None or \
         not any(e.id == "copysign-scalar" for e in known.KNOWN_OPEN)
     assert known.known_open("add:tensor@float32", "default") is None
+
+
+def test_a_reply_the_runner_cannot_read_is_reported_not_raised() -> None:
+    from torchport.tools.fuzz.runner import Worker
+
+    # a frame naming a class this process lacks (a tensor of a device it did not load)
+    script = ("import pickle, struct, sys\n"
+              "data = pickle.dumps(0).replace(b'K\\x00', b'cno_such_module\\nX\\n)R')\n"
+              "sys.stdout.buffer.write(struct.pack('>I', len(data)) + data)\n"
+              "sys.stdout.buffer.flush()\n")
+    w = Worker(None, timeout=60)
+    w.proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        reply = w._read(60)
+    finally:
+        w.stop()
+        w.log.close()
+    assert isinstance(reply, dict) and "unreadable reply" in reply["error"], reply
 
 
 # ---- the minimiser ----------------------------------------------------------------------

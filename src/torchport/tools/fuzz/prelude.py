@@ -81,6 +81,8 @@ def snapshot(v: Any) -> dict[str, Any]:
                 "requires_grad": v.requires_grad, "values": t.cpu().to_dense()}
     if isinstance(v, torch.Tensor) and v.is_quantized:
         # quantized: its quantization parameters, and its integer representation as values
+        # (read on its device: PyTorch's ``.cpu()`` of a non-dense quantized tensor makes its
+        # copy with ``empty_like(self)``, on the source's device)
         t = v.detach()
         if t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
             q: Any = (str(t.qscheme()), t.q_scale(), t.q_zero_point())
@@ -89,7 +91,7 @@ def snapshot(v: Any) -> dict[str, Any]:
                  t.q_per_channel_zero_points().cpu().tolist(), t.q_per_channel_axis())
         return {"t": "T", "dtype": str(t.dtype), "shape": tuple(t.shape),
                 "stride": tuple(t.stride()), "quantizer": q, "device": str(t.device),
-                "requires_grad": v.requires_grad, "values": t.cpu().int_repr()}
+                "requires_grad": v.requires_grad, "values": t.int_repr().cpu()}
     if isinstance(v, torch.Tensor):
         t = v.detach()
         return {"t": "T", "dtype": str(t.dtype), "shape": tuple(t.shape),

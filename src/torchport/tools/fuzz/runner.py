@@ -85,7 +85,10 @@ class Worker:
             if length is None and len(buf) >= 4:
                 (length,) = struct.unpack(">I", buf[:4])
                 need = 4 + length
-        return pickle.loads(buf[4:])
+        try:
+            return pickle.loads(buf[4:])
+        except Exception as e:  # noqa: BLE001 - a trace this process cannot read: reported
+            return {"error": f"unreadable reply from the worker: {type(e).__name__}: {e}"}
 
     def log_tail(self, n: int = 1500) -> str:
         self.log.seek(0)
