@@ -62,9 +62,13 @@ def _t(device: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     lambda d: torch.logaddexp(_t(d), torch.tensor(1.0)),
     lambda d: torch.heaviside(_t(d), torch.tensor(1.0)),
     lambda d: torch.heaviside(_t(d, torch.float64), torch.tensor(1.0)),  # both raise
+    # a 0-dim CPU tensor first: the decompositions' out= wrapper refuses it beside a device out
+    lambda d: torch.logaddexp(torch.tensor(1.0), _t(d)),
+    lambda d: torch.heaviside(torch.tensor(1.0, dtype=torch.bfloat16), _t(d, torch.bfloat16)),
 ], ids=["copysign", "copysign-half", "copysign-int", "lshift", "rlshift", "rshift",
         "lshift-uint8", "rshift-strided", "copysign_", "xlogy", "remainder", "logaddexp-cpu0d",
-        "heaviside-cpu0d", "heaviside-dtypes"])
+        "heaviside-cpu0d", "heaviside-dtypes", "logaddexp-cpu0d-first",
+        "heaviside-cpu0d-first"])
 def test_python_numbers_and_cpu_scalars_are_operands(case: Callable[[str], object]) -> None:
     same_as_cpu(case)
 

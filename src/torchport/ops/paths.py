@@ -19,6 +19,7 @@ never taken.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections.abc import Callable
@@ -132,15 +133,36 @@ def decomposition_for(op: Any, device_type: str, args: tuple, kwargs: dict,
         conv = _to_meta(device_type)
         try:
             margs, mkw = tree_map(conv, args), tree_map(conv, kwargs)
-            with _Seen() as seen:
-                fn(*margs, **mkw)
+            def trial() -> _Seen:
+                with _Seen() as seen:
+                    fn(*margs, **mkw)
+                return seen
+            seen = quiet.silently(trial)  # its warnings are not the user's: the call warns
             ok = bool(seen.ops) and all(o is not op and lands_on_device(o, is_forced)
                                         for o in seen.ops)
         except Exception:  # data-dependent or meta-less decompositions: not taken
             ok = False
-        chosen = fn if ok else None
+        chosen = _scalars_beside_out(fn) if ok else None
     _DECISIONS[op] = chosen
     return chosen
+
+
+def _scalars_beside_out(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` taking a 0-dim CPU tensor as its first operand beside a device ``out=``.
+
+    PyTorch's decompositions wrap ``out=`` with a check that the first argument is on the
+    output's device, stricter than the kernels: TensorIterator takes a 0-dim CPU tensor as
+    a scalar operand anywhere (``heaviside(cpu_scalar, x)`` runs on CUDA). The same tensor
+    on the output's device promotes and computes alike, so the decomposition gets that."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out, first = kwargs.get("out"), args[0] if args else None
+        if isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor) \
+                and first.dim() == 0 and first.device.type == "cpu" \
+                and out.device.type != "cpu":
+            args = (first.to(out.device), *args[1:])
+        return fn(*args, **kwargs)
+    return run
 
 
 def forget_decisions() -> None:
