@@ -228,8 +228,10 @@ class LayoutSteps(Draw):
         self.subject = qd
         return Step(f"quant:{src}:{'+'.join(ops)}", code, keep)
 
-    def _seq_operand(self, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[str, str]:
-        """A fresh operand of ``dtype`` and ``shape`` in a drawn layout, and the layout."""
+    def _seq_operand(self, dtype: torch.dtype, shape: tuple[int, ...],
+                     cpu0dim: bool = True) -> tuple[str, str]:
+        """A fresh operand of ``dtype`` and ``shape`` in a drawn layout, and the layout;
+        ``cpu0dim``: a 0-dim one may be a CPU tensor."""
         base = f"mk({shape!r}, {dt(dtype)}, {self.seed_()}).to(dev)"
         kinds = ["contiguous", "contiguous", "requires_grad", "transposed", "step-slice",
                  "expanded", "cpu0dim"]
@@ -244,7 +246,7 @@ class LayoutSteps(Draw):
         if kind == "expanded" and len(shape) >= 1:
             return (f"mk({shape[1:]!r}, {dt(dtype)}, {self.seed_()}).to(dev)"
                     f".expand({shape!r})"), kind
-        if kind == "cpu0dim" and shape == ():  # a 0-dim CPU tensor as the op's first operand
+        if kind == "cpu0dim" and shape == () and cpu0dim:  # a 0-dim CPU tensor as the op's first operand
             return f"mk((), {dt(dtype)}, {self.seed_()})", kind
         return base, "contiguous"
 
@@ -266,7 +268,8 @@ class LayoutSteps(Draw):
                 dtype = self.rng.choice(SEQ_DTYPES)
             elif i and r < 0.6:
                 shape = self.rng.choice(SEQ_SHAPES)
-            x, layout = self._seq_operand(dtype, shape)
+            # reshaped, a 0-dim CPU tensor is no longer a scalar operand: CUDA refuses it
+            x, layout = self._seq_operand(dtype, shape, ".reshape" not in template)
             y_dtype = dtype if self.rng.random() < 0.8 else self.rng.choice(FLOATS + INTS)
             y = f"mk({shape!r}, {dt(y_dtype)}, {self.seed_()}).to(dev)"
             p = self.rng.choice(params)
