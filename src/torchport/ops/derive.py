@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from torchport.memory.tensors import storage_nbytes
 from torchport.ops.plan import named_arguments, plan_for
-from torchport.ops.quiet import silently
+from torchport.ops.quiet import is_python_resize_warning, resize_warnings, silently
 
 if TYPE_CHECKING:
     from torchport.core.contracts import DeviceBackend
@@ -179,6 +179,7 @@ def output_specs(op: OpOverload, args: tuple, kwargs: dict, quiet: bool = False)
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             results = _meta_result(op, args, kwargs)
+        said = _in_pytorchs_words(op, kwargs, results, said)
         for w in said:
             warnings.warn(w.message, w.category, stacklevel=3)
     specs = [(tuple(r.shape), r.stride(), r.dtype) for r in results]
@@ -190,6 +191,22 @@ def output_specs(op: OpOverload, args: tuple, kwargs: dict, quiet: bool = False)
         if not quiet and said:
             _WARNS[key] = [(w.category, str(w.message)) for w in said]
     return specs
+
+
+def _in_pytorchs_words(op: OpOverload, kwargs: dict, results: list[Tensor], said: list) -> list:
+    """A meta kernel's warnings, the ``out=`` resize warning of a Python reference (its
+    own words) told as the CPU's C++ kernels tell it (:func:`~torchport.ops.quiet.resize_warnings`):
+    its outputs are resized in order, each to its result's shape."""
+    if not any(is_python_resize_warning(w) for w in said):
+        return said
+    resized = iter([(tuple(kwargs[n].shape), tuple(r.shape))
+                    for n, r in zip(out_names(op), results, strict=False)
+                    if isinstance(kwargs.get(n), Tensor) and kwargs[n].shape != r.shape])
+    told: list = []
+    for w in said:
+        pair = next(resized, None) if is_python_resize_warning(w) else None
+        told += [w] if pair is None else resize_warnings(*pair)
+    return told
 
 
 def check_outs_not_inputs_to_resize(op: OpOverload, args: tuple, kwargs: dict,

@@ -34,7 +34,6 @@ take the device's own kernels where it has them.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +46,7 @@ from torchport.ops.fused_rnn import (
     fused_lstm_cell,
     fused_lstm_cell_backward_impl,
 )
+from torchport.ops.quiet import warn_resized
 
 if TYPE_CHECKING:
     from torchport.core.contracts import DeviceBackend
@@ -194,12 +194,8 @@ def make_kernel_set(backend: DeviceBackend) -> KernelSet:
         if self.dtype not in _INT_DTYPES:
             raise Decline("floating histc: the CPU kernel serves")
         r = histc_int(self, bins, min, max)
-        if out.shape != r.shape:  # as CUDA's resize_output: warns when out had elements
-            if out.numel() != 0:
-                warnings.warn(
-                    f"histc.out: an output with one or more elements was resized from "
-                    f"{tuple(out.shape)} to {tuple(r.shape)}; pass an empty or correctly "
-                    f"shaped out", UserWarning, stacklevel=2)
+        if out.shape != r.shape:  # CUDA's resize_output: its warning when out had elements
+            warn_resized(out.shape, r.shape)
             out.resize_(r.shape)
         return out.copy_(r)
 

@@ -296,10 +296,10 @@ def _run_path(backend: DeviceBackend, op: Any, name: str, args: tuple, kwargs: d
         # CPU index its ops accept (``take`` becomes ``x.flatten()[index]``)
         hostexec.op_device(backend, op, plan_for(op), args, kwargs)
         if not stats.ENABLED:
-            return _run_decomposition(op, d, args, kwargs)
+            return _run_decomposition(backend, op, d, args, kwargs)
         t0 = time.perf_counter()
         try:
-            return _run_decomposition(op, d, args, kwargs)
+            return _run_decomposition(backend, op, d, args, kwargs)
         finally:
             stats.add(name, "decomposed", args, kwargs, time.perf_counter() - t0)
     return run_cpu(backend, op, name, args, kwargs, forced)
@@ -314,17 +314,26 @@ def next_path(backend: DeviceBackend, op: Any, name: str, args: tuple, kwargs: d
     return _run_path(backend, op, name, args, kwargs, d, forced)
 
 
-def _run_decomposition(op: Any, d: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _run_decomposition(backend: DeviceBackend, op: Any, d: Callable[..., Any], args: tuple,
+                       kwargs: dict) -> Any:
     """Run a decomposition; its result must land in the op's ``out=``/in-place arguments.
 
     Some ``.out`` decompositions (those wrapped to compute in a wider dtype) fill a
     converted copy of ``out`` and return a new tensor; copy it where the schema says. A
     functional op's result is a new tensor, as its kernels make it: one a decomposition
     gives as a view of an input (``take``'s ``flat[index]`` selects for a 0-dim index)
-    is copied."""
+    is copied. Outputs to resize are resized first, as the meta kernel lays them out, with
+    PyTorch's own warning (a Python reference's wrapper words it otherwise)."""
     plan = plan_for(op)
     if plan.write_args:  # the decompositions' out= wrapper would resize an input
         derive.check_outs_not_inputs_to_resize(op, args, kwargs)
+    if plan.out_args:
+        names = derive.out_names(op)
+        for name, (shape, stride, _) in zip(names, derive.output_specs(op, args, kwargs),
+                                            strict=False):
+            out = kwargs.get(name)
+            if isinstance(out, torch.Tensor) and tuple(out.shape) != shape:
+                backend.resize_device_tensor(out, shape, stride)
     r = d(*args, **kwargs)
     if not plan.write_args:
         return r if plan.is_view else _unaliased(r, args, kwargs)

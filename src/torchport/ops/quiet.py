@@ -34,3 +34,29 @@ def silently(fn: Callable[[], Any]) -> Any:
     result: list = []
     warnings_of(lambda: result.append(fn()))
     return result[0]
+
+
+# How a Python reference's out= wrapper words the resize warning (``torch._prims_common.
+# wrappers``): its own text, not the one of the C++ kernels (``at::native::resize_output``).
+_PYTHON_RESIZED = "An output with one or more elements was resized since it had shape torch.Size("
+
+
+def is_python_resize_warning(w: Any) -> bool:
+    """Is ``w`` (a recorded warning) a Python reference's ``out=`` resize warning?"""
+    return str(w.message).startswith(_PYTHON_RESIZED)
+
+
+def resize_warnings(old: Any, new: Any) -> list:
+    """The warnings PyTorch's own ``resize_output`` gives an ``out=`` of shape ``old``
+    resized to ``new`` (none where it had no elements or keeps its shape), as the CPU's and
+    CUDA's kernels give them: C++'s text, told by C++ (on a meta stand-in)."""
+    stand = torch.empty(tuple(old), device="meta")
+    meta = torch.device("meta")
+    return warnings_of(lambda: torch.ops.aten._resize_output_(stand, list(new), meta))
+
+
+def warn_resized(old: Any, new: Any, stacklevel: int = 2) -> None:
+    """Warn as PyTorch's ``resize_output`` does for an ``out=`` of shape ``old`` resized to
+    ``new`` (:func:`resize_warnings`)."""
+    for w in resize_warnings(old, new):
+        warnings.warn(w.message, w.category, stacklevel=stacklevel + 1)
