@@ -16,6 +16,7 @@ order and weights, and keeps the names the rest of the fuzzer imports.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import torch
@@ -28,6 +29,37 @@ from torchport.tools.fuzz.steps_layouts import LayoutSteps
 from torchport.tools.fuzz.steps_memory import MemorySteps
 
 __all__ = ["ALL_DTYPES", "FLOATS", "INTS", "SHAPES", "Program", "Step", "Var", "dt", "generate"]
+
+
+# Ops whose result's layout follows the input's memory format, by input rank: (name, call
+# of {x} (channels {c}) giving two results, exact). ``max_pool1d`` by its general path, as
+# every device but the CPU (whose no-grad fast path is contiguous) computes it.
+_F = "torch.nn.functional"
+LAYOUT_FOLLOWING = {
+    3: (("max_pool1d", _F + ".max_pool1d_with_indices({x}, 2)", True),
+        ("avg_pool1d", _F + ".avg_pool1d({x}, 2), None", True),
+        ("adaptive_max_pool1d", _F + ".adaptive_max_pool1d({x}, 4, True)", True),
+        ("adaptive_avg_pool1d", _F + ".adaptive_avg_pool1d({x}, 4), None", True),
+        ("upsample_nearest1d", _F + ".interpolate({x}, scale_factor=2), None", True),
+        ("upsample_linear1d", _F + ".interpolate({x}, scale_factor=2, mode='linear'), None",
+         False),
+        ("reflection_pad1d", _F + ".pad({x}, (1, 2), mode='reflect'), None", True)),
+    4: (("max_pool2d", _F + ".max_pool2d({x}, 2, return_indices=True)", True),
+        ("avg_pool2d", _F + ".avg_pool2d({x}, 3, 2, 1), None", True),
+        ("adaptive_max_pool2d", _F + ".adaptive_max_pool2d({x}, 4, True)", True),
+        ("adaptive_avg_pool2d", _F + ".adaptive_avg_pool2d({x}, 4), None", True),
+        ("upsample_nearest2d", _F + ".interpolate({x}, scale_factor=2), None", True),
+        ("upsample_bilinear2d", _F + ".interpolate({x}, scale_factor=2, mode='bilinear'), None",
+         False),
+        ("conv2d", _F + ".conv2d({x}, torch.ones(2, {c}, 2, 2, dtype={x}.dtype, device=dev)), None",
+         False),
+        ("batch_norm", _F + ".batch_norm({x}, None, None, training=True), None", False)),
+    5: (("max_pool3d", _F + ".max_pool3d({x}, 2, return_indices=True)", True),
+        ("avg_pool3d", _F + ".avg_pool3d({x}, 2), None", True),
+        ("adaptive_avg_pool3d", _F + ".adaptive_avg_pool3d({x}, 3), None", True),
+        ("upsample_trilinear3d",
+         _F + ".interpolate({x}, scale_factor=2, mode='trilinear'), None", False)),
+}
 
 
 class _Gen(MemorySteps, ComputeSteps, FeatureSteps, LayoutSteps):
@@ -54,8 +86,37 @@ class _Gen(MemorySteps, ComputeSteps, FeatureSteps, LayoutSteps):
             if step is None or self.exclude(step.tag):
                 continue
             self.emit(step)
+        self.layout_following_steps()
         self.final()
         return Program(self.seed, self.number, self.steps)
+
+    def layout_following_steps(self) -> None:
+        """Up to two :meth:`layout_following` steps, drawn from a random stream of their
+        own: the other families' draws stay those of the same seed without them."""
+        rng = random.Random(f"{self.seed}/{self.number}/layout-following")
+        for _ in range(rng.choice([0, 1, 1, 2])):
+            step = self.layout_following(rng)
+            if not self.exclude(step.tag):
+                self.emit(step)
+
+    def layout_following(self, rng: random.Random) -> Step:
+        """An op whose result's layout follows its input's memory format (pooling,
+        upsampling, convolution, normalisation) on a transposed, channels-last or otherwise
+        permuted input: strides compared, as PyTorch promises them."""
+        nd = rng.choice([3, 4, 5])
+        shape = {3: (3, 5, 6), 4: (2, 3, 6, 6), 5: (2, 3, 4, 4, 4)}[nd]
+        op, template, exact = rng.choice(LAYOUT_FOLLOWING[nd])
+        perm = [0, *rng.sample(range(1, nd), nd - 1)]
+        if rng.random() < 0.3:  # now and then batch and channels swapped too
+            perm[0], perm[1] = perm[1], perm[0]
+        inverse = [perm.index(i) for i in range(nd)]
+        x, r, i = self.name("x"), self.name(), self.name()
+        dtype = rng.choice(FLOATS)
+        made = f"mk({tuple(shape[p] for p in perm)!r}, {dt(dtype)}, {rng.randrange(10**6)})"
+        code = [f"{x} = {made}.to(dev).permute({inverse})",
+                f"{r}, {i} = " + template.format(x=x, c=shape[1])]
+        return Step(f"layout-follow:{op}@{str(dtype).removeprefix('torch.')}", code, [r, i],
+                    exact=exact, strides=(r, i))
 
     def final(self) -> None:
         """Every pool tensor at the end: views and bases written through each other."""
