@@ -1,8 +1,9 @@
 """A backend written from docs/vendor-guide.md alone: device "walk".
 
 Device-only memory (fake addresses over ctypes blocks: every byte moves through the
-runtime's copies), streams as in-order queues run when the host synchronises, and four
-out= kernels launched on the current stream. Importing this module registers the device:
+runtime's copies), streams as in-order queues run when the host synchronises (the default
+stream is one of them: a ``stream=None`` copy runs after its queued work), and four out=
+kernels launched on the current stream. Importing this module registers the device:
     python -m torchport.tools.conformance --backend examples.vendor_walkthrough.backend --subset
 """
 
@@ -69,16 +70,26 @@ class WalkRuntime(torchport.Runtime):
             raise RuntimeError(f"walk: illegal address {ptr:#x} (+{nbytes}) on device {index}")
         return ctypes.addressof(self.blocks[index][base]) + ptr - base
 
-    def _do(self, index, stream, fn):  # stream=None: now; else queued
-        fn() if stream is None else self.launch(index, stream, fn)
+    def read(self, index, dst_host, src, nbytes):  # the device's own access (kernels)
+        ctypes.memmove(dst_host, self._at(index, src, nbytes), nbytes)
+
+    def write(self, index, dst, src_host, nbytes):
+        ctypes.memmove(self._at(index, dst, nbytes), src_host, nbytes)
+
+    def _do(self, index, stream, fn):
+        """A copy or memset: on a stream, queued; with ``None``, after the default queue's
+        work (the default stream is a stream) and complete on return."""
+        if stream is None:
+            self.synchronize_stream(index, None)
+            fn()
+        else:
+            self.launch(index, stream, fn)
 
     def copy_h2d(self, index, dst, src_host, nbytes, stream=None):
-        self._do(index, stream, lambda: ctypes.memmove(self._at(index, dst, nbytes), src_host,
-                                                       nbytes))
+        self._do(index, stream, lambda: self.write(index, dst, src_host, nbytes))
 
     def copy_d2h(self, index, dst_host, src, nbytes, stream=None):
-        self._do(index, stream, lambda: ctypes.memmove(dst_host, self._at(index, src, nbytes),
-                                                       nbytes))
+        self._do(index, stream, lambda: self.read(index, dst_host, src, nbytes))
 
     def copy_d2d(self, dst_index, dst, src_index, src, nbytes, stream=None):
         self._do(dst_index, stream, lambda: ctypes.memmove(
@@ -142,7 +153,8 @@ class WalkRuntime(torchport.Runtime):
         return True
 
     def stream_wait_event(self, index, stream, event):  # the marker's work runs now: first
-        self.query_event(index, event)
+        if event.queue is not None:
+            self._run(event.queue)
 
     def synchronize_event(self, index, event):
         if event.queue is not None:
@@ -173,9 +185,9 @@ def _reader(t):
     def read():
         buf = torch.empty(n, dtype=torch.uint8)
         if n:
-            runtime.copy_d2h(index, buf.data_ptr(), addr, n)  # we run in queue order
+            runtime.read(index, buf.data_ptr(), addr, n)  # the device reading its memory
         return buf.view(dtype).as_strided(shape, stride) if n else torch.empty(shape, dtype=dtype)
-    read.write = lambda host: n and runtime.copy_h2d(index, addr, host.data_ptr(), n)
+    read.write = lambda host: n and runtime.write(index, addr, host.data_ptr(), n)
     return read
 
 

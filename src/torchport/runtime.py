@@ -15,8 +15,15 @@ Conventions every method follows:
 * Host addresses are plain ``int`` pointing at CPU memory the caller keeps alive
   until the copy has finished (for asynchronous copies: until the stream reaches it).
 * ``stream`` is a handle returned by :meth:`Runtime.create_stream`, or ``None`` for
-  the device's default stream. Operations "on a stream" execute in issue order
-  relative to other work on that stream.
+  the device's default stream. **The default stream is a stream** (CUDA's rule): every
+  launch, copy, memset and event record runs after the work queued before it on its
+  stream, ``None`` included. A copy or memset given ``None`` is in addition complete on
+  return, as ``cudaMemcpy``: the runtime first lets the work queued on the default
+  stream finish, then copies. One given a stream handle is appended to that stream's
+  queue and returns.
+* A kernel's device-side work (the function given to :meth:`Runtime.launch`) is the
+  chip itself: it reads and writes device memory directly, never through these host
+  calls, which would wait for the queue it runs in.
 * A method that fails raises; :meth:`Runtime.malloc` alone reports exhaustion by
   returning ``None`` so the caching allocator can free cached blocks and retry.
 
@@ -39,14 +46,16 @@ in the order it was appended. :attr:`Runtime.asynchronous` says which kind a run
   blocks (or a first port) implements only the abstract methods.
 * **Asynchronous** (``asynchronous = True``): a stream handle names one of the device's
   queues (``None``: its default queue). :meth:`Runtime.launch` and every copy or memset
-  given a stream *append* to that queue and return; ``stream=None`` copies are complete
-  on return (torchport first synchronises the current stream where the copy must see
-  queued work). ``record_event`` appends a marker, ``stream_wait_event`` appends a wait
+  given a stream *append* to that queue and return; ``stream=None`` copies and memsets
+  wait for the default queue, then complete on return (torchport synchronises a
+  non-default current stream itself where the copy must see its work). ``record_event``
+  appends a marker, ``stream_wait_event`` appends a wait
   on it, ``synchronize_*`` block until the queue (or marker) is reached and re-raise the
   first error of work that ran there, ``query_*`` poll. Such a runtime overrides all the
   stream and event methods and :meth:`Runtime.launch` (``Runtime.ASYNC_REQUIRED``);
-  torchport then keeps freed memory until the queues that used it are past it, and
-  orders copies across devices with events, as PyTorch does on CUDA.
+  torchport then keeps freed memory until the queues that used it are past it (it calls
+  :meth:`Runtime.free` only for memory no queued work uses), and orders copies across
+  devices with events, as PyTorch does on CUDA.
 """
 
 from __future__ import annotations
@@ -238,8 +247,9 @@ class Runtime(abc.ABC):
     def copy_h2d(self, index: int, dst: int, src_host: int, nbytes: int,
                  stream: StreamHandle | None = None) -> None:
         """Copy ``nbytes`` from host address ``src_host`` to device address ``dst``.
-        With ``stream=None`` the copy is complete on return; with a stream it is
-        ordered on that stream and the host buffer must stay alive until then."""
+        With ``stream=None`` the copy runs after the work queued on the default stream
+        and is complete on return; with a stream it is appended to that stream's queue and
+        the host buffer must stay alive until the queue reaches it."""
 
     @abc.abstractmethod
     def copy_d2h(self, index: int, dst_host: int, src: int, nbytes: int,
@@ -258,7 +268,8 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def memset(self, index: int, ptr: int, value: int, nbytes: int,
                stream: StreamHandle | None = None) -> None:
-        """Fill ``nbytes`` at ``ptr`` with the byte ``value``."""
+        """Fill ``nbytes`` at ``ptr`` with the byte ``value`` (same stream rules as
+        :meth:`copy_h2d`)."""
 
     # ---- streams -------------------------------------------------------------
     # The defaults below are those of a synchronous device (every call complete on

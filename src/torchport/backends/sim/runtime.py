@@ -344,10 +344,15 @@ class SimRuntime(Runtime):
     # ---- copies --------------------------------------------------------------
     def _blocking_or_launch(self, index: int, stream: SimStream | None,
                             fn: Callable[[], Any], name: str) -> None:
-        """``stream=None``: now, complete on return (the runtime contract; ordering
-        against queued kernels is the caller's, see ``Backend.host_sync``); otherwise
-        ordered on ``stream``."""
+        """``stream=None``: after the work queued on the default stream, complete on
+        return (the runtime contract: the default stream is a stream); otherwise queued on
+        ``stream``."""
         if stream is None:
+            if self.asynchronous:
+                w = self._worker(index, None)
+                if not w.done():
+                    w.wait()
+                w.raise_error()
             fn()
         else:
             self.launch(index, stream, fn, name)
@@ -366,6 +371,8 @@ class SimRuntime(Runtime):
 
     def copy_d2d(self, dst_index, dst, src_index, src, nbytes, stream=None) -> None:
         if nbytes:
+            if stream is None and src_index != dst_index and self.asynchronous:
+                self._blocking_or_launch(src_index, None, lambda: None, "copy_d2d")
             self._blocking_or_launch(dst_index, stream, lambda: _copy_bytes(
                 self._host_ptr(dst_index, dst, nbytes),
                 self._host_ptr(src_index, src, nbytes), nbytes), "copy_d2d")
