@@ -5,6 +5,9 @@ the kernel means. Each case is a device-only difference random programs found: t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -144,6 +147,33 @@ def test_a_refusal_learnt_for_one_python_scalar_type_is_not_anothers() -> None:
     same_as_cpu(lambda d: torch.floor_divide(_t(d, torch.bool), True))
     same_as_cpu(lambda d: torch.floor_divide(_t(d, torch.bool), 1))
     same_as_cpu(lambda d: torch.floor_divide(_t(d, torch.bool), 2.5))
+
+
+_AFTER_A_DIVISION_BY_ZERO = """
+import torch, torchport.sim
+x = torch.tensor(3, dtype=torch.int8)
+for d in ("cpu", "sim"):  # the CPU kernel's ZeroDivisionError, on both
+    try:
+        x.to(d) // 0
+        raise SystemExit("no error on " + d)
+    except RuntimeError as e:
+        assert "ZeroDivisionError" in str(e), e
+for d in ("cpu", "sim"):  # then the same overload and dtypes with another divisor
+    y = torch.tensor([True, False]).to(d)
+    print(d, (x.to(d) // -2).item(), (y // -1).tolist())
+"""
+
+
+def test_a_division_by_zero_teaches_no_refusal() -> None:
+    """The refused-dtype probe runs the CPU kernel with the call's own Python numbers: a
+    division by a Python 0 (an error of that value, not of the dtypes) must not be learnt
+    for the overload's later calls with other numbers. A fresh process: the first call of
+    the overload and dtypes is the one that teaches."""
+    r = subprocess.run([sys.executable, "-c", _AFTER_A_DIVISION_BY_ZERO], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.split()
+    assert lines == ["cpu", "-2", "[-1,", "0]", "sim", "-2", "[-1,", "0]"], r.stdout
 
 
 def test_refused_dtypes_leave_accepted_ones_decomposed() -> None:

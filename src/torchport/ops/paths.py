@@ -211,10 +211,15 @@ def _probe(op: Any, args: tuple, kwargs: dict, dtype: torch.dtype | None,
            bools: bool = False, fill: int = 0) -> BaseException | None:
     """The CPU kernel's error on CPU stand-ins of ``args`` (the same dims, each size 1,
     filled with ``fill``, or 0 where the argument may hold indices; every non-bool tensor,
-    and with ``bools`` every bool one, in ``dtype`` when given), or ``None``."""
+    and with ``bools`` every bool one, in ``dtype`` when given), or ``None``. With a
+    ``fill``, Python numbers given as operands (a Tensor or Scalar argument: ``x // 0``)
+    are ``fill`` of their type too: an error of their value is no refusal of their type."""
     index_args = plan_for(op).index_args
+    operands = _number_operands(op) if fill else frozenset()
 
     def stand_in(v: Any, name: str = "") -> Any:
+        if name in operands and type(v) in (bool, int, float, complex):
+            return type(v)(fill)
         if isinstance(v, torch.Tensor):
             keep = dtype is None or (v.dtype is torch.bool and not bools)
             dt = v.dtype if keep else dtype
@@ -233,3 +238,10 @@ def _probe(op: Any, args: tuple, kwargs: dict, dtype: torch.dtype | None,
     except Exception as e:  # noqa: BLE001 (the CPU kernel's own error is the answer)
         return e
     return None
+
+
+def _number_operands(op: Any) -> frozenset[str]:
+    """The arguments of ``op`` a Python number may be an operand in: Tensor ones (a wrapped
+    number reaches a boxed fallback as a Python number) and Scalar ones."""
+    return frozenset(a.name for a in op._schema.arguments
+                     if str(a.type).rstrip("?") in ("Tensor", "Scalar"))
