@@ -199,6 +199,18 @@ def test_copies_clones_and_factories_keep_stream_order(ref, side):
     ref.run(f"SIDE = {side}\n" + COPIES)
 
 
+def test_nothing_overtakes_queued_kernels():
+    """tests/stream_order_sweep.py on ref: every host-side read or write issued right behind
+    queued kernels (a worker thread per queue, device-only memory) gives the CPU's values."""
+    r = subprocess.run([sys.executable, "-m", "tests.stream_order_sweep",
+                        "torchport.backends.reference"],
+                       env=child_env(drop=("TORCHPORT_SIM_ASYNC", "TORCHPORT_SIM_STRICT"),
+                                     importable=True, OMP_NUM_THREADS="1"),
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr[-3000:]
+    assert r.returncode == 0 and "MISMATCH" not in out and "checked " in r.stdout, out
+
+
 def test_each_stream_is_a_worker_thread_and_events_order_them(ref):
     ref.run("""
     import threading, time
