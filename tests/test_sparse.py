@@ -293,6 +293,25 @@ def test_csr_in_place_ops_write_the_device_tensor():
         same(d, c)
 
 
+@pytest.mark.parametrize("op", ["add_", "sub_", "mul_"])
+@pytest.mark.parametrize("offset", [0, 5])
+def test_dense_in_place_by_sparse_writes_the_dense_tensor(op, offset):
+    """``dense.add_(sparse)``: the sum lands in the dense device tensor, a view starting
+    past its storage's beginning included, and nothing else in that storage changes
+    (the CPU's kernel writes such a view at the storage's beginning; CUDA's does not)."""
+    s = (torch.eye(3) + torch.diag(torch.ones(2), 1)).to_sparse()
+    want = getattr(torch.arange(9.0).view(3, 3), op)(s)  # a fresh tensor: the math
+    base = torch.arange(20.0).to("sim")
+    d = base[offset:offset + 9].view(3, 3).copy_(torch.arange(9.0).view(3, 3))
+    before = base.cpu()
+    r = getattr(d, op)(s.to("sim"))
+    assert r is d and r.layout == torch.strided
+    assert bits(d.cpu(), want)
+    rest = torch.ones(20, dtype=torch.bool)
+    rest[offset:offset + 9] = False
+    assert bits(base.cpu()[rest], before[rest])
+
+
 def test_device_mismatch_raises_as_cuda():
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         torch.sparse.mm(coo().to("sim"), dense(6, 3))

@@ -125,6 +125,34 @@ class SparseHostCall(hostexec.HostCall):
             self._host(getattr(v, compressed)()), self._host(getattr(v, plain)()),
             self._host(v.values()), v.shape, dtype=v.dtype, layout=v.layout, device="cpu")
 
+    def _call(self, args: tuple, kwargs: dict, cargs: list, ckw: dict) -> Any:
+        """The CPU kernel, with each dense argument it writes that starts past its
+        storage's beginning given as a fresh copy, then copied back: the CPU's dense-sparse
+        in-place kernels (``add_``, ``sub_``, ``mul_`` of a dense view by a sparse tensor)
+        write at the storage's beginning instead (CUDA's honour the offset), which on a
+        device's view of its memory is another tensor's."""
+        moved: list[tuple[Tensor, Tensor]] = []
+
+        def fresh(c: Any) -> Any:
+            if isinstance(c, Tensor) and not is_sparse(c) and c.storage_offset() and c.numel():
+                f = c.clone()
+                moved.append((c, f))
+                return f
+            return c
+        if any(is_sparse(v) for v in hostexec._iter_tensors(cargs, ckw)):
+            names = self.plan.arg_names
+            for name in self.plan.write_args:
+                if name in ckw:
+                    ckw[name] = fresh(ckw[name])
+                elif names.index(name) < len(cargs):
+                    cargs[names.index(name)] = fresh(cargs[names.index(name)])
+        r = super()._call(args, kwargs, cargs, ckw)
+        for c, f in moved:
+            if f.shape == c.shape and f.stride() == c.stride():
+                c.copy_(f)  # else the write-back resizes the device tensor and stores f
+                r = c if r is f else r
+        return r
+
     def _result_one(self, r: Any, alias: str | None, args: tuple, kwargs: dict) -> Any:
         if alias is not None and alias not in self.plan.write_args:
             alias = None  # a sparse "view" (permute, unsqueeze, select) is a new tensor here
