@@ -176,6 +176,19 @@ def test_a_division_by_zero_teaches_no_refusal() -> None:
     assert lines == ["cpu", "-2", "[-1,", "0]", "sim", "-2", "[-1,", "0]"], r.stdout
 
 
+def _pair(d: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty(0, device=d), torch.empty(0, device=d)
+
+
+def test_a_decomposed_overload_fails_as_its_kernel() -> None:
+    """A decomposition is chosen on an overload's first call; a later call its kernel
+    refuses gets the kernel's error, not the one the decomposition's pieces raise
+    (``aminmax`` over an empty dim: IndexError on the CPU and CUDA)."""
+    same_as_cpu(lambda d: torch.aminmax(_t(d), dim=0, out=_pair(d)))  # decomposed
+    same_as_cpu(lambda d: torch.aminmax(_t(d)[:0], dim=0, out=_pair(d)))
+    same_as_cpu(lambda d: torch.aminmax(_t(d)[:0], dim=1, out=_pair(d)))  # an empty result
+
+
 def test_refused_dtypes_leave_accepted_ones_decomposed() -> None:
     same_as_cpu(lambda d: torch.logaddexp(_t(d), _t(d, torch.int64)))
     same_as_cpu(lambda d: torch.logaddexp(_t(d, torch.float64), _t(d)))

@@ -30,6 +30,7 @@ import ctypes
 import os
 import re
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -216,17 +217,21 @@ def _dtype_text(args: tuple, kwargs: dict) -> str:
     return ", ".join(str(d).removeprefix("torch.") for d in ds) or "no tensors"
 
 
-def run_cpu(backend: DeviceBackend, op: Any, name: str, args: tuple, kwargs: dict,
-            forced: bool = False, cpu_key: str = "CPU") -> Any:
-    """The CPU fallback proper (raises when it is turned off and the op is not forced).
-    ``cpu_key``: the CPU's dispatch key the op's kernel is looked up on (``QuantizedCPU``
-    for quantized operands)."""
+def _has_cpu_kernel(op: Any, cpu_key: str) -> bool:
     qualified = op.name() if cpu_key == "CPU" else f"{op.name()}@{cpu_key}"
     has_cpu = _HAS_CPU_KERNEL.get(qualified)
     if has_cpu is None:
         has_cpu = _HAS_CPU_KERNEL[qualified] = \
             torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), cpu_key)
-    if not has_cpu:
+    return has_cpu
+
+
+def run_cpu(backend: DeviceBackend, op: Any, name: str, args: tuple, kwargs: dict,
+            forced: bool = False, cpu_key: str = "CPU") -> Any:
+    """The CPU fallback proper (raises when it is turned off and the op is not forced).
+    ``cpu_key``: the CPU's dispatch key the op's kernel is looked up on (``QuantizedCPU``
+    for quantized operands)."""
+    if not _has_cpu_kernel(op, cpu_key):
         raise NotImplementedError(
             f"{name} ({_dtype_text(args, kwargs)}) has no {backend.name} kernel and PyTorch has "
             f"no CPU kernel to fall back to (a CUDA-only op); add a {backend.name} kernel for "
@@ -275,11 +280,17 @@ def _user_frame() -> tuple[int, tuple[str, int] | None]:
     return level, (frame.f_code.co_filename, frame.f_lineno)
 
 
+# The overloads whose decomposition runs in this thread now. A decomposition learnt on
+# one call may re-enter its own overload on another (``pow(x, 2)`` is ``x * x``, but
+# ``pow(x, 3)`` is ``prims.pow``, which calls ``pow`` again): that inner call falls back.
+_DECOMPOSING = threading.local()
+
+
 def _choose_path(backend: DeviceBackend, op: Any, name: str, args: tuple,
                  kwargs: dict) -> tuple[str, Callable[..., Any] | None, bool]:
     """(path, decomposition, forced) for an op without a usable kernel."""
     forced = is_forced(name)
-    if not forced:
+    if not forced and op not in getattr(_DECOMPOSING, "ops", ()):
         d = paths.decomposition_for(op, backend.name, args, kwargs, is_forced)
         if d is not None:
             refused = paths.cpu_refusal(op, args, kwargs)
@@ -295,13 +306,21 @@ def _run_path(backend: DeviceBackend, op: Any, name: str, args: tuple, kwargs: d
         # CUDA's device checks first: the decomposition would write a CPU out=, or take a
         # CPU index its ops accept (``take`` becomes ``x.flatten()[index]``)
         hostexec.op_device(backend, op, plan_for(op), args, kwargs)
-        if not stats.ENABLED:
-            return _run_decomposition(backend, op, d, args, kwargs)
-        t0 = time.perf_counter()
         try:
-            return _run_decomposition(backend, op, d, args, kwargs)
-        finally:
-            stats.add(name, "decomposed", args, kwargs, time.perf_counter() - t0)
+            if not stats.ENABLED:
+                return _run_decomposition(backend, op, d, args, kwargs)
+            t0 = time.perf_counter()
+            try:
+                return _run_decomposition(backend, op, d, args, kwargs)
+            finally:
+                stats.add(name, "decomposed", args, kwargs, time.perf_counter() - t0)
+        except Exception as e:
+            # the decomposition was chosen on the overload's first call; a call its pieces
+            # refuse is the kernel's to answer (its error class: ``aminmax`` over an empty
+            # dim raises IndexError, the pieces RuntimeError), as the CPU kernel does
+            if not _ENABLED or type(e).__module__.startswith("torchport") \
+                    or not _has_cpu_kernel(op, "CPU"):
+                raise
     return run_cpu(backend, op, name, args, kwargs, forced)
 
 
@@ -334,7 +353,14 @@ def _run_decomposition(backend: DeviceBackend, op: Any, d: Callable[..., Any], a
             out = kwargs.get(name)
             if isinstance(out, torch.Tensor) and tuple(out.shape) != shape:
                 backend.resize_device_tensor(out, shape, stride)
-    r = d(*args, **kwargs)
+    active = getattr(_DECOMPOSING, "ops", None)
+    if active is None:
+        active = _DECOMPOSING.ops = set()
+    active.add(op)
+    try:
+        r = d(*args, **kwargs)
+    finally:
+        active.discard(op)
     if not plan.write_args:
         return r if plan.is_view else _unaliased(r, args, kwargs)
     if plan.num_returns == 1:
@@ -359,7 +385,8 @@ def _unaliased(r: Any, args: tuple, kwargs: dict) -> Any:
         return x
     if isinstance(r, torch.Tensor):
         return fresh(r)
-    return type(r)(fresh(x) for x in r)
+    values = [fresh(x) for x in r]
+    return type(r)(*values) if hasattr(r, "_fields") else type(r)(values)  # named tuples too
 
 
 def _land(r: Any, alias: str | None, names: tuple[str, ...], args: tuple, kwargs: dict) -> Any:
