@@ -144,8 +144,10 @@ def fuzz(seed: int, n: int, modes: list[str], jobs: int = 1, timeout: float = 60
                         summary.add(r)
                     done = next_index[0] - start
                 if progress and done % 50 == 0:
-                    print(f"  ... {done}/{n} programs, {time.monotonic() - t0:.0f} s",
-                          file=sys.stderr, flush=True)
+                    differ = {m: summary.runs[m] - summary.clean[m]
+                              for m in modes}
+                    print(f"  ... {done}/{n} programs, {time.monotonic() - t0:.0f} s; "
+                          f"differing: {differ}", file=sys.stderr, flush=True)
         finally:
             for w in ws.values():
                 w.close()
