@@ -161,6 +161,13 @@ for d in ("cpu", "sim"):  # the CPU kernel's ZeroDivisionError, on both
 for d in ("cpu", "sim"):  # then the same overload and dtypes with another divisor
     y = torch.tensor([True, False]).to(d)
     print(d, (x.to(d) // -2).item(), (y // -1).tolist())
+for d in ("cpu", "sim"):  # a Scalar argument's value: inf overflows int8, 2.5 does not
+    try:
+        torch.nn.functional.threshold(x.to(d), True, float("inf"))
+        raise SystemExit("no error on " + d)
+    except RuntimeError as e:
+        assert "overflow" in str(e), e
+    print(d, torch.nn.functional.threshold(x.to(d), False, 2.5).item())
 """
 
 
@@ -173,7 +180,8 @@ def test_a_division_by_zero_teaches_no_refusal() -> None:
                        text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.split()
-    assert lines == ["cpu", "-2", "[-1,", "0]", "sim", "-2", "[-1,", "0]"], r.stdout
+    assert lines == ["cpu", "-2", "[-1,", "0]", "sim", "-2", "[-1,", "0]",
+                     "cpu", "3", "sim", "3"], r.stdout
 
 
 def _pair(d: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,6 +208,17 @@ def test_index_fill_counts_negative_indices_from_the_end(index: list[int]) -> No
     same_as_cpu(lambda d: _t(d).index_fill_(1, torch.tensor(index, device=d), 5.0))
     same_as_cpu(lambda d: _t(d).index_fill(0, torch.tensor(index[:1], device=d) % 2 - 2,
                                            torch.tensor(-1.0, device=d)))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8, torch.float16])
+@pytest.mark.parametrize("threshold", [-0.5, 0.5, 1.7])
+def test_threshold_compares_in_the_input_dtype(dtype: torch.dtype, threshold: float) -> None:
+    """The kernels convert the threshold and value to the input's dtype first (-0.5 is 0
+    for int32), the decomposition compares in the promoted type."""
+    same_as_cpu(lambda d: F.threshold(_t(d, dtype), threshold, 2.5))
+    same_as_cpu(lambda d: F.threshold(_t(d, dtype), threshold, 2.5, inplace=True))
+    same_as_cpu(lambda d: torch.threshold(_t(d, dtype), threshold, 2.5,
+                                          out=torch.empty(0, dtype=dtype, device=d)))
 
 
 def test_no_decomposition_with_other_semantics_is_taken() -> None:

@@ -38,6 +38,10 @@ NOT_EQUIVALENT = {
     "aten::index_fill": "negative indices: the kernels count them from the end, the "
                         "decomposition (through index_copy) refuses them",
     "aten::index_fill_": "as index_fill",
+    "aten::threshold": "the kernels convert the threshold to the input's dtype before they "
+                       "compare (-0.5 is 0 for int32), the decomposition compares in the "
+                       "promoted type",
+    "aten::threshold_": "as threshold",
 }
 
 _UNDECIDED = object()
@@ -181,11 +185,15 @@ def cpu_refusal(op: Any, args: tuple, kwargs: dict) -> BaseException | None:
     random ops: they would draw from the CPU's generator)."""
     flat = _flat(args, kwargs)
     tensors = [v for v in flat if isinstance(v, torch.Tensor)]
-    # Python numbers promote by their type (``bool // True`` is refused, ``bool // 1`` not)
-    key = (op, *(v.dtype if isinstance(v, torch.Tensor) else type(v) for v in flat
+    # Python numbers by type and value: they promote by their type (``bool // True`` is
+    # refused, ``bool // 1`` not), and the kernels check some values (``int8 // 0``, a
+    # threshold of ``inf`` for int8), which is no refusal of another value
+    key = (op, *(v.dtype if isinstance(v, torch.Tensor) else (type(v), v) for v in flat
                  if isinstance(v, torch.Tensor | bool | int | float | complex)))
     if key in _REFUSALS:
         return _REFUSALS[key]
+    if len(_REFUSALS) > 4096:  # numbers that change every call
+        _REFUSALS.clear()
     found = None
     if tensors and not plan_for(op).random:
         err = _probe(op, args, kwargs, None)
@@ -211,15 +219,10 @@ def _probe(op: Any, args: tuple, kwargs: dict, dtype: torch.dtype | None,
            bools: bool = False, fill: int = 0) -> BaseException | None:
     """The CPU kernel's error on CPU stand-ins of ``args`` (the same dims, each size 1,
     filled with ``fill``, or 0 where the argument may hold indices; every non-bool tensor,
-    and with ``bools`` every bool one, in ``dtype`` when given), or ``None``. With a
-    ``fill``, Python numbers given as operands (a Tensor or Scalar argument: ``x // 0``)
-    are ``fill`` of their type too: an error of their value is no refusal of their type."""
+    and with ``bools`` every bool one, in ``dtype`` when given), or ``None``."""
     index_args = plan_for(op).index_args
-    operands = _number_operands(op) if fill else frozenset()
 
     def stand_in(v: Any, name: str = "") -> Any:
-        if name in operands and type(v) in (bool, int, float, complex):
-            return type(v)(fill)
         if isinstance(v, torch.Tensor):
             keep = dtype is None or (v.dtype is torch.bool and not bools)
             dt = v.dtype if keep else dtype
@@ -239,9 +242,3 @@ def _probe(op: Any, args: tuple, kwargs: dict, dtype: torch.dtype | None,
         return e
     return None
 
-
-def _number_operands(op: Any) -> frozenset[str]:
-    """The arguments of ``op`` a Python number may be an operand in: Tensor ones (a wrapped
-    number reaches a boxed fallback as a Python number) and Scalar ones."""
-    return frozenset(a.name for a in op._schema.arguments
-                     if str(a.type).rstrip("?") in ("Tensor", "Scalar"))
