@@ -86,6 +86,10 @@ TOLERATED: tuple[tuple[str, str], ...] = (
     ("integer histc", "CUDA's kernel (SummaryOps.cu) takes integer dtypes, the CPU's is "
      "floating-only: where the CPU raises, the device computes (CUDA's values; "
      "prelude.CUDA_COMPUTES)"),
+    ("nansum of float16/bfloat16 over a non-contiguous input", "the CPU kernel sums in the "
+     "input's dtype there (in float32 over a contiguous one), CUDA's in float32 always: "
+     "several ulps apart, past the tolerances; the sequences draw such inputs contiguous "
+     "(steps_layouts.HALF_STRIDED_ACCUMULATION)"),
     ("random numbers", "compared bit for bit: the sim generator gives a CPU generator's "
      "numbers (docs/streams-rng-amp.md; tests/test_rng.py)"),
 )
