@@ -362,6 +362,34 @@ def test_mlp_trains_with_adamw_and_sgd_as_on_the_cpu(ocl):  # noqa: F811
     """)
 
 
+def test_a_cnn_with_batchnorm_trains_as_on_the_cpu(ocl):  # noqa: F811
+    ocl.run("""
+    import copy
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+                              torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 2))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 3, 8, 8, generator=gen)
+    y = torch.randint(0, 2, (8,), generator=gen)
+    models = {d: copy.deepcopy(net).to(d) for d in ("cpu", "ocl")}
+    opts = {d: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for d, m in models.items()}
+    for _ in range(3):
+        for d, m in models.items():
+            torch.nn.functional.cross_entropy(m(x.to(d)), y.to(d)).backward()
+            opts[d].step()
+            opts[d].zero_grad()
+    want, got = models["cpu"].state_dict(), models["ocl"].state_dict()
+    assert got["1.running_mean"].abs().sum().item() > 0  # the statistics were updated
+    for k in want:
+        torch.testing.assert_close(got[k].cpu(), want[k], rtol=1e-5, atol=1e-6)
+    for m in models.values():
+        m.eval()
+    torch.testing.assert_close(models["ocl"](x.to("ocl")).cpu(), models["cpu"](x),
+                               rtol=1e-5, atol=1e-5)
+    """)
+
+
 def test_nll_loss_runs_on_the_device_bit_for_bit(ocl):  # noqa: F811
     ocl.run("""
     # the CPU's order of the sums (its cascade of partial sums: 70000 targets take levels of

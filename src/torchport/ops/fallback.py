@@ -318,8 +318,12 @@ def _run_path(backend: DeviceBackend, op: Any, name: str, args: tuple, kwargs: d
             # the decomposition was chosen on the overload's first call; a call its pieces
             # refuse is the kernel's to answer (its error class: ``aminmax`` over an empty
             # dim raises IndexError, the pieces RuntimeError), as the CPU kernel does
+            # -- unless it may have written an argument the kernel also reads (an in-place
+            # self, running statistics): run again, the op would apply twice
+            plan = plan_for(op)
             if not _ENABLED or type(e).__module__.startswith("torchport") \
-                    or not _has_cpu_kernel(op, "CPU"):
+                    or not _has_cpu_kernel(op, "CPU") \
+                    or set(plan.written_args) - set(plan.out_args):
                 raise
     return run_cpu(backend, op, name, args, kwargs, forced)
 

@@ -384,9 +384,9 @@ class HostCall:
 
     def _write_back(self, args: tuple, kwargs: dict, cargs: list, ckw: dict) -> None:
         plan = self.plan
-        if not plan.write_args:
+        if not plan.written_args:
             return
-        for name in plan.write_args:
+        for name in plan.written_args:
             if name in kwargs:
                 dev, cpu = kwargs[name], ckw[name]
             else:

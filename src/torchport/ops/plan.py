@@ -49,6 +49,16 @@ STRIDE_BLIND_OUT = frozenset({
 })
 
 
+# Arguments a kernel writes that its schema does not mark (``Tensor(a!)``): native_batch_norm
+# updates the running statistics in training, though its schema (older than the annotation)
+# says nothing. Every path that runs the op elsewhere than in the argument's memory (the CPU
+# fallback on device-only memory, the porting tools' dumps and comparisons) writes them back.
+HIDDEN_WRITES: dict[str, tuple[str, ...]] = {
+    "aten::native_batch_norm": ("running_mean", "running_var"),
+    "aten::native_batch_norm.out": ("running_mean", "running_var"),
+}
+
+
 # Tensor arguments that may hold indices (``target``, ``indices``, ``offsets``, lengths and
 # counts): some CPU kernels trust them unchecked (``nll_loss2d_backward`` writes where its
 # target points), so an integer stand-in there is 0, the one index valid in every
@@ -62,7 +72,8 @@ class OpPlan:
     overload_name: str  # "add.out"
     arg_names: tuple[str, ...]
     kwarg_only: frozenset[str]
-    write_args: tuple[str, ...]  # arguments the op mutates
+    write_args: tuple[str, ...]  # arguments the op mutates, as its schema says
+    written_args: tuple[str, ...]  # those and the ones it writes unannounced (HIDDEN_WRITES)
     out_args: tuple[str, ...]  # its out= arguments (written and keyword-only, as in ATen)
     return_alias: tuple[str | None, ...]  # for each return, the argument it is (or None)
     is_view: bool  # returns alias an input without writing it
@@ -122,6 +133,7 @@ def _make_plan(op: torch._ops.OpOverload) -> OpPlan:
         arg_names=names,
         kwarg_only=frozenset(kwarg_only),
         write_args=tuple(write_args),
+        written_args=(*write_args, *HIDDEN_WRITES.get(name, ())),
         out_args=tuple(a for a in write_args if a in kwarg_only),
         return_alias=tuple(ret_alias),
         is_view=is_view,

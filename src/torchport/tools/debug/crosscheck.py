@@ -173,7 +173,7 @@ class AutocompareReport:
                         add(f"output {i}" + (f"[{j}]" if isinstance(r, (list, tuple)) else ""), d)
         # arguments: written ones match the CPU's, the others are unchanged
         names = plan.arg_names
-        written = set(plan.write_args)
+        written = set(plan.written_args)
         write_ptrs = set()
         for n in written:
             for t in _tensors(_arg(call.args, call.kwargs, names, n)):

@@ -278,7 +278,7 @@ class Dumper:
         items = [(names[i] if i < len(names) else f"arg{i}", v) for i, v in enumerate(args)]
         for n, v in (*items, *kwargs.items()):
             m = self._describe(n, f"in.{n}", v, saved, plan.is_view)
-            if n in plan.write_args:
+            if n in plan.written_args:
                 m["written"] = True
             out.append(m)
         return out
