@@ -59,6 +59,7 @@ def test_the_generator_draws_sparse_quantized_and_same_op_sequences() -> None:
     tags: set[str] = set()
     ran: set[str] = set()  # kinds the CPU ran without an error (their results are compared)
     runs: list[list[str]] = []  # consecutive calls of one op: each call's source
+    grads = 0
     for i in range(60):
         g = _Gen(0, i, lambda tag: False)
         g.build()
@@ -66,6 +67,7 @@ def test_the_generator_draws_sparse_quantized_and_same_op_sequences() -> None:
         for step, rec in zip(g.steps, g.rec.steps, strict=True):
             kind = ":".join(step.tag.split("@")[0].split(":")[:2])
             tags.add(kind)
+            grads += step.tag.split("@")[0].endswith(":grad") and rec["error"] is None
             if rec["error"] is None:
                 ran.add(kind)
             op = step.tag.split("@")[0] if step.tag.startswith("seq:") else None
@@ -78,6 +80,7 @@ def test_the_generator_draws_sparse_quantized_and_same_op_sequences() -> None:
                  "quant:dev", "quant:cpu"):
         assert kind in ran, kind
     assert len({t for t in tags if t.startswith("seq:")}) >= 15
+    assert grads >= 5  # the backward of calls with requires_grad, each a step too
     # the calls of a sequence differ in their arguments: a learnt path is tried on others
     varied = [r for r in runs if len(r) >= 2 and len(set(r)) == len(r)]
     assert len(varied) >= 20, runs

@@ -9,8 +9,8 @@ refused one) must not take a path that only fitted the first. Each call is a ste
 (``seq:{op}``), so the first difference names the call that went wrong.
 
 One family per method of :class:`LayoutSteps` (each returns a step, or None where nothing
-fits; a sequence emits its leading calls itself and returns the last); the draw order and
-weights are :mod:`.generator`'s.
+fits; a sequence emits its calls itself, and the backward of those with ``requires_grad``,
+and returns None); the draw order and weights are :mod:`.generator`'s.
 """
 
 from __future__ import annotations
@@ -246,8 +246,8 @@ class LayoutSteps(Draw):
         """A fresh operand of ``dtype`` and ``shape`` in a drawn layout, and the layout;
         ``cpu0dim``: a 0-dim one may be a CPU tensor; ``strided``: a non-contiguous one."""
         base = f"mk({shape!r}, {dt(dtype)}, {self.seed_()}).to(dev)"
-        kinds = ["contiguous", "contiguous", "requires_grad", "transposed", "step-slice",
-                 "expanded", "cpu0dim"]
+        kinds = ["contiguous", "contiguous", "requires_grad", "requires_grad", "transposed",
+                 "step-slice", "expanded", "cpu0dim"]
         kind = self.rng.choice(kinds)
         if not strided and kind in ("transposed", "step-slice", "expanded"):
             kind = "contiguous"
@@ -274,7 +274,6 @@ class LayoutSteps(Draw):
         tag = f"seq:{name}"
         if self.exclude(tag):
             return None
-        last: Step | None = None
         for i in range(self.rng.randint(2, 5)):
             r = self.rng.random()
             # what changes from the previous call: the scalar (always drawn), and now and
@@ -291,12 +290,18 @@ class LayoutSteps(Draw):
             y = f"mk({shape!r}, {dt(y_dtype)}, {self.seed_()}).to(dev)"
             p = self.rng.choice(params)
             dim = self.rng.randrange(-len(shape), len(shape)) if shape else 0
-            n = self.name()
-            code = [f"{n} = {template.format(x=x, y=y, p=p, dim=dim)}"]
+            n, code = self.name(), []
+            if layout == "requires_grad":  # named, for its gradient
+                leaf = self.name("x")
+                code, x = [f"{leaf} = {x}"], leaf
+            code.append(f"{n} = {template.format(x=x, y=y, p=p, dim=dim)}")
             where = {n: "dev"} if layout != "cpu0dim" else {}
-            step = Step(f"{tag}@{str(dtype).removeprefix('torch.')}", code, [n], exact=exact,
-                        on=where)
-            if last is not None:
-                self.emit(last)
-            last = step
-        return last
+            suffix = "@" + str(dtype).removeprefix("torch.")
+            ok = self.emit(Step(f"{tag}{suffix}", code, [n], exact=exact, on=where))
+            if ok and layout == "requires_grad":  # and the backward of the call
+                g = self.name("g")
+                self.emit(Step(f"{tag}:grad{suffix}", [
+                    f"r = {n} if isinstance({n}, torch.Tensor) else {n}[0]",
+                    f"{g} = torch.autograd.grad(r.abs().sum(), {x})[0] if r.requires_grad "
+                    f"else None"], [g], exact=False))
+        return None  # every call emitted here
