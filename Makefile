@@ -103,13 +103,20 @@ test-graph: $(STAMP)
 
 # The reference backend (torchport.backends.reference, device ref: device-only memory, a
 # worker thread per stream, numpy kernels) through the long suites: every OpInfo
-# (reports/conformance-ref.{json,md}), its own tests, and PyTorch's device-generic test
-# files where ../shared/upstream has them. All runs always execute.
+# (reports/conformance-ref.{json,md}), its own tests, the written-arguments sweep over every
+# in-place and out= OpInfo on it, on the walkthrough and with no kernels at all
+# (tests/mutation_sweep.py --op-db), and PyTorch's device-generic test files where
+# ../shared/upstream has them. All runs always execute.
 test-vendor: $(STAMP)
 	rc=0; \
 	$(BIN)/python -m torchport.tools.conformance --backend torchport.backends.reference \
 		$(CONFORMANCE_ARGS) --name conformance-ref || rc=1; \
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_vendor_reference.py || rc=1; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_vendor_reference.py \
+		tests/test_vendor_mutations.py tests/test_vendor_stream_order.py || rc=1; \
+	for b in bare walk torchport.backends.reference; do \
+		out=$$(OMP_NUM_THREADS=1 $(BIN)/python -m tests.mutation_sweep $$b --op-db) || rc=1; \
+		echo "$$out" | tail -1; ! echo "$$out" | grep MISMATCH || rc=1; \
+	done; \
 	if [ -f ../shared/upstream/run_upstream.sh ]; then \
 		UPSTREAM_DEVICE_UNDER_TEST=ref UPSTREAM_BACKEND=torchport.backends.reference \
 			bash ../shared/upstream/run_upstream.sh || rc=1; \

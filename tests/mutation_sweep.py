@@ -223,6 +223,12 @@ def _op_db_cases(dev: str) -> dict[str, Callable[[str], list]]:
             sample = next(iter(info.sample_inputs("cpu", torch.float32)))
         except Exception:  # noqa: BLE001
             continue
+        inp = sample.input
+        if not (isinstance(inp, torch.Tensor) or isinstance(inp, list | tuple) and inp
+                and all(isinstance(t, torch.Tensor) for t in inp)):
+            continue  # a factory: its out= names the device, the CPU call does not
+        if "device" in sample.kwargs:
+            continue  # the sample names the CPU: an out= on the device is an error there
         ivar = info.inplace_variant
         if ivar is not None:
             out[f"op_db {info.name}{('.' + info.variant_test_name) if info.variant_test_name else ''} (in place)"] = \
@@ -239,7 +245,8 @@ def _call(fn: Callable, sample, inplace: bool) -> Callable[[str], list]:  # noqa
     def run(d: str) -> list:
         def to(v):
             return v.detach().clone().to(d) if isinstance(v, torch.Tensor) else v
-        inp, args, kw = to(sample.input), tree_map(to, list(sample.args)), tree_map(to, sample.kwargs)
+        inp, args, kw = tree_map(to, sample.input), tree_map(to, list(sample.args)), \
+            tree_map(to, sample.kwargs)
         if inplace:
             fn(inp, *args, **kw)
             return [inp, *[a for a in args if isinstance(a, torch.Tensor)]]
@@ -247,7 +254,7 @@ def _call(fn: Callable, sample, inplace: bool) -> Callable[[str], list]:  # noqa
         if isinstance(ref, torch.Tensor):
             o = torch.empty_like(ref, device=d)
             fn(inp, *args, **kw, out=o)
-            return [inp, o]
+            return [*(inp if isinstance(inp, list | tuple) else [inp]), o]
         return []
     return run
 
