@@ -184,8 +184,8 @@ def test_a_division_by_zero_teaches_no_refusal() -> None:
                      "cpu", "3", "sim", "3"], r.stdout
 
 
-def _pair(d: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty(0, device=d), torch.empty(0, device=d)
+def _pair(d: str, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty(0, device=d, dtype=dtype), torch.empty(0, device=d, dtype=dtype)
 
 
 def test_a_decomposed_overload_fails_as_its_kernel() -> None:
@@ -195,6 +195,11 @@ def test_a_decomposed_overload_fails_as_its_kernel() -> None:
     same_as_cpu(lambda d: torch.aminmax(_t(d), dim=0, out=_pair(d)))  # decomposed
     same_as_cpu(lambda d: torch.aminmax(_t(d)[:0], dim=0, out=_pair(d)))
     same_as_cpu(lambda d: torch.aminmax(_t(d)[:0], dim=1, out=_pair(d)))  # an empty result
+    # a dtype it refuses (learnt on 1-element stand-ins), then that dtype and an empty dim:
+    # the kernel checks the dim first
+    c64 = torch.complex64
+    same_as_cpu(lambda d: torch.aminmax(_t(d, c64), dim=0, out=_pair(d, c64)))
+    same_as_cpu(lambda d: torch.aminmax(_t(d, c64)[:0], dim=0, out=_pair(d, c64)))
 
 
 def test_refused_dtypes_leave_accepted_ones_decomposed() -> None:

@@ -294,7 +294,11 @@ def _choose_path(backend: DeviceBackend, op: Any, name: str, args: tuple,
         d = paths.decomposition_for(op, backend.name, args, kwargs, is_forced)
         if d is not None:
             refused = paths.cpu_refusal(op, args, kwargs)
-            if refused is not None:  # the kernels refuse these dtypes: so does the device
+            if refused is not None:  # the kernels refuse these dtypes: so does the device,
+                # in the kernel's words for this call (its checks' order: an empty dim's
+                # error comes before the dtype's), where the CPU kernel can say them
+                if _ENABLED and _has_cpu_kernel(op, "CPU"):
+                    return "fallback", None, False
                 raise type(refused)(*refused.args)
             return "decomposed", d, False
     return "fallback", None, forced
