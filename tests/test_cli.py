@@ -34,7 +34,7 @@ def test_every_subcommand_has_help(app: typer.Typer) -> None:
     for name in sorted(n for n in names if n):
         res = runner.invoke(app, [name, "--help"])
         assert res.exit_code == 0, (name, res.output)
-        assert "Usage" in res.output
+        assert "usage" in res.output.lower()
     res = runner.invoke(app, ["coverage", "--help"])
     for opt in ("--static", "--json", "--html", "--fail-on-fallback", "--transfer"):
         assert opt in res.output
@@ -138,3 +138,56 @@ def test_info_flags_a_bad_setting_instead_of_a_traceback(as_json: bool) -> None:
         assert (row["value"], row["source"]) == ("banana", "invalid")
     else:
         assert "cannot start" in out.stdout and "invalid" in out.stdout, out.stdout
+
+
+# Commands that run nothing on a device (they read files the device tools wrote).
+_NO_DEVICE_COMMANDS = {"compare-dumps"}
+
+
+def test_every_device_command_takes_backend(app: typer.Typer) -> None:
+    runner = CliRunner()
+    names = {c.name for c in app.registered_commands if c.name} - _NO_DEVICE_COMMANDS
+    assert {"info", "run", "migrate", "coverage", "conformance"} <= names
+    for name in sorted(names):
+        res = runner.invoke(app, [name, "--help"], terminal_width=200)
+        assert res.exit_code == 0, (name, res.output)
+        assert "-b" in res.output.split() or "-b," in res.output, (name, res.output)
+        assert "--backend" in res.output, (name, res.output)
+
+
+def _console_script() -> Path:
+    exe = Path(sys.executable).parent / "torchport"
+    if not exe.exists():
+        pytest.skip("torchport console script not installed in this environment")
+    return exe
+
+
+def test_backend_module_found_in_the_working_directory(tmp_path: Path) -> None:
+    """``torchport -b mod`` from ``mod``'s own folder, as docs/vendor-guide.md says: the
+    console script's ``sys.path`` does not hold the working directory; processes the
+    script starts find the backend too."""
+    import os
+    import shutil
+
+    exe = _console_script()
+    shutil.copy(ROOT / "examples" / "vendor_walkthrough" / "backend.py",
+                tmp_path / "npx_backend.py")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "child.py").write_text(
+        "import subprocess, sys, torch\n"
+        "print('parent', torch.ones(2, device='cuda').device)\n"
+        "code = 'import torch; print(\"child\", torch.ones(2, device=\"walk\").device)'\n"
+        "subprocess.run([sys.executable, '-c', code], check=True)\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "TORCHPORT_AUTOLOAD", "TORCHPORT_BACKEND")}
+    info = subprocess.run([str(exe), "info", "--json", "-b", "npx_backend"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert info.returncode == 0, info.stdout[-2000:] + info.stderr[-2000:]
+    assert json.loads(info.stdout)["backend"]["name"] == "walk"
+    run = subprocess.run([str(exe), "run", "-b", "npx_backend", "scripts/child.py"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "parent walk:0" in run.stdout and "child walk:0" in run.stdout, run.stdout
+    missing = subprocess.run([str(exe), "info", "-b", "no_such_backend_here"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert missing.returncode == 2

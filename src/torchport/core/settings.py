@@ -171,6 +171,11 @@ _DECLARED = [
             "autoload off)"),
     Setting("TORCHPORT_COVERAGE_CHILDREN", "str", None,
             "where child processes write op coverage (set by torchport coverage)"),
+    Setting("TORCHPORT_UPSTREAM_DEVICE", "str", None,
+            "the device a pytest process of torchport conformance --upstream tests (set by it)"),
+    Setting("TORCHPORT_UPSTREAM_RESULTS", "str", None,
+            "where a pytest process of torchport conformance --upstream writes its results "
+            "(set by it)"),
     Setting("TORCHPORT_VISIBLE_DEVICES", "str", None, "devices to use (default: all)",
             "comma list of physical devices to use, renumbered from 0 (like "
             "`CUDA_VISIBLE_DEVICES`)", shown_default="all", keep_empty=True),

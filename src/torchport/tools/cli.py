@@ -12,7 +12,8 @@ app = typer.Typer(help="torchport: run PyTorch on a new accelerator, and port mo
 
 # Modules exposing ``register(app)``; a missing optional layer is skipped.
 _SUBCOMMANDS = ["torchport.tools.info", "torchport.tools.migrate.cli", "torchport.tools.run",
-                "torchport.tools.debug.cli_coverage", "torchport.tools.debug.cli_compare"]
+                "torchport.tools.debug.cli_coverage", "torchport.tools.debug.cli_compare",
+                "torchport.tools.conformance.cli"]
 
 
 def _load() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.machinery
 import os
 import runpy
 import sys
@@ -37,7 +38,7 @@ def load_backend(name: str) -> Any:
     last: Exception | None = None
     for mod in candidates:
         try:
-            importlib.import_module(mod)
+            _import_here(mod)
             break
         except ModuleNotFoundError as e:
             if e.name is not None and not mod.startswith(e.name) and e.name != mod:
@@ -51,6 +52,32 @@ def load_backend(name: str) -> Any:
     from torchport import active_backend
 
     return active_backend()
+
+
+def _import_here(module: str) -> None:
+    """Import ``module``, also from the current directory, as ``python -m`` would: the
+    ``torchport`` console script's ``sys.path`` starts with its own folder, not the
+    working directory. A backend found there stays importable (``sys.path``), and
+    processes the script starts find it too (``PYTHONPATH``, see :func:`child_environment`)."""
+    try:
+        importlib.import_module(module)
+        return
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        top = module.split(".")[0]
+        if e.name not in (module, top) or _on_path(cwd) \
+                or importlib.machinery.PathFinder.find_spec(top, [cwd]) is None:
+            raise
+    sys.path.append(cwd)
+    _FROM_CWD.append(cwd)
+    importlib.import_module(module)
+
+
+def _on_path(folder: str) -> bool:
+    return any(os.path.abspath(p or os.curdir) == folder for p in sys.path)
+
+
+_FROM_CWD: list[str] = []  # folders added to sys.path to import a backend from there
 
 
 def run_script(script: str, args: list[str], backend: str = "sim", module: bool = False,
@@ -76,6 +103,9 @@ def child_environment(backend: str, transfer: bool = True,
     :mod:`_torchport_autoload`), and ``extra``; the previous environment comes back
     afterwards."""
     wanted = {"TORCHPORT_AUTOLOAD": backend, **(extra or {})}
+    if _FROM_CWD:  # the backend was found in the working directory: so do the children
+        wanted["PYTHONPATH"] = os.pathsep.join(
+            [*_FROM_CWD, *filter(None, [os.environ.get("PYTHONPATH")])])
     if transfer:
         wanted["TORCHPORT_TRANSFER"] = "1"
     saved = {k: os.environ.get(k) for k in wanted}

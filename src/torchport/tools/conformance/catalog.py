@@ -34,6 +34,7 @@ SUBSET = (
 )
 SUBSET_DTYPES = ("float32", "float64", "int64", "bool", "bfloat16")
 SUBSET_MAX_SAMPLES = 3
+FULL_MAX_SAMPLES = 5  # --full's samples per OpInfo and dtype (--max-samples overrides)
 
 # Failures with a known cause: (regex over "<OpInfo id>/<dtype>" for forward results,
 # "<OpInfo id>/<dtype>/grad" for gradients, "<OpInfo id>/error" for a crash or timeout;

@@ -46,6 +46,7 @@ from typing import Any
 # the run's names, importable from here as before the split (the drivers use them)
 from torchport.tools.conformance.catalog import (  # noqa: F401
     DEFAULT_DTYPES,
+    FULL_MAX_SAMPLES,
     GRAD_DTYPES,
     KNOWN,
     PROG,
@@ -81,6 +82,7 @@ from torchport.tools.conformance.runner import (  # noqa: F401
     load_backend,
     run_in_process,
 )
+from torchport.tools.conformance.upstream import DEFAULT_FILES as UPSTREAM_FILES
 from torchport.tools.conformance.workers import (  # noqa: F401
     _keys,
     _read_worker,
@@ -117,8 +119,8 @@ def report_name(a: argparse.Namespace, report: str) -> str:
     return a.name or "-".join([report] + ["strict"] * a.strict + ["async"] * a.asynchronous)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", "-b", default="sim", help="the backend under test: sim, a "
                    "torchport.backends name, or a module path (as torchport run -b)")
@@ -130,11 +132,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ops", help="regular expression over OpInfo names (full match)")
     p.add_argument("--dtypes", help="comma-separated dtypes (default: "
                    + ",".join(DEFAULT_DTYPES) + ")")
-    p.add_argument("--max-samples", type=int, default=None, help="samples per OpInfo and dtype")
+    p.add_argument("--max-samples", type=int, default=None, help="samples per OpInfo and dtype "
+                   f"(default: {FULL_MAX_SAMPLES}, {SUBSET_MAX_SAMPLES} with --subset); samples "
+                   "that pass the op no tensor and no device are not run")
+    p.add_argument("--upstream", metavar="DIR", help="instead of the OpInfos: PyTorch's own "
+                   "device-generic test files from the PyTorch source checkout DIR (DIR/test/), "
+                   "run on the CPU and on the device and compared test by test "
+                   "(reports/upstream.{json,md})")
+    p.add_argument("--upstream-files", metavar="FILES", help="comma-separated test files of "
+                   "--upstream (default: those of " + ", ".join(UPSTREAM_FILES) + " it has)")
+    p.add_argument("-k", dest="upstream_k", metavar="EXPR",
+                   help="--upstream: pytest's -k expression selecting tests")
+    p.add_argument("--upstream-timeout", type=float, default=3600.0, metavar="S",
+                   help="--upstream: seconds per test file and device (--op-timeout: per test)")
     p.add_argument("--no-grad", action="store_true", help="skip the gradient checks")
     p.add_argument("--op-timeout", type=float, default=600.0, help="seconds per OpInfo")
     add_mode_arguments(p, "conformance", os.cpu_count() or 1)
     a = p.parse_args(argv)
+    a.prog = prog
+    a.argv = list(sys.argv[1:] if argv is None else argv)
+    if a.upstream is not None:
+        a.upstream_files = [f.strip() for f in (a.upstream_files or "").split(",") if f.strip()]
+        a.name = a.name or "upstream"
+        if a.full or a.subset or a.ops or a.dtypes or a.max_samples is not None or a.no_grad:
+            p.error("--upstream runs PyTorch's test files: --full, --subset, --ops, --dtypes, "
+                    "--max-samples and --no-grad are OpInfo options")
+        if a.strict or a.asynchronous:
+            p.error("--strict and --async are not modes of --upstream: set "
+                    "TORCHPORT_SIM_STRICT=1 or TORCHPORT_SIM_ASYNC=1 instead")
+        return a
+    if a.upstream_files or a.upstream_k:
+        p.error("--upstream-files and -k go with --upstream")
     if isinstance(a.dtypes, str):
         a.dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     if a.full and a.subset:
@@ -144,6 +172,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if a.full:
         a.ops = a.ops or None
         a.dtypes = a.dtypes or list(DEFAULT_DTYPES)
+        if a.max_samples is None:
+            a.max_samples = FULL_MAX_SAMPLES
     elif a.subset or not a.ops and not a.worker:
         a.ops = a.ops or SUBSET
         a.dtypes = a.dtypes or list(SUBSET_DTYPES)
@@ -158,21 +188,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    args = parse_args(argv, prog)
     if args.worker:
         return _worker(args)
     import torch
 
     t0 = time.perf_counter()
     device = load_backend(args.backend)  # a backend that does not load fails here, once
+    if args.upstream is not None:
+        from torchport.tools.conformance import upstream
+
+        return upstream.run(args, device)
     keys = _keys(args.ops)
     if not keys:
         print(f"no OpInfo matches {args.ops!r}", file=sys.stderr)
         return 2
     def meta(done: bool) -> dict[str, Any]:
-        return {"command": PROG + " " + " ".join(
-            sys.argv[1:] if argv is None else argv), "torch": torch.__version__,
+        return {"command": prog + " " + " ".join(args.argv), "torch": torch.__version__,
             **({} if device == "sim" else {"device": device, "backend": args.backend}),
             "strict": args.strict, "asynchronous": args.asynchronous, "dtypes": args.dtypes,
             "max_samples": args.max_samples,

@@ -333,13 +333,23 @@ class Runner:
         """The samples, each with the flattened positions of its leaves kept on the CPU."""
         self.torch.manual_seed(0)
         it = op.sample_inputs("cpu", dtype, requires_grad=requires_grad)
-        samples = []
-        for i, s in enumerate(it):
-            if self.max_samples is not None and i >= self.max_samples:
+        samples: list[Any] = []
+        for s in it:
+            if self.max_samples is not None and len(samples) >= self.max_samples:
                 break
-            samples.append(s)
+            if self._reaches_device(s):
+                samples.append(s)
         return list(zip(samples, self._cpu_leaves(op, dtype, requires_grad, samples),
                         strict=True))
+
+    def _reaches_device(self, sample: Any) -> bool:
+        """Does the sample pass the op a tensor or a device (the CPU's, which the device run
+        replaces)? ``arange(1, 3)`` passes neither: its result is on the CPU in both runs, and
+        says nothing about the device, so it is neither run nor counted."""
+        torch = self.torch
+        return any(isinstance(x, (torch.Tensor, torch.device)) or x == "cpu" and isinstance(x, str)
+                   for x in self.pytree.tree_flatten(
+                       (sample.input, tuple(sample.args), dict(sample.kwargs)))[0])
 
     def _cpu_leaves(self, op: Any, dtype: Any, requires_grad: bool,
                     samples: list[Any]) -> list[frozenset[int]]:

@@ -68,6 +68,7 @@ def migrate_command(
     backend: Annotated[
         str,
         typer.Option(
+            "--backend", "-b",
             metavar="NAME[=MODULE]", help="NAME (imports torchport.NAME) or NAME=some.module."
         ),
     ] = "sim",
