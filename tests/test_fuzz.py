@@ -305,9 +305,9 @@ def test_the_minimiser_shrinks_a_planted_failing_program(tmp_path: Path) -> None
 # ---- a fixed-seed budget run ------------------------------------------------------------
 
 def test_a_fixed_seed_run_finds_no_unexplained_difference() -> None:
-    # 50 programs in worker processes (CPU and default sim), the known open bugs' steps not
-    # drawn: any difference is new. About 40 s on one core.
-    summary = fuzz(seed=2024, n=50, modes=["default"], exclude_known=True)
-    assert summary.runs["default"] == 50, summary.report()
+    # 30 programs in worker processes (CPU and default sim), the known open bugs' steps not
+    # drawn: any difference is new.
+    summary = fuzz(seed=2024, n=30, modes=["default"], exclude_known=True)
+    assert summary.runs["default"] == 30, summary.report()
     assert not summary.findings, summary.report()
     assert torch.sim.is_available()
