@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     from torchport.core.contracts import DeviceBackend
 
 _CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
-#: Core overloads a vendor's kernel set may take over: a ``copy_`` kernel does the
-#: same-device copies (any layout and dtype; the core kernel still does the others), a
-#: ``_to_copy`` kernel is tried first. Either may raise Decline for an input.
+#: Core overloads a vendor's kernel set may take over: a ``copy_`` kernel is offered every
+#: same-device copy (one span of bytes too; any layout and dtype; the core kernel still does
+#: the others), a ``_to_copy`` kernel is tried first. Either may raise Decline for an input.
 OVERRIDABLE = frozenset({"copy_", "_to_copy"})
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset
 
@@ -78,6 +78,13 @@ def copy_between(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor,
         if src.device == dst.device:
             rt = backend.runtime
             host_views = rt.host_addressable and not rt.asynchronous
+            vendor = overrides.get("copy_") if overrides else None
+            if vendor is not None:  # declared: it serves every same-device copy it takes
+                try:
+                    vendor(dst, src, non_blocking)  # the device's own strided copy
+                    return dst
+                except Decline:
+                    pass
             if not rt.host_addressable and _plain_bytes(src, dst):
                 # device-only memory, one span of bytes: the runtime copies within the
                 # device, in stream order
@@ -89,13 +96,6 @@ def copy_between(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor,
                                 dst.numel() * dst.element_size(),
                                 backend.current_stream_handle(i) if rt.asynchronous else None)
                 return dst
-            vendor = overrides.get("copy_") if overrides else None
-            if vendor is not None:
-                try:
-                    vendor(dst, src, non_blocking)  # the device's own strided copy
-                    return dst
-                except Decline:
-                    pass
             if host_views:
                 # one device, memory the host can address: ATen's copy between the two views
                 values = _host_values(backend, src, _host_view(backend, src))

@@ -53,10 +53,11 @@ class KernelDecl:
     # the CPU's sparse/quantized kernels over ``to_cpu``'s views
     derived_from: str | None = None  # for overloads derived from an out= kernel
     layout: torch.layout | None = None  # a "sparse" kernel's layout
+    math_bits: bool = False  # the kernel reads conjugate/negative bits itself (else resolved)
 
     def derived(self, out_name: str) -> KernelDecl:
         return KernelDecl(self.name, self.fn, self.to_cpu, self.dtypes, self.kind, out_name,
-                          self.layout)
+                          self.layout, self.math_bits)
 
 
 @dataclass
@@ -66,20 +67,29 @@ class KernelSet:
     name: str = "kernels"
     decls: list[KernelDecl] = field(default_factory=list)
 
-    def kernel(self, name: str, dtypes: Iterable[torch.dtype] | None = None):
-        """Decorator: ``fn`` implements ``name`` (an overload, or every overload of a name)."""
+    def kernel(self, name: str, dtypes: Iterable[torch.dtype] | None = None, *,
+               math_bits: bool = False):
+        """Decorator: ``fn`` implements ``name`` (an overload, or every overload of a name).
+
+        ``fn`` gets tensors without conjugate or negative bits (``x.conj()``,
+        ``torch._neg_view``): torchport materialises such arguments first and writes a
+        written argument carrying one back through it. ``math_bits=True`` declares that
+        ``fn`` reads the bits itself (as CUDA's kernels do), and is handed the views."""
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-            self.decls.append(KernelDecl(name, fn, None, frozenset(dtypes) if dtypes else None))
+            self.decls.append(KernelDecl(name, fn, None, frozenset(dtypes) if dtypes else None,
+                                         math_bits=math_bits))
             return fn
         return deco
 
-    def out_kernel(self, name: str, dtypes: Iterable[torch.dtype] | None = None):
+    def out_kernel(self, name: str, dtypes: Iterable[torch.dtype] | None = None, *,
+                   math_bits: bool = False):
         """Decorator: ``fn`` implements the ``out=`` overload(s) ``name`` (``"add.out"``, or
         ``"add"`` for every out= overload of add); torchport derives the functional and
-        in-place overloads (:mod:`torchport.ops.derive`). ``fn`` gets ready outputs."""
+        in-place overloads (:mod:`torchport.ops.derive`). ``fn`` gets ready outputs, and
+        tensors without conjugate or negative bits unless ``math_bits`` (:meth:`kernel`)."""
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
             self.decls.append(KernelDecl(name, fn, None, frozenset(dtypes) if dtypes else None,
-                                         "out"))
+                                         "out", math_bits=math_bits))
             return fn
         return deco
 

@@ -499,3 +499,60 @@ def _device_index(backend: DeviceBackend, args: tuple, kwargs: dict) -> int:
         if isinstance(v, Tensor) and v.device.type == backend.name:
             return v.device.index
     return backend.current_device()
+
+
+def _has_bit(v: Any) -> bool:
+    if isinstance(v, Tensor):
+        return v.is_conj() or v.is_neg()
+    return isinstance(v, (list, tuple)) and any(_has_bit(x) for x in v)
+
+
+def _materialised(t: Tensor) -> Tensor:
+    """A new tensor holding ``t``'s values, without conjugate or negative bits: the
+    device's ``empty_like`` and ``copy_`` (which resolves the bits), not ``clone`` (a
+    vendor's ``clone`` kernel may be the one asking)."""
+    return torch.empty_like(t).copy_(t)
+
+
+def resolved_bits(op: OpOverload, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, a vendor's kernel called with ``op``'s arguments, handed tensors without
+    conjugate or negative bits, as CUDA's kernels read them through TensorIterator: an
+    argument with a bit is materialised first, and a written one (``out=``, ``self`` in
+    place) is written back through its view after ``fn`` wrote the materialised tensor (one
+    object passed twice, ``add(x, y, out=x)``, stays one tensor). PyTorch's Conjugate and
+    Negative fallbacks do this for most ops; the ops they let through (copies, clones, some
+    linear algebra: ``hostkernels.schema.sees_view_bits``) get it here."""
+    written = [a.name for a in op._schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write]
+    positions = [i for i, a in enumerate(op._schema.arguments)
+                 if a.name in written and not a.kwarg_only]
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if not (any(_has_bit(v) for v in args) or any(_has_bit(v) for v in kwargs.values())):
+            return fn(*args, **kwargs)
+        made: dict[int, Tensor] = {}
+
+        def plain(v: Any) -> Any:
+            if isinstance(v, Tensor) and (v.is_conj() or v.is_neg()):
+                if id(v) not in made:
+                    made[id(v)] = _materialised(v)
+                return made[id(v)]
+            if isinstance(v, (list, tuple)) and _has_bit(v):
+                return type(v)(plain(x) for x in v)
+            return v
+        result = fn(*(plain(v) for v in args), **{n: plain(v) for n, v in kwargs.items()})
+        back: dict[int, Tensor] = {}
+        for v in [*(args[i] for i in positions if i < len(args)),
+                  *(kwargs[n] for n in written if n in kwargs)]:
+            if isinstance(v, Tensor) and id(v) in made and id(made[id(v)]) not in back:
+                done = made[id(v)]
+                if done.shape != v.shape:  # a plain kernel resized its out=
+                    v.resize_(done.shape)
+                v.copy_(done)  # the values through the view's bits
+                back[id(done)] = v
+        if isinstance(result, Tensor):
+            return back.get(id(result), result)
+        if isinstance(result, tuple):
+            return tuple(back.get(id(r), r) if isinstance(r, Tensor) else r for r in result)
+        return result
+    return kernel

@@ -43,6 +43,7 @@ from torchport.ops import (
     paths,
     quantized,
     sparse,
+    stats,
     teardown,
 )
 from torchport.ops.declarations import CFunction, Decline, KernelDecl, KernelSet
@@ -89,6 +90,8 @@ def drop_override(backend: DeviceBackend, name: str) -> None:
     alone again)."""
     _OVERRIDES.pop(name, None)
     _NATIVE.pop(name, None)
+    if name in _CORE:
+        stats.OWN.add(name)
     backend.host_op_kernels.keep_in_python(name, False)
 
 
@@ -161,10 +164,13 @@ def install(backend: DeviceBackend) -> None:
             lib.impl(name, kernel, "PrivateUse1")
         taken.add(name)
         _CORE.add(name)
+        if name not in _OVERRIDES:
+            stats.OWN.add(name)
     for ks in backend.kernel_sets:
         install_kernel_set(backend, ks, lib, taken)
     from torchport.ops import device_routes  # after the backend's own: its kernels win
-    install_kernel_set(backend, device_routes.make_kernel_set(backend), lib, taken, warn=False)
+    stats.OWN.update(install_kernel_set(backend, device_routes.make_kernel_set(backend), lib,
+                                        taken, warn=False))
     fallback.register(backend, fallback.make_fallback(backend), "PrivateUse1")
     quantized.install(backend, lib)
     quantized.install_int_mm_route()
@@ -263,12 +269,15 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                 done += _install_quantizing(backend, lib, taken, decl)
             continue
         ignored, installed = [], False
+        fill: Callable[..., Any] | None = None  # a vendor's fill_.Scalar, which zero_ calls
         made: dict[torch._ops.OpOverload | None, Callable[..., Any]] = {}
         for op, make, out_op, d in _expand(decl):
             oname = overload_name(op)
             if oname in core.OVERRIDABLE and d.kind == "aten" and oname not in _OVERRIDES:
-                _OVERRIDES[oname] = d.fn if d.dtypes is None else _dtype_checked(op, d.fn, d.dtypes)
+                own = d.fn if d.math_bits else _declines_bits(op, d.fn)
+                _OVERRIDES[oname] = own if d.dtypes is None else _dtype_checked(op, own, d.dtypes)
                 backend.host_op_kernels.keep_in_python(oname)  # the core kernel asks it
+                stats.OWN.discard(oname)  # the vendor's kernel does the work
                 _NATIVE[oname] = d
                 done.append(oname)
                 installed = True
@@ -285,8 +294,13 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                 if out_op not in made:
                     made[out_op] = _vendor_function(backend, d, out_op)
                 vendor = made[out_op]
-                fn = derive.checked_writes(op, vendor) if make is None else \
-                    _DERIVED[make](backend, op, out_op, vendor)
+                # (the C++ caller hands the vendor's kernel no tensor with a bit)
+                inner = derive.resolved_bits(op if out_op is None else out_op, vendor) \
+                    if _resolves_bits(op, d) else vendor
+                fn = derive.checked_writes(op, inner) if make is None else \
+                    _DERIVED[make](backend, op, out_op, inner)
+                if oname == "fill_.Scalar" and make is None:
+                    fill = fn if d.dtypes is None else _dtype_checked(op, fn, d.dtypes)
                 if d.dtypes is not None:
                     fn = _dtype_checked(op, fn, d.dtypes)
                 fn = _wrap(backend, op, oname, fn, route)
@@ -310,6 +324,9 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
             _NATIVE[oname] = d
             done.append(oname)
             installed = True
+        if fill is not None and "zero_" not in taken:
+            done += _install_zero(backend, lib, taken, decl, fill)
+            fill = None
         if ignored and not installed and warn and decl.kind != "host" \
                 and ("." in decl.name or any(n in _CORE for n in ignored)):
             warnings.warn(f"{ks.name}: the declaration of {decl.name!r} is ignored: "
@@ -317,6 +334,51 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                           f"earlier declaration); declare each overload once", stacklevel=3)
     paths.forget_decisions()
     return done
+
+
+def _install_zero(backend: DeviceBackend, lib: torch.library.Library, taken: set[str],
+                  decl: KernelDecl, fill: Callable[..., Any]) -> list[str]:
+    """``zero_`` served by the vendor's ``fill_.Scalar`` kernel (``zero_`` is ``fill_(0)``,
+    as on the CPU and CUDA), unless a kernel of its own serves it."""
+    op = torch.ops.aten.zero_.default
+
+    def zero_(self: torch.Tensor) -> torch.Tensor:
+        fill(self, 0)
+        return self
+    lib.impl("zero_", _wrap(backend, op, "zero_", zero_, fallback.route_for("zero_")),
+             "PrivateUse1")
+    taken.add("zero_")
+    _NATIVE["zero_"] = decl.derived("fill_.Scalar")
+    return ["zero_"]
+
+
+#: Overloads that reach a kernel with conjugate/negative views but read no values (views
+#: are found by their schema): the views are handed as they are.
+_METADATA_OPS = frozenset({"_unsafe_view", "set_", "resize_", "requires_grad_",
+                           "_has_same_storage_numel", "empty_like", "full_like",
+                           "_new_zeros_with_same_feature_meta"})
+
+
+def _resolves_bits(op: torch._ops.OpOverload, decl: KernelDecl) -> bool:
+    """Does torchport materialise conjugate/negative views before ``decl``'s kernel of
+    ``op`` runs? Where PyTorch's Conjugate/Negative fallbacks let them through to it (they
+    resolve them for the other ops), unless the kernel declares ``math_bits`` or ``op`` is
+    a view or reads no values."""
+    return not decl.math_bits and hostkernels.schema.sees_view_bits(op) \
+        and not plan_for(op).is_view and torch.Tag.inplace_view not in op.tags \
+        and op._schema.name.split("::")[1] not in _METADATA_OPS
+
+
+def _declines_bits(op: torch._ops.OpOverload, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A vendor's ``copy_``/``_to_copy`` kernel without ``math_bits``: offered the copies
+    without conjugate/negative views (torchport's core copy resolves those, materialising
+    being itself a copy)."""
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        for v in hostexec._iter_tensors(args, kwargs):
+            if v.is_conj() or v.is_neg():
+                raise Decline(f"{op}: a conjugate or negative view (math_bits not declared)")
+        return fn(*args, **kwargs)
+    return kernel
 
 
 def _install_quantizing(backend: DeviceBackend, lib: torch.library.Library, taken: set[str],

@@ -301,6 +301,8 @@ def register(ks: KernelSet, k: Context) -> None:
         """Same-device copies of any layout and dtype (torchport's core copy calls it)."""
         if src.device != self.device:
             raise Decline("a copy between devices")
+        if src.dtype == self.dtype and src.is_contiguous() and self.is_contiguous():
+            raise Decline("one span of bytes: the runtime's buffer copy serves it")
         return L.elementwise(self, [src], "a0", src.dtype if src.dtype != torch.float16
                              else torch.float32)
 
