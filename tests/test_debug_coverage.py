@@ -52,17 +52,26 @@ def _by_name(rec: ops.Recorder) -> dict[str, tuple[int, dict[str, int]]]:
     return {n: (s.calls, dict(s.paths)) for n, s in rec.ops.items() if s.calls}
 
 
+def _merged(paths: dict[str, int]) -> dict[str, int]:
+    """Coverage's paths as the op statistics count them (torchport's kernels are native)."""
+    out = {p: n for p, n in paths.items() if p != "torchport"}
+    if paths.get("torchport"):
+        out["native"] = out.get("native", 0) + paths["torchport"]
+    return out
+
+
 def test_context_manager_matches_op_record():
     with ops.record():  # the first recorded step makes one-time tensors (this file alone)
         _train_step()
-    with ops.record() as rec:
+    with ops.record(composites=True) as rec:
         _train_step()
     with coverage() as cov:
         _train_step()
     assert isinstance(cov, CoverageResult) and cov.mode == "run" and cov.backend == "sim"
-    assert {o.name: (o.calls, o.paths) for o in cov.ops} == _by_name(rec)
+    assert {o.name: (o.calls, _merged(o.paths)) for o in cov.ops} == _by_name(rec)
     for o in cov.ops:
-        assert o.path == rec.path_of(o.name) or o.paths.get("fallback")
+        assert o.path == rec.path_of(o.name) or o.paths.get("fallback") or \
+            o.path == "torchport" and rec.subpaths_of(o.name).get("native:torchport")
     assert cov.path_of("addmm") == "native" and cov.op("addmm").dtypes == ["float32"]
     assert cov.calls_per_path()["native"] > 0
     assert sum(cov.calls_per_path().values()) == sum(o.calls for o in cov.ops)
@@ -87,11 +96,11 @@ def test_run_coverage_script_matches_record_and_json(tmp_path):
     from torchport.tools.run import exec_main
 
     args = ["--steps", "2"]
-    with ops.record() as rec:
+    with ops.record(composites=True) as rec:
         exec_main(str(TRAIN), args, restore=True)
     res = run_coverage(str(TRAIN), args)
     assert res.exit_code == 0 and res.error is None and res.script == str(TRAIN)
-    assert {o.name: (o.calls, o.paths) for o in res.ops} == _by_name(rec)
+    assert {o.name: (o.calls, _merged(o.paths)) for o in res.ops} == _by_name(rec)
     back = CoverageResult.from_dict(json.loads(res.to_json()))
     assert [o.to_dict() for o in back.rows()] == [o.to_dict() for o in res.rows()]
     failed = run_coverage(str(TRAIN), ["--steps", "1", "--exit", "5"])
@@ -142,7 +151,7 @@ def test_static_no_device_memory():
     names = {o.name: o.path for o in res.ops}
     assert names["convolution"] == "native" and names["convolution_backward"] == "native"
     assert names["addmm"] == "native" and names["relu"] == "native"
-    assert names["t"] == "view" and names["randn"] == "native"
+    assert names["t"] == "composite" and names["randn"] == "native"
     assert res.stopped_at and "model_static.py:12" in res.stopped_at
     assert "_local_scalar_dense" in res.stopped_at
     assert all(o.host_time_s == 0 for o in res.ops)
@@ -272,3 +281,64 @@ def test_ops_of_child_processes_are_included(tmp_path):
     assert res.exit_code == 0, res.error
     assert res.child_processes == 1 and res.op("mul.Tensor") is not None
     assert "1 child processes included" in res.summary()
+
+
+def test_torchport_kernels_apart_from_the_backends() -> None:
+    """Allocation and copies are torchport's own kernels (path ``torchport``; sub-path
+    ``native:torchport`` in the op statistics), the backend's kernels ``native``."""
+    x = torch.randn(4, 5)
+    with ops.record() as rec, coverage() as cov:
+        d = x.to("sim")
+        torch.empty(3, device="sim")
+        (d + 1).cpu()
+    assert cov.path_of("_to_copy") == "torchport"
+    assert cov.path_of("empty.memory_format") == "torchport"
+    assert cov.path_of("add.Tensor") == "native"
+    assert rec.subpaths_of("_to_copy") == {"native:torchport": 2}
+    assert "native:torchport" not in rec.subpaths_of("add.Tensor")
+    assert rec.path_of("_to_copy") == "native"  # the path stays: a kernel ran on the device
+    assert "(torchport:2)" in rec.table()
+    assert "torchport" in cov.text() and cov.ops_per_path()["torchport"] == 2
+
+
+def test_composites_are_listed() -> None:
+    """Ops PyTorch computes by a composite kernel never reach the backend under their name:
+    coverage lists them (path ``composite``), their pieces on their own rows."""
+    from torchport.ops import stats
+
+    def step() -> None:
+        o = torch.ones(2, 3, device="sim")
+        o.t().sum()
+
+    with ops.record() as plain, coverage() as cov:
+        step()
+    composite = {o.name for o in cov.ops if o.path == "composite"}
+    assert {"ones", "t", "sum"} <= composite, cov.text()
+    assert not composite & set(plain.ops)  # invisible to the backend's records
+    assert cov.path_of("sum.dim_IntList") == "native"  # sum's piece
+    for name in composite:
+        base, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, base), overload or "default")
+        assert stats.computed_by_composite(op), name
+    assert not stats.computed_by_composite(torch.ops.aten.add.Tensor)  # the sim's kernel
+    assert "computed by PyTorch's composites" in cov.summary()
+    with coverage(composites=False) as off:
+        step()
+    assert not {o.name for o in off.ops} & composite
+
+
+def test_composite_without_a_device_kernel_is_visible(tmp_path: Path) -> None:
+    """A backend without a ``native_layer_norm`` kernel: PyTorch's composite computes it from
+    other ops; coverage names it (and the op its pieces fell back on)."""
+    walk = Path(__file__).resolve().parents[1] / "examples" / "vendor_walkthrough"
+    script = tmp_path / "ln.py"
+    script.write_text("import torch\nx = torch.randn(4, 8, device='walk')\n"
+                      "torch.nn.functional.layer_norm(x, (8,)).sum().item()\n")
+    out = tmp_path / "cov.json"
+    proc = subprocess.run([sys.executable, "-m", "torchport.tools.debug.cli_coverage", "-b",
+                           "backend", "--json", str(out), "-q", str(script)], cwd=walk,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    paths = {o["name"]: o["path"] for o in json.loads(out.read_text())["ops"]}
+    assert paths["native_layer_norm"] == "composite", paths
+    assert paths["empty.memory_format"] == "torchport", paths

@@ -5,7 +5,13 @@ calls, the path each call took (``native`` kernel, ``decomposed`` into native
 ops, CPU ``fallback``, metadata-only ``view``) and, for native kernels, the sub-path
 inside the kernel (``native:out``, ``native:trial``, ``native:cpu-result``,
 ``native:general``...: :mod:`torchport.ops.hostkernels` lists them; ``native:kernel``
-for a kernel with none), the dtypes seen and the host time spent. ``TORCHPORT_OP_STATS=1`` records the whole process and prints the
+for a kernel with none; ``native:torchport`` for the kernels torchport registers itself
+for every backend -- allocation, copies, ``resize_``, ``set_``, its device routes --, so
+that a vendor tells its own kernels from torchport's machinery), the dtypes seen and the
+host time spent. ``record(composites=True)`` also lists, on the ``composite`` path, the
+ops called on the device that PyTorch computes by a generic composite kernel
+(CompositeExplicitAutograd and the like: ``native_layer_norm`` without a device kernel),
+which never reach the backend under their own name (their pieces do, on their own rows). ``TORCHPORT_OP_STATS=1`` records the whole process and prints the
 table at exit. Knowing which ops fall back is the first step of porting a
 model; the host time says where the per-op overhead goes.
 
@@ -29,7 +35,11 @@ import torch
 from torchport.core import settings
 from torchport.ops.switch import Registry
 
-PATHS = ("native", "decomposed", "fallback", "view")
+PATHS = ("native", "decomposed", "fallback", "view", "composite")
+
+# Overloads that torchport's own kernels serve on every backend (filled by the registry):
+# their native calls are recorded on the sub-path ``torchport``.
+OWN: set[str] = set()
 
 ENABLED = False  # read by the op layer: any recorder active?
 _RECORDERS: Registry[Recorder] = Registry()
@@ -62,16 +72,25 @@ class OpStat:
 
 
 class Recorder:
-    """Accumulates :class:`OpStat` per overload name (``"add.Tensor"``)."""
+    """Accumulates :class:`OpStat` per overload name (``"add.Tensor"``); with
+    ``composites`` also the ops PyTorch's composite kernels compute on the device."""
 
-    def __init__(self) -> None:
+    def __init__(self, composites: bool = False) -> None:
         self.ops: dict[str, OpStat] = {}
+        self.composites = composites
+        self._watch: Any = None
 
     def __enter__(self) -> Recorder:
         _start(self)
+        if self.composites:
+            self._watch = _composite_watch(self)
+            self._watch.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._watch is not None:
+            self._watch.__exit__(None, None, None)
+            self._watch = None
         _stop(self)
 
     def add(self, name: str, path: str, dtypes: Iterable[torch.dtype], seconds: float,
@@ -162,14 +181,20 @@ class _NullFile:
         pass
 
 
-def record() -> Recorder:
-    """A recorder to use as a context manager: ``with record() as rec: ...``."""
-    return Recorder()
+def record(composites: bool = False) -> Recorder:
+    """A recorder to use as a context manager: ``with record() as rec: ...``.
+
+    ``composites=True`` also records the device's calls of ops that PyTorch's composite
+    kernels compute (path ``composite``): a Python dispatch mode sees every op while the
+    block runs, which costs time, and ``torch.compile`` runs eagerly under it."""
+    return Recorder(composites)
 
 
 def add(name: str, path: str, args: tuple, kwargs: dict, seconds: float,
         sub: str | None = None) -> None:
     """Record one call in every active recorder (only called when ``ENABLED``)."""
+    if path == "native" and name in OWN:
+        sub = "torchport"
     dtypes = _dtypes(args, kwargs)
     with _LOCK:
         for r in _RECORDERS.members:
@@ -243,6 +268,66 @@ def _dtypes(args: tuple, kwargs: dict) -> list[torch.dtype]:
                 if isinstance(x, torch.Tensor) and x.dtype not in seen:
                     seen.append(x.dtype)
     return seen
+
+
+# ---- composites: ops PyTorch computes above the backend --------------------------------
+_COMPOSITE_KEYS = ("CompositeExplicitAutogradNonFunctional", "CompositeExplicitAutograd",
+                   "CompositeImplicitAutograd")
+
+
+def computed_by_composite(op: torch._ops.OpOverload) -> bool:
+    """Does the device's dispatch entry of ``op`` hold one of PyTorch's composite kernels?
+    The dispatcher prefers a kernel registered for the device's key; without one, a
+    composite kernel serves before the backend's fallback."""
+    s = op._schema
+    name = s.name + ("." + s.overload_name if s.overload_name else "")
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    try:
+        return not has(name, "PrivateUse1") and any(has(name, k) for k in _COMPOSITE_KEYS)
+    except RuntimeError:  # not a dispatcher op
+        return False
+
+
+def _composite_watch(rec: Recorder) -> Any:
+    """A dispatch mode recording into ``rec`` the calls on the device of ops a composite
+    kernel computes. It sees the ops the autograd layer passes down (an op decomposed
+    there, ``layer_norm``, shows as its pieces); the calls it makes are not seen again."""
+    import time
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    device = torch._C._get_privateuse1_backend_name()
+    known: dict[Any, bool] = {}
+
+    def on_device(args: tuple, kwargs: dict) -> bool:
+        for x in tree_flatten((args, kwargs))[0]:
+            if isinstance(x, torch.Tensor):
+                if x.device.type == device and x.layout == torch.strided:
+                    return True
+            elif isinstance(x, torch.device) and x.type == device:
+                return True
+        return False
+
+    class CompositeWatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                               kwargs: dict | None = None) -> Any:
+            kwargs = kwargs or {}
+            composite = known.get(func)
+            if composite is None:
+                composite = known[func] = computed_by_composite(func)
+            if not composite or not on_device(args, kwargs):
+                return func(*args, **kwargs)
+            t0 = time.perf_counter()
+            r = func(*args, **kwargs)
+            seconds = time.perf_counter() - t0
+            name = func._schema.name.split("::")[-1] + (
+                "." + func._schema.overload_name if func._schema.overload_name else "")
+            with _LOCK:
+                rec.add(name, "composite", _dtypes(args, kwargs), seconds)
+            return r
+
+    return CompositeWatch()
 
 
 def _start(r: Recorder) -> None:

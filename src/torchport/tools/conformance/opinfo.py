@@ -11,6 +11,11 @@ The path each overload took (native kernel, decomposition, CPU fallback) comes
 from :mod:`torchport.ops.stats`. Failures with a known cause (``KNOWN``) are reported
 as "known" with their reason, counted apart from passes and failures.
 
+``torchport conformance`` is the same command. ``--full`` runs up to 5 samples per OpInfo and
+dtype (``--max-samples``); a sample that passes the op no tensor and no device is not run.
+``--upstream DIR`` runs PyTorch's own device-generic test files of a PyTorch checkout instead
+(:mod:`torchport.tools.conformance.upstream`).
+
     python -m torchport.tools.conformance                 # the representative subset, on sim
     python -m torchport.tools.conformance --full          # every OpInfo (long)
     python -m torchport.tools.conformance --ops 'add|mul' --dtypes float32,int64 --max-samples 4

@@ -26,8 +26,9 @@ def register(app: typer.Typer) -> None:
         "coverage",
         context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
                           "allow_interspersed_args": False},
-        help="Report every ATen op a script uses on the device, with its path (native, "
-             "decomposed, fallback, view), calls, dtypes and host time; fallback ops first. "
+        help="Report every ATen op a script uses on the device, with its path (fallback, "
+             "decomposed, composite, native: the backend's kernels, torchport: torchport's "
+             "own, view), calls, dtypes and host time; fallback ops first. "
              "Options go before SCRIPT; the script's own arguments follow it. Exit code: the "
              "script's if it fails, 4 when no op ran on the device, 3 with --fail-on-fallback "
              "when an op fell back, else 0.")
@@ -57,6 +58,11 @@ def register(app: typer.Typer) -> None:
                                          help="Show at most N rows in the terminal table."),
         quiet: bool = typer.Option(False, "--quiet", "-q",
                                    help="No terminal table (with --json/--html)."),
+        composites: bool = typer.Option(
+            True, "--composites/--no-composites",
+            help="List the ops PyTorch computes by a composite kernel above the backend (path "
+                 "composite). A Python dispatch mode watches the ops for it: torch.compile "
+                 "runs eagerly under it; --no-composites to record compiled code."),
     ) -> None:
         from rich.console import Console
 
@@ -65,7 +71,8 @@ def register(app: typer.Typer) -> None:
         if not module and not os.path.isfile(script):
             raise typer.BadParameter(f"no such script: {script}", param_hint="SCRIPT")
         result = run_coverage(script, list(ctx.args), static=static, transfer=transfer,
-                              backend=backend, module=module)
+                              backend=backend, module=module,
+                              composites=composites and not static)
         if json_file is not None:
             result.write_json(json_file)
         if html_file is not None:

@@ -7,7 +7,11 @@ without importing the records.
 
 from __future__ import annotations
 
-PATH_ORDER = ("fallback", "decomposed", "native", "view")  # worst first: the report's groups
-PATH_STYLE = {"fallback": "bold red", "decomposed": "yellow", "native": "green", "view": "cyan"}
-PATH_COLOR = {"fallback": "#d9534f", "decomposed": "#e0a800", "native": "#28a745",
-              "view": "#17a2b8"}
+# worst first: the report's groups. ``composite``: PyTorch computed the op from others above
+# the backend (no device kernel of its own); ``torchport``: torchport's own kernels
+# (allocation, copies, resize_, set_, its device routes), apart from the vendor's ``native``.
+PATH_ORDER = ("fallback", "decomposed", "composite", "native", "torchport", "view")
+PATH_STYLE = {"fallback": "bold red", "decomposed": "yellow", "composite": "magenta",
+              "native": "green", "torchport": "blue", "view": "cyan"}
+PATH_COLOR = {"fallback": "#d9534f", "decomposed": "#e0a800", "composite": "#9b59b6",
+              "native": "#28a745", "torchport": "#3b6fd6", "view": "#17a2b8"}

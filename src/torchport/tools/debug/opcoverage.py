@@ -4,8 +4,12 @@ Porting a model starts with one question: which of its ops have no device
 kernel and fall back to the CPU? ``with torchport.tools.debug.opcoverage() as cov:``
 records a code block (``torchport coverage script.py args`` a whole script) with
 the op statistics of :mod:`torchport.ops.stats` and reports every overload with
-its calls, dtypes, path (``native`` / ``decomposed`` / ``fallback`` / ``view``)
-and host time, fallback ops first. ``static=True`` (``--static``) answers the
+its calls, dtypes, path and host time, fallback ops first. Paths: ``fallback`` (the CPU),
+``decomposed`` (by torchport, into ops with kernels), ``composite`` (PyTorch's generic
+composite kernel computed it above the backend: the op never reached the device's kernels
+under its name, its pieces did), ``native`` (the backend's kernels), ``torchport``
+(torchport's own kernels: allocation, copies, ``resize_``, ``set_``, its device routes),
+``view`` (metadata only). ``static=True`` (``--static``) answers the
 same question without running anything on the device (see
 :mod:`torchport.tools.debug.static`). Results render as a rich table, JSON and a
 self-contained HTML page.
@@ -126,6 +130,9 @@ class CoverageResult:
         if fb:
             text += " (" + ", ".join(o.name for o in fb[:8]) + (", ..." if len(fb) > 8 else "") \
                 + ")"
+        composite = [o for o in self.rows() if o.paths.get("composite")]
+        if composite:
+            text += f", {len(composite)} computed by PyTorch's composites"
         if self.stopped_at:
             text += f"; static trace {self.stopped_at}"
         if self.child_processes:
@@ -270,11 +277,26 @@ class CoverageResult:
 
 
 # ---- collecting -------------------------------------------------------------------
+def _op_coverage(name: str, s: Any) -> OpCoverage:
+    """An overload's record (:class:`torchport.ops.stats.OpStat`), torchport's own kernels'
+    calls (sub-path ``native:torchport``) on the path ``torchport``."""
+    paths = dict(s.paths)
+    own = s.subpaths.get("native:torchport", 0)
+    if own:
+        paths["native"] = paths.get("native", 0) - own
+        if paths["native"] <= 0:
+            del paths["native"]
+        paths["torchport"] = own
+    return OpCoverage(name=name, calls=s.calls, paths=paths, dtypes=sorted(s.dtypes),
+                      host_time_s=s.host_time_s, declined=s.declined)
+
+
 class _Session:
     """The context manager behind :func:`coverage`."""
 
-    def __init__(self, static: bool, script: str | None) -> None:
+    def __init__(self, static: bool, script: str | None, composites: bool = True) -> None:
         self.static = static
+        self.composites = composites
         self.result = CoverageResult(mode="static" if static else "run", script=script)
         self._rec: Any = None
         self._trace: Any = None
@@ -295,7 +317,7 @@ class _Session:
             self._trace = trace(self._rec, b.name)
             self._tracer = self._trace.__enter__()
         else:
-            self._rec = stats.record().__enter__()
+            self._rec = stats.record(composites=self.composites).__enter__()
         return self.result
 
     def __exit__(self, et: Any, ev: BaseException | None, tb: Any) -> bool:
@@ -311,22 +333,23 @@ class _Session:
         else:
             self._rec.__exit__(et, ev, tb)
         self.result.wall_time_s = time.perf_counter() - self._t0
-        self.result.ops = [
-            OpCoverage(name=n, calls=s.calls, paths=dict(s.paths), dtypes=sorted(s.dtypes),
-                       host_time_s=s.host_time_s, declined=s.declined)
-            for n, s in self._rec.ops.items() if s.calls]
+        self.result.ops = [_op_coverage(n, s) for n, s in self._rec.ops.items() if s.calls]
         return suppress
 
 
-def coverage(static: bool = False, script: str | None = None) -> Any:
+def coverage(static: bool = False, script: str | None = None, composites: bool = True) -> Any:
     """``with coverage() as cov:`` records the block's device ops into ``cov`` (a CoverageResult).
+
+    ``composites`` lists the ops PyTorch's composite kernels compute on the device (path
+    ``composite``; see :func:`torchport.ops.stats.record`: ``torch.compile`` runs eagerly
+    under it); without it they are invisible, only their pieces show.
 
     With ``static=True`` device tensors created in the block are fake (nothing is
     allocated or computed on the device); an operation that needs real device data
     ends the block early and ``cov.stopped_at`` says where (the exception is
     swallowed then, since the analysis, not the computation, is the point).
     """
-    return _Session(static, script)
+    return _Session(static, script, composites)
 
 
 def _exit_code(code: object) -> int:
@@ -340,7 +363,7 @@ def _exit_code(code: object) -> int:
 
 def run_coverage(script: str, args: list[str] | None = None, *, static: bool = False,
                  transfer: bool | None = None, backend: str = "sim",
-                 module: bool = False) -> CoverageResult:
+                 module: bool = False, composites: bool = True) -> CoverageResult:
     """Run ``script args`` in this process as ``__main__`` under :func:`coverage`.
 
     ``transfer=None`` enables :mod:`torchport.transfer`, as ``torchport run`` does: a
@@ -366,7 +389,8 @@ def run_coverage(script: str, args: list[str] | None = None, *, static: bool = F
     elif xfer.is_enabled():
         xfer.disable()
     code, error = 0, None
-    session = coverage(static=static, script=None if module else os.path.abspath(script))
+    session = coverage(static=static, script=None if module else os.path.abspath(script),
+                       composites=composites)
     result = session.result
     children = tempfile.TemporaryDirectory(prefix="torchport-cov-children-")
     try:
@@ -413,7 +437,7 @@ def record_child_process(directory: str) -> None:
 
     from torchport.ops import stats
 
-    rec = stats.record().__enter__()
+    rec = stats.record(composites=True).__enter__()
     done: list[bool] = []
 
     def write() -> None:
@@ -421,9 +445,7 @@ def record_child_process(directory: str) -> None:
             return
         done.append(True)
         rec.__exit__(None, None, None)
-        ops = [OpCoverage(name=n, calls=s.calls, paths=dict(s.paths), dtypes=sorted(s.dtypes),
-                          host_time_s=s.host_time_s, declined=s.declined)
-               for n, s in rec.ops.items() if s.calls]
+        ops = [_op_coverage(n, s) for n, s in rec.ops.items() if s.calls]
         path = Path(directory) / f"{os.getpid()}.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(CoverageResult(ops=ops).to_json(), encoding="utf-8")

@@ -60,8 +60,10 @@ def classify(op: torch._ops.OpOverload, args: tuple, kwargs: dict, device_type: 
         decl_ok = True  # a kernel registered outside KernelSet (torchport's core ops)
     else:
         decl_ok = decl is not None and _dtypes_ok(decl.dtypes, args, kwargs)
-    if decl_ok:
-        return "fallback" if forced else "native"
+    if decl_ok:  # torchport's own kernels apart from the backend's, as a run reports them
+        return "fallback" if forced else "torchport" if name in stats.OWN else "native"
+    if not forced and stats.computed_by_composite(op):
+        return "composite"  # as a run reports it: PyTorch's composite kernel computes it
     if plan.is_view:
         return "view"
     if not forced and _has_composite_kernel(plan.name):
