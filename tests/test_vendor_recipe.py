@@ -64,7 +64,8 @@ def test_the_recipe_passes_the_suites(tmp_path):
         "stream order": _start(["-m", "tests.stream_order_sweep", BACKEND, "-n", "4096"]),
         "mutations": _start(["-m", "tests.mutation_sweep", BACKEND]),
         "conformance": _start(["-m", "torchport.tools.conformance", "--backend", BACKEND,
-                               "--subset", "--ops", OPS, "--jobs", "1", "--out",
+                               "--subset", "--ops", OPS, "--dtypes", "float32,int64",
+                               "--jobs", "1", "--out",
                                str(tmp_path), "--quiet"]),
         "cnn": _start(["-c", CNN]),
     }
