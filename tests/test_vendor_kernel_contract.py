@@ -139,3 +139,21 @@ def test_kernels_get_resolved_bits_zero_reaches_fill_and_copy_serves_dense_copie
     out = r.stdout + r.stderr[-3000:]
     assert r.returncode == 0, out
     assert "bits ok" in r.stdout and "zero_ ok" in r.stdout and "copy_ ok" in r.stdout, out
+
+
+def test_a_zero_kernel_declared_after_fill_serves_zero():
+    """The reference backend declares ``fill_.Scalar`` before ``zero_``: its own ``zero_``
+    serves, not one derived from ``fill_``."""
+    r = subprocess.run([sys.executable, "-c", (
+        "import torch, torchport.backends.reference\n"
+        "from torchport.ops import native_overloads, record\n"
+        "d = native_overloads()['zero_']\n"
+        "assert d.name == 'zero_' and d.derived_from is None, d\n"
+        "t = torch.ones(5, device='ref')\n"
+        "with record() as rec:\n"
+        "    t.zero_()\n"
+        "assert rec.path_of('zero_') == 'native' and t.sum().item() == 0, rec.table()\n"
+        "print('own zero_')\n")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=child_env(drop=("TORCHPORT_SIM_ASYNC", "TORCHPORT_SIM_STRICT", "TORCHPORT_AUTOLOAD"),
+                      importable=True, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0 and "own zero_" in r.stdout, r.stdout + r.stderr[-3000:]

@@ -166,8 +166,10 @@ def install(backend: DeviceBackend) -> None:
         _CORE.add(name)
         if name not in _OVERRIDES:
             stats.OWN.add(name)
+    fills: list[tuple[KernelDecl, Callable[..., Any]]] = []
     for ks in backend.kernel_sets:
-        install_kernel_set(backend, ks, lib, taken)
+        install_kernel_set(backend, ks, lib, taken, fills=fills)
+    _install_zero(backend, lib, taken, fills)  # after every set: a zero_ of a later one wins
     from torchport.ops import device_routes  # after the backend's own: its kernels win
     stats.OWN.update(install_kernel_set(backend, device_routes.make_kernel_set(backend), lib,
                                         taken, warn=False))
@@ -240,15 +242,20 @@ def _vendor_function(backend: DeviceBackend, decl: KernelDecl,
 
 
 def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library.Library | None = None,
-                       taken: set[str] | None = None, warn: bool = True) -> list[str]:
+                       taken: set[str] | None = None, warn: bool = True,
+                       fills: list[tuple[KernelDecl, Callable[..., Any]]] | None = None
+                       ) -> list[str]:
     """Register a kernel set's declarations (at registration, or later for one added
     after it); returns the overloads registered. The first declaration of an overload wins;
     one that names an overload (or a core one) and makes nothing native because others were
-    first is reported (``warn``)."""
+    first is reported (``warn``). A ``fill_.Scalar`` kernel also serves ``zero_`` where no
+    declaration does: decided at the end, or by the caller that passes ``fills``."""
     if lib is None:
         lib = backend.library()
     if taken is None:
         taken = set(_NATIVE) | _CORE
+    own_fills = fills is None
+    fills = [] if fills is None else fills
     done = []
     for decl in ks.decls:
         if decl.kind == "autograd":
@@ -269,7 +276,6 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                 done += _install_quantizing(backend, lib, taken, decl)
             continue
         ignored, installed = [], False
-        fill: Callable[..., Any] | None = None  # a vendor's fill_.Scalar, which zero_ calls
         made: dict[torch._ops.OpOverload | None, Callable[..., Any]] = {}
         for op, make, out_op, d in _expand(decl):
             oname = overload_name(op)
@@ -299,8 +305,8 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                     if _resolves_bits(op, d) else vendor
                 fn = derive.checked_writes(op, inner) if make is None else \
                     _DERIVED[make](backend, op, out_op, inner)
-                if oname == "fill_.Scalar" and make is None:
-                    fill = fn if d.dtypes is None else _dtype_checked(op, fn, d.dtypes)
+                if oname == "fill_.Scalar" and make is None:  # zero_ may call it
+                    fills.append((d, fn if d.dtypes is None else _dtype_checked(op, fn, d.dtypes)))
                 if d.dtypes is not None:
                     fn = _dtype_checked(op, fn, d.dtypes)
                 fn = _wrap(backend, op, oname, fn, route)
@@ -324,22 +330,24 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
             _NATIVE[oname] = d
             done.append(oname)
             installed = True
-        if fill is not None and "zero_" not in taken:
-            done += _install_zero(backend, lib, taken, decl, fill)
-            fill = None
         if ignored and not installed and warn and decl.kind != "host" \
                 and ("." in decl.name or any(n in _CORE for n in ignored)):
             warnings.warn(f"{ks.name}: the declaration of {decl.name!r} is ignored: "
                           f"{', '.join(ignored)} already has a kernel (torchport's own, or an "
                           f"earlier declaration); declare each overload once", stacklevel=3)
+    if own_fills:
+        done += _install_zero(backend, lib, taken, fills)
     paths.forget_decisions()
     return done
 
 
 def _install_zero(backend: DeviceBackend, lib: torch.library.Library, taken: set[str],
-                  decl: KernelDecl, fill: Callable[..., Any]) -> list[str]:
-    """``zero_`` served by the vendor's ``fill_.Scalar`` kernel (``zero_`` is ``fill_(0)``,
-    as on the CPU and CUDA), unless a kernel of its own serves it."""
+                  fills: list[tuple[KernelDecl, Callable[..., Any]]]) -> list[str]:
+    """``zero_`` served by the vendor's (first) ``fill_.Scalar`` kernel (``zero_`` is
+    ``fill_(0)``, as on the CPU and CUDA), unless a kernel of its own serves it."""
+    if not fills or "zero_" in taken:
+        return []
+    decl, fill = fills[0]
     op = torch.ops.aten.zero_.default
 
     def zero_(self: torch.Tensor) -> torch.Tensor:
