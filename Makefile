@@ -18,33 +18,53 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/train_cnn.py
 
-# Stages, chosen by pytest markers (pyproject.toml; which module has which: tests/README.md).
-# The suite on default (host-addressable) sim memory, less the porting tools (`tools`) and the
-# real-scripts subset (`scripts`); beside it, the modules marked `modes` (core tests, the op
-# layer's, the conformance subsets, the device layer's) with device-only memory
-# (TORCHPORT_SIM_STRICT=1), where every byte must go through the runtime, plus those marked
-# `strict` (the real-scripts subset runs there only) and `opencl` but not `opencl_full` (the
-# OpenCL backend on PoCL, its subset; `make test-opencl` runs all of it;
-# in a worker process of its own), and with asynchronous streams
-# (TORCHPORT_SIM_ASYNC=1), plus those marked `asynchronous` (streams, migrated examples).
-# The runs go side by side (the mode runs with one intra-op thread each; their logs are
-# printed when all ended). The porting tools' tests (`tools`: mostly subprocesses) and torch.compile's
-# (`graph`: compiling takes seconds), both in default
-# mode) run after the async stage, in its process slot, so that both cores stay busy while
-# the default suite runs.
+# Stages, chosen by pytest markers (pyproject.toml; which module has which, and what runs in
+# which long target instead: tests/README.md). Three process slots side by side on 2 cores,
+# each pytest with one intra-op thread (three processes already fill the cores):
+# 1. the suite on default (host-addressable) sim memory, less the porting tools (`tools`),
+#    torch.compile (`graph`), the real-scripts subset (`scripts`), OpenCL and DEFAULT_LATER;
+# 2. the modules marked `modes` (core tests, the op layer's, the conformance subsets, the
+#    device layer's) with device-only memory (TORCHPORT_SIM_STRICT=1), where every byte must
+#    go through the runtime, plus those marked `strict` (the real-scripts subset runs there
+#    only) and `opencl` but not `opencl_full` (the OpenCL backend's subset on PoCL, in a
+#    worker process of its own; `make test-opencl` runs all of it); then DEFAULT_LATER;
+# 3. the `modes` modules with asynchronous streams (TORCHPORT_SIM_ASYNC=1), plus those marked
+#    `asynchronous` (streams, migrated examples); then, in default mode, the porting tools'
+#    tests (mostly subprocesses) and torch.compile's (compiling takes seconds), less the
+#    clean install (`make test-torch` runs it).
+# No slot runs `slow` tests: the long targets that run their modules do (make stress, make
+# test-graph, make test-opencl, make conformance, ...). The logs of slots 2 and 3 are
+# printed when all ended, then each stage's wall time.
+# DEFAULT_LATER: default-mode modules of worker processes (c10d, DDP, FSDP2, the vendor
+# walkthrough's conformance run), moved out of slot 1 so that the slots end together.
 MODE_PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
+DEFAULT_LATER := tests/test_distributed.py tests/test_distributed_parallel.py \
+	tests/test_distributed_bound_device.py tests/test_vendor_walkthrough.py
 test: $(STAMP)
-	logs=$$(mktemp -d); rc=0; \
-	TORCHPORT_SIM_STRICT=1 $(MODE_PYTEST) -m "modes or strict or (opencl and not opencl_full)" tests \
-		> $$logs/strict 2>&1 & strict=$$!; \
-	( TORCHPORT_SIM_ASYNC=1 $(MODE_PYTEST) -m "modes or asynchronous" tests \
-		> $$logs/async 2>&1; arc=$$?; \
-	  $(MODE_PYTEST) -m "(tools or graph) and not opencl" tests > $$logs/tools 2>&1 || arc=1; exit $$arc ) & async=$$!; \
-	$(BIN)/python -m pytest -q --durations=15 -m "not tools and not graph and not scripts and not opencl" tests || rc=1; \
+	logs=$$(mktemp -d); rc=0; t0=$$(date +%s); since() { echo $$(( $$(date +%s) - t0 )); }; \
+	( TORCHPORT_SIM_STRICT=1 $(MODE_PYTEST) -m "(modes or strict or (opencl and not opencl_full)) and not slow" \
+		tests > $$logs/strict 2>&1; src=$$?; since > $$logs/strict.s; \
+	  $(MODE_PYTEST) -m "not slow" $(DEFAULT_LATER) > $$logs/later 2>&1 || src=1; since > $$logs/later.s; \
+	  exit $$src ) & strict=$$!; \
+	( TORCHPORT_SIM_ASYNC=1 $(MODE_PYTEST) -m "(modes or asynchronous) and not slow" tests \
+		> $$logs/async 2>&1; arc=$$?; since > $$logs/async.s; \
+	  $(MODE_PYTEST) -m "(tools or graph) and not opencl and not asynchronous and not slow" \
+		--ignore=tests/test_clean_install.py tests > $$logs/tools 2>&1 || arc=1; \
+	  since > $$logs/tools.s; exit $$arc ) & async=$$!; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 \
+		-m "not tools and not graph and not scripts and not opencl and not slow" \
+		$(addprefix --ignore=,$(DEFAULT_LATER)) tests || rc=1; since > $$logs/default.s; \
 	wait $$strict || rc=1; wait $$async || rc=1; \
 	echo "== porting tools and torch.compile (default mode)"; cat $$logs/tools; \
 	echo "== TORCHPORT_SIM_STRICT=1"; cat $$logs/strict; \
-	echo "== TORCHPORT_SIM_ASYNC=1"; cat $$logs/async; rm -rf $$logs; exit $$rc
+	echo "== worker-process modules (default mode, after the strict stage)"; cat $$logs/later; \
+	echo "== TORCHPORT_SIM_ASYNC=1"; cat $$logs/async; \
+	s=$$(cat $$logs/strict.s); a=$$(cat $$logs/async.s); \
+	echo "== stage wall times, the three slots side by side:"; \
+	echo "== default stage: $$(cat $$logs/default.s) s"; \
+	echo "== strict stage: $$s s, then worker-process modules: $$(( $$(cat $$logs/later.s) - s )) s"; \
+	echo "== async stage: $$a s, then tools and torch.compile: $$(( $$(cat $$logs/tools.s) - a )) s"; \
+	echo "== total: $$(since) s"; rm -rf $$logs; exit $$rc
 
 # The suite's representative subset on another torch release (docs/compatibility.md):
 # make test-torch TORCH=2.14.1 (or 2.15.0; PY=python3.12 for another interpreter) builds

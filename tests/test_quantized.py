@@ -1,5 +1,7 @@
 """Quantized tensors on the device (QuantizedPrivateUse1) and the int8/int4 matmul kernels
-torchao's int8 paths reach; the CPU is the oracle, bit for bit."""
+torchao's int8 paths reach; the CPU is the oracle, bit for bit.
+
+Default memory only in ``make test``; ``make quant`` runs the module in the three modes."""
 
 import io
 
@@ -9,8 +11,7 @@ import torch
 import torchport.ops as tops
 from tests.helpers import check_python
 
-pytestmark = [pytest.mark.modes,
-              pytest.mark.filterwarnings("ignore::torchport.ops.FallbackWarning"),
+pytestmark = [pytest.mark.filterwarnings("ignore::torchport.ops.FallbackWarning"),
               pytest.mark.filterwarnings("ignore:.*quantized tensor creation.*:UserWarning")]
 
 DTYPES = [torch.qint8, torch.quint8, torch.qint32]

@@ -30,7 +30,10 @@ def _python(code: str, mode: str, timeout: float = 300) -> subprocess.CompletedP
     return run_python(code, env=_env(mode), timeout=timeout)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+# synchronous: make test leaves it to make stress (``slow``), which runs this module and
+# tests.stress_async longer in every mode
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m == "sync" else m
+                                  for m in MODES])
 def test_random_programs_in_threads_match_the_cpu(mode: str) -> None:
     """Frees while the queued reads are pending, random factories computed by the host,
     host-computed results, copies and training steps in three threads on two devices:
