@@ -269,6 +269,17 @@ def test_a_reply_the_runner_cannot_read_is_reported_not_raised() -> None:
     assert isinstance(reply, dict) and "unreadable reply" in reply["error"], reply
 
 
+def test_the_summary_says_why_a_program_was_skipped() -> None:
+    from torchport.tools.fuzz.cli import Summary
+    from torchport.tools.fuzz.runner import Result
+
+    summary = Summary(0, 1, ["default"])
+    summary.add(Result(generate(0, 0), "default", skipped="cpu: hang in step 3 [x]: ..."))
+    assert summary.skipped["default"] == 1
+    assert "skipped 0/0: cpu: hang in step 3" in summary.report()
+    assert summary.to_json()["skips"] == {"0/0": "cpu: hang in step 3 [x]: ..."}
+
+
 # ---- the minimiser ----------------------------------------------------------------------
 
 def test_ddmin_finds_the_failing_pair() -> None:

@@ -51,6 +51,7 @@ class Summary:
     clean: Counter = field(default_factory=Counter)
     skipped: Counter = field(default_factory=Counter)  # the CPU run failed
     findings: dict[tuple[str, str], Finding] = field(default_factory=dict)
+    skips: dict[str, str] = field(default_factory=dict)  # program -> why the CPU run failed
     seconds: float = 0.0
 
     @property
@@ -60,6 +61,7 @@ class Summary:
     def add(self, r: Result) -> None:
         if r.skipped:
             self.skipped[r.mode] += 1
+            self.skips.setdefault(r.program.name, r.skipped)
             return
         self.runs[r.mode] += 1
         if not r.diffs:
@@ -88,6 +90,8 @@ class Summary:
             unexp = sum(f.count for f in fs if not f.known)
             lines.append(f"{m:8} {self.runs[m]:>8} {self.clean[m]:>6} {known + unexp:>6} "
                          f"{known:>6} {unexp:>7} {self.skipped[m]:>7}")
+        for name, why in list(self.skips.items())[:5]:
+            lines.append(f"  skipped {name}: {why[:300]}")
         if self.findings:
             lines.append("differences by class (first difference of each program):")
             for f in sorted(self.findings.values(), key=lambda f: (f.known is not None,
@@ -102,7 +106,7 @@ class Summary:
     def to_json(self) -> dict[str, Any]:
         return {"seed": self.seed, "n": self.n, "modes": self.modes, "runs": dict(self.runs),
                 "clean": dict(self.clean), "skipped": dict(self.skipped),
-                "seconds": round(self.seconds, 1),
+                "seconds": round(self.seconds, 1), "skips": dict(self.skips),
                 "findings": [{"mode": f.mode, "class": f.cls, "known": f.known,
                               "count": f.count, "detail": f.detail, "repro": f.repro,
                               "program": f.first.name if f.first else None}
