@@ -269,6 +269,16 @@ def test_a_reply_the_runner_cannot_read_is_reported_not_raised() -> None:
     assert isinstance(reply, dict) and "unreadable reply" in reply["error"], reply
 
 
+def test_every_snapshot_survives_the_pipe_to_the_runner() -> None:
+    import pickle
+
+    # complex32 (float16 * 1j) storages do not unpickle; the values travel as complex64
+    half = torch.tensor([1.5, -2.0], dtype=torch.float16) * (1 + 1j)
+    snap = pickle.loads(pickle.dumps(prelude.snapshot(half)))
+    assert snap["dtype"] == "torch.complex32"
+    assert torch.equal(snap["values"], half.to(torch.complex64))
+
+
 def test_the_summary_says_why_a_program_was_skipped() -> None:
     from torchport.tools.fuzz.cli import Summary
     from torchport.tools.fuzz.runner import Result

@@ -94,10 +94,12 @@ def snapshot(v: Any) -> dict[str, Any]:
                 "requires_grad": v.requires_grad, "values": t.int_repr().cpu()}
     if isinstance(v, torch.Tensor):
         t = v.detach()
+        values = t.cpu().resolve_conj().resolve_neg().clone()
+        if values.dtype == torch.complex32:  # its storage does not unpickle: exactly widened
+            values = values.to(torch.complex64)
         return {"t": "T", "dtype": str(t.dtype), "shape": tuple(t.shape),
                 "stride": tuple(t.stride()), "device": str(t.device),
-                "requires_grad": v.requires_grad,
-                "values": t.cpu().resolve_conj().resolve_neg().clone()}
+                "requires_grad": v.requires_grad, "values": values}
     if isinstance(v, (tuple, list)) and not isinstance(v, torch.Size):
         return {"t": "S", "items": [snapshot(x) for x in v]}
     if v is None or isinstance(v, (bool, int, float, complex, str)):
