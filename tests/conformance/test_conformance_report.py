@@ -154,3 +154,21 @@ def test_dropout_is_checked_by_its_properties_and_can_fail(monkeypatch):
     assert runner._dropout(_Dropout(real), _sample(p=0.5, training=False), grad=False) is None
     on_sim_only = _Dropout(lambda x, **k: real(x, **k) + (x.device.type == "sim"))
     assert runner.run_sample(on_sim_only, _sample(p=0.0))[0] == "fail"
+
+
+def test_a_sample_whose_cpu_result_changes_with_the_seed_is_random():
+    """A random sample (attention with dropout, which op_db seeds itself) is compared by
+    structure, not values: a device with a generator of its own draws other numbers than the
+    CPU under one seed."""
+    from torchport.tools.conformance.catalog import load_op_db
+    from torchport.tools.conformance.runner import Runner
+
+    op = next(o for o in load_op_db() if o.name == "nn.functional.scaled_dot_product_attention")
+    samples = list(op.sample_inputs("cpu", torch.float32))
+    runner = Runner("sim")
+    for s in samples[:5]:
+        bundle = (s.input, tuple(s.args), dict(s.kwargs))
+        torch.manual_seed(1234)
+        ref = runner._call(op, runner._clone_cpu(bundle))
+        assert runner._random(op, bundle, ref) == (s.kwargs.get("dropout_p", 0.0) > 0), s.kwargs
+    assert any(s.kwargs.get("dropout_p", 0.0) > 0 for s in samples[:5])
