@@ -390,6 +390,16 @@ def test_a_cnn_with_batchnorm_trains_as_on_the_cpu(ocl):  # noqa: F811
     """)
 
 
+def test_bool_fills_take_any_number_as_a_truth_value(ocl):  # noqa: F811
+    ocl.run("""
+    for v in (-5, 0, 2, 0.5, -0.0, True):
+        same(torch.scalar_tensor(v, dtype=torch.bool, device="ocl"),
+             torch.scalar_tensor(v, dtype=torch.bool))
+        same(torch.full((3,), v, dtype=torch.bool, device="ocl"),
+             torch.full((3,), v, dtype=torch.bool))
+    """)
+
+
 def test_nll_loss_runs_on_the_device_bit_for_bit(ocl):  # noqa: F811
     ocl.run("""
     # the CPU's order of the sums (its cascade of partial sums: 70000 targets take levels of

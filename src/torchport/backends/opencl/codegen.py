@@ -183,6 +183,8 @@ def _ctype(dtype: torch.dtype) -> str:
 
 
 def _scalar(dtype: torch.dtype, value: Any) -> Any:
+    if dtype == torch.bool:  # any number is a truth value (scalar_tensor(-5, dtype=bool))
+        return np.uint8(bool(value))
     return _NP[torch.float32 if dtype == torch.float16 else dtype](value)
 
 
