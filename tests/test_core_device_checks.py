@@ -5,10 +5,14 @@ CUDA takes a CPU tensor as a 0-dim operand (TensorIterator's CPU scalars), as an
 ``x[idx]``/``index_put_`` (ATen's AdvancedIndex moves it), and requires one for foreach's
 packed ``scalars``; every other CPU tensor argument raises a RuntimeError."""
 
+import functools
+import re
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchport.sim  # noqa: F401
 
@@ -51,6 +55,11 @@ def _index_put(values_on: str, accumulate: bool, index: str = "long") -> Case:
     return case
 
 
+# adaption.h's check_and_update_common_device: the first tensor's device is the common one
+def _got(arg: str, op: str, on: str = "cpu", common: str = "sim:0") -> str:
+    return (rf"Expected all tensors to be on the same device, but got {arg} is on {on}, "
+            rf"different from other tensors on {common} \(when checking argument in method {op};")
+
 # Calls CUDA rejects: every one a RuntimeError on the sim too (with these words).
 RAISES: dict[str, tuple[Case, str]] = {
     "index_put_ CPU values": (_index_put("cpu", False), "same device"),
@@ -88,6 +97,33 @@ RAISES: dict[str, tuple[Case, str]] = {
     "take CPU index": (lambda d: _x(d).take(torch.tensor([0, 2])), "same device"),
     "gather CPU index": (
         lambda d: _x(d).gather(0, torch.zeros(2, 4, dtype=torch.long)), "same device"),
+    # CUDA's registrations of ops keeping native_functions.yaml's ``device_check: ExactSame``
+    # compare every out= and positional tensor's device, a 0-dim CPU one too
+    "index_select CPU 0-dim index": (
+        lambda d: _x(d).index_select(0, torch.tensor(1)), _got("index", "index_select")),
+    "clamp CPU 0-dim min": (
+        lambda d: _x(d).clamp(min=torch.tensor(2.0)), _got("min", "clamp.Tensor")),
+    "clamp_ CPU 0-dim max": (
+        lambda d: _x(d).clamp_(max=torch.tensor(2.0)), _got("max", "clamp_.Tensor")),
+    "take CPU 0-dim index": (
+        lambda d: _x(d).take(torch.tensor(3)), _got("index", "take")),
+    "mm out= CPU": (
+        lambda d: torch.mm(_x(d), _x(d).T, out=torch.empty(5, 5)),
+        _got("self", "mm.out", "sim:0", "cpu")),
+    "take CPU 0-dim self, device index": (
+        lambda d: torch.take(torch.tensor(1.0), torch.tensor([0], device=d)),
+        _got("index", "take", "sim:0", "cpu")),
+    # (a structured op the sim runs through its out= overload: CUDA names the functional)
+    "logaddexp CPU 0-dim other": (
+        lambda d: torch.logaddexp(_x(d), torch.tensor(1.0)), "same device, but got other"),
+    "logaddexp CPU 0-dim self": (
+        lambda d: torch.logaddexp(torch.tensor(1.0), _x(d)), "same device, but got"),
+    # the devices before the kernel's dtype checks (the CPU refuses bool)
+    "logaddexp bool, CPU 0-dim": (
+        lambda d: torch.logaddexp(_x(d).bool(), torch.tensor(True)), "same device"),
+    "nll_loss CPU target": (
+        lambda d: torch.nn.functional.nll_loss(_x(d).log_softmax(1), torch.tensor([0, 1, 2, 3, 0])),
+        _got("target", "nll_loss_forward")),
 }
 
 
@@ -107,6 +143,13 @@ WORKS: dict[str, Case] = {
     "_foreach_addcmul_ int64 CPU scalars": _addc(
         "addcmul", True, "cpu", torch.int64, lambda d: torch.tensor([2, 3])),
     "add CPU 0-dim": lambda d: _x(d) + torch.tensor(2.5),
+    # TensorIterator's CPU scalars in ops without the generated check (device_check: NoCheck)
+    "mul_ CPU 0-dim": lambda d: _x(d).mul_(torch.tensor(0.5)),
+    "where CPU 0-dim": lambda d: torch.where(_x(d) > 5, _x(d), torch.tensor(-1.0)),
+    "lerp CPU 0-dim weight": lambda d: torch.lerp(_x(d), _x(d).flip(0), torch.tensor(0.25)),
+    "addcmul CPU 0-dim tensor2": lambda d: torch.addcmul(_x(d), _x(d), torch.tensor(3.0)),
+    "clamp Python number": lambda d: _x(d).clamp(min=2.0),
+    "copy_ from CPU 0-dim": lambda d: _x(d).copy_(torch.tensor(4.0)),
     "index_fill CPU 0-dim value": lambda d: _x(d).index_fill(1, torch.tensor([0, 2], device=d),
                                                              torch.tensor(-1.0)),
 }
@@ -202,3 +245,155 @@ def _error(fn: Callable[[], object]) -> tuple[type, str]:
     except Exception as e:  # noqa: BLE001 -- the error itself is compared
         return type(e), str(e)
     raise AssertionError("no error")
+
+
+@functools.cache
+def _torchgen_checks() -> dict[str, tuple[str, ...]]:
+    """Overload -> the tensor arguments CUDA's registration compares, as torchgen generates
+    it (dest/register_dispatch_key.py: ``gen_device_check`` over out= and flat positional
+    arguments, for functions keeping ``device_check: ExactSame`` with a CUDA kernel, a
+    structured group's through its out= one): PyTorch's own parser of the yaml."""
+    import torchgen
+    from torchgen.gen import parse_native_yaml
+    from torchgen.model import DeviceCheckType, DispatchKey
+
+    where = Path(torchgen.__file__).parent / "packaged/ATen/native"
+    parsed = parse_native_yaml(str(where / "native_functions.yaml"), str(where / "tags.yaml"))
+    fs = {str(f.func.name): f for f in parsed.native_functions}
+    keys = [parsed.backend_indices[k] for k in
+            (DispatchKey.CUDA, DispatchKey.SparseCUDA, DispatchKey.SparseCsrCUDA)]
+    checks = {}
+    for name, f in fs.items():
+        kernels = [f, fs[str(f.structured_delegate)]] if f.structured_delegate else [f]
+        if f.device_check is DeviceCheckType.ExactSame and any(
+                i.has_kernel(k) for i in keys for k in kernels):
+            checks[name] = tuple(a.name for a in (*f.func.arguments.out,
+                                                  *f.func.arguments.flat_positional)
+                                 if a.type.is_tensor_like())
+    return checks
+
+
+def test_checked_arguments_are_torchgens() -> None:
+    """The op layer's scan of native_functions.yaml finds, for every overload, the arguments
+    torchgen's own parser says CUDA's generated registration compares."""
+    from torchport.ops.plan import cuda_checked_args, plan_for
+
+    want = _torchgen_checks()
+    seen = 0
+    for packet_name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, packet_name)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            name = op._schema.name.removeprefix("aten::") + (
+                "." + op._schema.overload_name if op._schema.overload_name else "")
+            tensors = {a.name for a in op._schema.arguments if "Tensor" in str(a.type)}
+            got = tuple(a for a in cuda_checked_args(plan_for(op)) if a in tensors)
+            assert got == want.get(name, ()), name
+            seen += bool(got)
+    assert seen > 300
+
+
+class _Expect(TorchDispatchMode):
+    """Records the ops of a call whose CUDA registration compares a CPU tensor with a device
+    one (the ops seen here; a composite's own calls run inside it, unseen)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raising: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        names = _torchgen_checks().get(_overload(func))
+        if names:
+            bound = {**dict(zip((a.name for a in func._schema.arguments), args, strict=False)),
+                     **kwargs}
+            types_ = {t.device.type for n in names for t in _flat(bound.get(n))}
+            if len(types_) > 1:
+                self.raising.append(_overload(func))
+        return func(*args, **kwargs)
+
+
+def _overload(op: torch._ops.OpOverload) -> str:
+    s = op._schema
+    return s.name.removeprefix("aten::") + ("." + s.overload_name if s.overload_name else "")
+
+
+def _flat(v: object) -> list[torch.Tensor]:
+    return [t for t in (v if isinstance(v, (list, tuple)) else (v,))
+            if isinstance(t, torch.Tensor)]
+
+
+_NAMED = re.compile(r"but got (\w+) is on \S+, different from other tensors on \S+ \(when "
+                    r"checking argument in method ([\w.]+);")
+
+
+def _zero_dim_cases() -> list[tuple[str, Callable[[str], object]]]:
+    """(op, call on a device) of op_db's first float32 sample of each op with a tensor argument
+    a 0-dim CPU tensor may stand for (the CPU computes with it), the others on the device."""
+    from torchport.tools.conformance.catalog import load_op_db, opinfo_id
+
+    cases = []
+    for op in load_op_db():
+        if torch.float32 not in op.supported_dtypes("cpu"):
+            continue
+        try:
+            # (the generator itself: OpInfo.sample_inputs inspects the stack, slowly)
+            s = next(iter(op.sample_inputs_func(op, "cpu", torch.float32, False)))
+        except Exception:  # noqa: BLE001, S112 -- ops without a float32 sample here
+            continue
+        if not isinstance(s.input, torch.Tensor):
+            continue
+        slots = [i for i, v in enumerate(s.args) if isinstance(v, torch.Tensor) and v.numel()]
+        slots += [k for k, v in s.kwargs.items() if isinstance(v, torch.Tensor) and v.numel()]
+        for slot in slots:
+            def call(d: str, op=op, s=s, slot=slot) -> object:  # noqa: ANN001
+                args = [a.to(d) if isinstance(a, torch.Tensor) else a for a in s.args]
+                kwargs = {k: v.to(d) if isinstance(v, torch.Tensor) else v
+                          for k, v in s.kwargs.items()}
+                where = args if isinstance(slot, int) else kwargs
+                where[slot] = (s.args[slot] if isinstance(slot, int)
+                               else s.kwargs[slot]).flatten()[0].clone()
+                return op(s.input.to(d), *args, **kwargs)
+            try:
+                call("cpu")
+            except Exception:  # noqa: BLE001, S112 -- no 0-dim tensor there
+                continue
+            cases.append((opinfo_id(op), call))
+            break
+    return cases
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_zero_dim_cpu_tensors_in_op_db_follow_cudas_registrations() -> None:
+    """Each op_db op given a 0-dim CPU tensor next to device tensors raises CUDA's error
+    exactly where CUDA's generated registration compares it with a device tensor (torchgen's
+    own reading of the yaml), naming such an overload and argument; else computes the CPU's
+    values (or fails as before, with an error of the op's own)."""
+    checks = _torchgen_checks()
+    problems, raised, computed = [], 0, 0
+    for name, call in _zero_dim_cases():
+        want = call("cpu")
+        mode = _Expect()
+        try:
+            with mode:
+                got = call("sim")
+        except Exception as e:  # noqa: BLE001 -- compared with the rule below
+            named = _NAMED.search(str(e))
+            if named and named[1] not in checks.get(named[2], ()):
+                problems.append(f"{name}: {named[2]} does not check {named[1]} on CUDA: {e}")
+            elif mode.raising and not (isinstance(e, RuntimeError) and "same device" in str(e)):
+                problems.append(f"{name}: CUDA raises in {mode.raising[0]}, not {e!r}")
+            raised += bool(named)
+            continue
+        if mode.raising:
+            problems.append(f"{name}: CUDA raises in {mode.raising[0]}; the sim computed")
+            continue
+        computed += 1
+        for w, g in zip(_flat(want), _flat(got), strict=True):
+            if not torch.equal(g.cpu(), w) and not (w.is_floating_point() and torch.allclose(
+                    g.cpu(), w, rtol=0, atol=0, equal_nan=True)):
+                problems.append(f"{name}: values differ from the CPU's")
+    assert not problems, "\n".join(problems)
+    assert raised > 10 and computed > 50, (raised, computed)

@@ -93,14 +93,18 @@ class HostOp final : public c10::OperatorKernel {
   }
 
   // A tensor argument this kernel maps: a plain strided tensor of a visible device, the same
-  // device as the others (`index`, set by the first); `cpu_scalar`: a 0-dim CPU tensor
-  // passes as it is (a Python number, a CPU scalar), as the Python kernels let it; any
-  // strided CPU tensor passes for a copy between the host and the device (`host` then set).
+  // device as the others (`index`, set by the first); `cpu_scalar`: a Python number passes as
+  // it is, and a 0-dim CPU tensor for a copy; another 0-dim CPU tensor takes the Python
+  // kernel, whose device check raises where CUDA's registration checks the op's devices
+  // (hostexec.op_device); any strided CPU tensor passes for a copy between the host and the
+  // device (`host` then set).
   bool servable(const at::Tensor& t, bool cpu_scalar, int& index, bool& host) const {
     if (!t.defined()) return true;
     if (t.device().type() != kDevice) {
       if (t.device().type() != c10::DeviceType::CPU) return false;
-      if (cpu_scalar && t.dim() == 0) return true;
+      if (cpu_scalar && t.dim() == 0 &&
+          (cpu_tensors_ || t.unsafeGetTensorImpl()->is_wrapped_number()))
+        return true;
       if (!cpu_tensors_ || t.layout() != c10::Layout::Strided ||
           t.unsafeGetTensorImpl()->has_symbolic_sizes_strides())
         return false;

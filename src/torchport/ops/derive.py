@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from torchport.memory.tensors import storage_nbytes
-from torchport.ops.plan import named_arguments, plan_for
+from torchport.ops.plan import DeviceMismatchError, check_common_device, named_arguments, plan_for
 from torchport.ops.quiet import is_python_resize_warning, resize_warnings, silently
 
 if TYPE_CHECKING:
@@ -414,7 +414,11 @@ def functional_kernel(backend: DeviceBackend, op: OpOverload, out_op: OpOverload
         index = _device_index(backend, args, kwargs)
         outs = [backend.empty_strided(shape, stride, dtype, index)
                 for shape, stride, dtype in specs]
-        fn(*args, **kwargs, **dict(zip(names, outs, strict=True)))
+        try:
+            fn(*args, **kwargs, **dict(zip(names, outs, strict=True)))
+        except DeviceMismatchError:
+            check_common_device(plan_for(op), args, kwargs)  # CUDA checks ``op``'s own
+            raise
         return outs[0] if len(outs) == 1 else tuple(outs)
     return kernel
 
@@ -431,7 +435,11 @@ def inplace_kernel(backend: DeviceBackend, op: OpOverload, out_op: OpOverload,
         if shape != tuple(self.shape):
             raise RuntimeError(f"{op}: output with shape {list(self.shape)} doesn't match the "
                                f"broadcast shape {list(shape)}")
-        fn(self, *args, **kwargs, **{name: self})
+        try:
+            fn(self, *args, **kwargs, **{name: self})
+        except DeviceMismatchError:
+            check_common_device(plan_for(op), (self, *args), kwargs)  # CUDA checks ``op``'s own
+            raise
         return self
     return kernel
 

@@ -23,7 +23,15 @@ import torch
 from torchport.core import native
 from torchport.memory import qtensors, tensors
 from torchport.ops import teardown
-from torchport.ops.plan import OpPlan, bind, named_arguments, numbers_as_tensors, plan_for
+from torchport.ops.plan import (
+    DeviceMismatchError,
+    OpPlan,
+    bind,
+    check_common_device,
+    named_arguments,
+    numbers_as_tensors,
+    plan_for,
+)
 
 if TYPE_CHECKING:
     from torchport.core.contracts import DeviceBackend
@@ -32,10 +40,6 @@ _CPU = torch.device("cpu")
 _CPU_KS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _as_strided = torch.ops.aten.as_strided.default
 Tensor = torch.Tensor
-
-
-class DeviceMismatchError(RuntimeError):
-    """Tensors of one op live on different devices."""
 
 
 class HostArgumentError(RuntimeError):
@@ -52,10 +56,13 @@ def op_device(backend: DeviceBackend, op: Any, plan: OpPlan, args: tuple, kwargs
     """The device index an op runs on (``None``: a factory op naming a device of another
     type, ``ones_like(x, device="cpu")``, whose result stays there); raises where CUDA's
     kernels do when its tensors are on different devices: a CPU tensor is accepted as a
-    0-dim operand (TensorIterator's CPU scalars) or where :data:`torchport.ops.plan.CPU_ARGS`
-    and :data:`~torchport.ops.plan.HOST_ARGS` say CUDA takes one."""
+    0-dim operand (TensorIterator's CPU scalars) unless CUDA's registration of the op checks
+    its devices (:func:`torchport.ops.plan.check_common_device`), or where
+    :data:`torchport.ops.plan.CPU_ARGS` and :data:`~torchport.ops.plan.HOST_ARGS` say CUDA
+    takes one."""
     name = backend.name
     found: torch.device | None = None
+    cpu_scalar = False
     for arg, v in _named_tensors(plan, args, kwargs):
         d = v.device
         if d.type == name:
@@ -67,10 +74,17 @@ def op_device(backend: DeviceBackend, op: Any, plan: OpPlan, args: tuple, kwargs
                 found = d
             elif d != found:
                 _mismatch(found, d, plan)
-        elif v.dim() > 0 and arg not in plan.cpu_args and arg not in plan.host_args \
-                and not _masked_fill_value(plan, arg, v, name, args, kwargs):
-            _raise_argument_error(op, backend.name, args, kwargs)
-            _mismatch(found or torch.device(name), d, plan, name, args, kwargs)
+        elif arg in plan.cpu_args or arg in plan.host_args:
+            pass
+        elif v.dim() > 0:
+            if not _masked_fill_value(plan, arg, v, name, args, kwargs):
+                check_common_device(plan, args, kwargs)
+                _raise_argument_error(op, backend.name, args, kwargs)
+                _mismatch(found or torch.device(name), d, plan, name, args, kwargs)
+        else:
+            cpu_scalar = True
+    if cpu_scalar and found is not None:
+        check_common_device(plan, args, kwargs)
     if plan.write_args:  # a 0-dim CPU tensor is an operand, never an output (as on CUDA)
         for v in _iter_tensors(*_written(plan, args, kwargs)):
             if v.device.type != name:

@@ -16,6 +16,11 @@ import torch
 
 _PLANS: dict[object, OpPlan] = {}
 
+
+class DeviceMismatchError(RuntimeError):
+    """Tensors of one op live on different devices."""
+
+
 # Where CUDA's kernels take a tensor argument on the CPU next to device tensors; everywhere
 # else only TensorIterator's CPU scalars (0-dim) may be (hostexec.op_device applies both).
 # CPU_ARGS: any CPU tensor -- index tensors ATen's AdvancedIndex moves to the device (the
@@ -34,6 +39,115 @@ HOST_ARGS: dict[str, frozenset[str]] = {
     f"aten::_foreach_{op}.Tensor": _SCALARS
     for op in ("addcdiv", "addcdiv_", "addcmul", "addcmul_")
 }
+
+# CUDA's registrations of the ops whose native_functions.yaml entry keeps the default
+# ``device_check: ExactSame``: torchgen (dest/register_dispatch_key.py, gen_device_check)
+# checks their ``out`` and flat positional tensors with ``check_and_update_common_device``
+# (ATen/core/op_registration/adaption.h), which takes no CPU scalar: where TensorIterator
+# would take a 0-dim CPU tensor, these raise. Read from the yaml torchgen ships, once, on the
+# first 0-dim CPU tensor next to device tensors (:func:`cuda_checked_args`).
+_NATIVE_FUNCTIONS = ("torchgen", "packaged/ATen/native/native_functions.yaml")
+_CUDA_KEYS = frozenset({"CUDA", "SparseCUDA", "SparseCsrCUDA"})
+_yaml_facts: dict[str, tuple[bool, str | None, frozenset[str]]] | None = None
+
+
+def _native_functions() -> dict[str, tuple[bool, str | None, frozenset[str]]]:
+    """Overload name -> (device-checked, structured delegate, dispatch keys), scanned from
+    the yaml line by line (the few fields needed, no yaml parser)."""
+    global _yaml_facts
+    if _yaml_facts is not None:
+        return _yaml_facts
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec(_NATIVE_FUNCTIONS[0])
+    facts: dict[str, tuple[bool, str | None, frozenset[str]]] = {}
+    if spec is None or not spec.submodule_search_locations:
+        _yaml_facts = facts
+        return facts
+    path = Path(next(iter(spec.submodule_search_locations))) / _NATIVE_FUNCTIONS[1]
+    entry: list[Any] = []  # [name, checked, delegate, keys]
+
+    def close() -> None:
+        if entry:
+            facts[entry[0]] = (entry[1], entry[2], frozenset(entry[3]))
+
+    in_dispatch = False
+    for line in path.read_text().splitlines():
+        if line.startswith("- func:"):
+            close()
+            entry[:] = [line[7:].strip().split("(", 1)[0], True, None, set()]
+            in_dispatch = False
+        elif not entry:
+            continue
+        elif line.startswith("    ") and in_dispatch:
+            keys = line.split("#", 1)[0].rsplit(":", 1)[0]
+            entry[3].update(k.strip() for k in keys.split(","))
+        elif line.startswith("  ") and not line.startswith("   "):
+            field, _, value = line.strip().partition(":")
+            value = value.split("#", 1)[0].strip()
+            in_dispatch = field == "dispatch"
+            if field == "device_check":
+                entry[1] = value != "NoCheck"
+            elif field == "structured_delegate":
+                entry[2] = value
+    close()
+    _yaml_facts = facts
+    return facts
+
+
+_checked: dict[str, tuple[str, ...]] = {}
+
+
+def cuda_checked_args(plan: OpPlan) -> tuple[str, ...]:
+    """The arguments, in order, whose devices CUDA's registration of ``plan``'s op compares
+    before its kernel runs, no CPU scalar excepted (none: the op's CUDA kernel, or
+    TensorIterator, decides; or it has no CUDA kernel of its own)."""
+    got = _checked.get(plan.name)
+    if got is None:
+        got = _checked[plan.name] = _checked_args(plan)
+    return got
+
+
+def _checked_args(plan: OpPlan) -> tuple[str, ...]:
+    facts = _native_functions()
+    fact = facts.get(plan.name.removeprefix("aten::"))
+    if fact is None or not fact[0]:
+        return ()
+    keys = fact[2]
+    if fact[1] is not None:  # a structured group's functional/in-place: its out= kernel's too
+        keys = keys | facts.get(fact[1], (False, None, frozenset()))[2]
+    if not keys & _CUDA_KEYS:
+        return ()
+    positional = tuple(n for n in plan.arg_names if n not in plan.kwarg_only)
+    return plan.out_args + positional
+
+
+def check_common_device(plan: OpPlan, args: tuple, kwargs: dict) -> None:
+    """A CPU tensor next to device tensors: CUDA's registration of an op whose
+    native_functions.yaml entry keeps ``device_check: ExactSame`` compares the devices of its
+    out= and positional tensors before the kernel (adaption.h, no CPU scalar excepted) and
+    raises as here; other ops leave it to the kernel (TensorIterator takes a CPU scalar)."""
+    checked = cuda_checked_args(plan)
+    if not checked:
+        return
+    bound = bind(plan, args, kwargs)
+    common: torch.device | None = None
+    for arg in checked:
+        v = bound.get(arg)
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if common is None:
+                common = t.device
+            elif t.device != common:
+                device = common if common.type != "cpu" else t.device
+                raise DeviceMismatchError(
+                    f"Expected all tensors to be on the same device, but got {arg} is on "
+                    f"{t.device}, different from other tensors on {common} (when checking "
+                    f"argument in method {plan.overload_name}; CUDA's registration of the op "
+                    f"takes no CPU tensor, 0-dim ones neither: move it with .to({str(device)!r}))")
+
 
 # out= overloads whose CPU kernel writes its output as if it were contiguous: given a
 # non-contiguous ``out`` of the right size, it scatters wrong values (CUDA's kernels
