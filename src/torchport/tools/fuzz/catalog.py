@@ -49,3 +49,19 @@ REDUCTIONS_EXACT = ("max", "min", "argmax", "argmin", "amax", "amin", "mode", "m
                     "any", "count_nonzero", "aminmax", "nanmedian", "sort", "topk", "histc")
 REDUCTIONS_CLOSE = ("sum", "mean", "prod", "var", "std", "nansum", "cumsum", "logsumexp",
                     "cumprod", "norm")
+
+
+def cuda_checks_devices(op: str) -> bool:
+    """Does CUDA's registration of ``torch.<op>``'s tensor overload compare its operands'
+    devices before the kernel (so a 0-dim CPU operand beside device tensors raises there,
+    where the CPU computes)? ``torchport.ops.plan.cuda_checked_args`` reads it from
+    torchgen's native_functions.yaml."""
+    from torchport.ops.plan import cuda_checked_args, plan_for
+
+    packet = getattr(torch.ops.aten, op, None)
+    if packet is None:
+        return False
+    for name in ("Tensor", "default"):
+        if name in packet.overloads():
+            return bool(cuda_checked_args(plan_for(getattr(packet, name))))
+    return False

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from torchport.tools.fuzz.catalog import FLOATS, INTS, dt
+from torchport.tools.fuzz.catalog import FLOATS, INTS, cuda_checks_devices, dt
 from torchport.tools.fuzz.draw import Draw
 from torchport.tools.fuzz.program import Step
 
@@ -284,7 +284,10 @@ class LayoutSteps(Draw):
                 shape = self.rng.choice(SEQ_SHAPES)
             # reshaped, a 0-dim CPU tensor is no longer a scalar operand: CUDA refuses it
             half = dtype in (torch.float16, torch.bfloat16)
-            x, layout = self._seq_operand(dtype, shape, ".reshape" not in template,
+            # nor beside a device operand where CUDA's registration checks the devices
+            cpu_ok = ".reshape" not in template and not (
+                "{y}" in template and cuda_checks_devices(name))
+            x, layout = self._seq_operand(dtype, shape, cpu_ok,
                                           not (half and name in HALF_STRIDED_ACCUMULATION))
             y_dtype = dtype if self.rng.random() < 0.8 else self.rng.choice(FLOATS + INTS)
             y = f"mk({shape!r}, {dt(y_dtype)}, {self.seed_()}).to(dev)"
