@@ -238,3 +238,19 @@ def test_reading_the_statistics_changes_none_of_them():
         for name in ("inactive_split", "inactive_split_bytes"):
             s = {m: first[f"{name}.{pool}.{m}"] for m in ("current", "allocated", "freed")}
             assert s["allocated"] - s["freed"] == s["current"]
+
+
+def test_a_learnt_refusal_keeps_no_device_tensor_alive():
+    """The CPU's refusal of an op's dtypes is learnt once and kept: not with the traceback
+    of the call that learnt it, whose frames hold its device arguments."""
+    _fresh()
+    start = torch.sim.memory_allocated()
+    f = torch.ones(5, 4, device="sim")
+    torch.logaddexp(f, f, out=torch.empty_like(f))  # the overload's path: a decomposition
+    x = f.bool()
+    out = torch.empty(5, 4, dtype=torch.bool, device="sim")
+    with pytest.raises(NotImplementedError):
+        torch.logaddexp(x, x, out=out)
+    del f, x, out
+    gc.collect()
+    assert torch.sim.memory_allocated() == start

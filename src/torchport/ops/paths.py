@@ -239,6 +239,9 @@ def _probe(op: Any, args: tuple, kwargs: dict, dtype: torch.dtype | None,
         with torch.no_grad():
             quiet.warnings_of(lambda: op(*sargs, **skw))
     except Exception as e:  # noqa: BLE001 (the CPU kernel's own error is the answer)
-        return e
+        # kept for the overload's later calls: without its traceback, whose frames hold
+        # the caller's arguments (device tensors, their memory never freed)
+        e.__context__ = e.__cause__ = None
+        return e.with_traceback(None)
     return None
 
