@@ -136,8 +136,16 @@ def test_functional_calls_equal_the_cpu(name, fn) -> None:
     with calls() as c:
         got = fn(dev)
     _same(got, fn(cpu))
-    if _COMPUTES:
+    if _COMPUTES and name in _CPU_0DIM_HANDED:
+        assert c.handed >= 1, (c.served, c.handed)
+    elif _COMPUTES:
         assert c.served >= 1 and c.handed == 0, (c.served, c.handed)
+
+
+# A 0-dim CPU tensor (not a Python number) goes to the Python kernel, whose device check
+# raises where CUDA's registration of the op compares devices (hostexec.op_device); `mul`
+# takes it, as TensorIterator does.
+_CPU_0DIM_HANDED = {"mul 0-dim cpu"}
 
 
 _LARGE = [  # inputs of 1.2 MiB and more: their results are computed in device blocks too

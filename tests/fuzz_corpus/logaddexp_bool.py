@@ -27,7 +27,7 @@ def program(dev, dev1, rec):
     with rec.step(3, 'logaddexp:tensor@bool', exact=False):
         t7 = torch.logaddexp(t5, t2)
         rec.keep(t7=t7)
-    with rec.step(4, 'logaddexp:cpu0dim@bool', exact=False):
+    with rec.step(4, 'logaddexp:cpu0dim@bool', exact=False, expect='RuntimeError'):  # CUDA's device check first
         t8 = torch.logaddexp(t2, torch.tensor(True))
         rec.keep(t8=t8)
 

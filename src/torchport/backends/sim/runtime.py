@@ -358,7 +358,12 @@ class SimRuntime(Runtime):
             self.launch(index, stream, fn, name)
 
     def copy_h2d(self, index, dst, src_host, nbytes, stream=None) -> None:
-        if nbytes and stream is None and not self.asynchronous:  # the common case, inline
+        # ``None``: at once, without waiting for the default queue. The sim departs from the
+        # stream rule here, for its asynchronous host-drawn random numbers (``torch.rand`` on
+        # the device draws at the call, as CUDA's launch reserves its numbers, and must not
+        # wait for the stream): torchport writes a ``None`` copy only into a fresh block (no
+        # queued work uses it) or after synchronising the stream (``Backend.write_tensor``).
+        if nbytes and stream is None:
             _copy_bytes(self._host_ptr(index, dst, nbytes), src_host, nbytes)
         elif nbytes:
             self._blocking_or_launch(index, stream, lambda: _copy_bytes(
