@@ -36,10 +36,14 @@ demo: $(STAMP)
 # test-graph, make test-opencl, make conformance, ...). The logs of slots 2 and 3 are
 # printed when all ended, then each stage's wall time.
 # DEFAULT_LATER: default-mode modules of worker processes (c10d, DDP, FSDP2, the vendor
-# walkthrough's conformance run), moved out of slot 1 so that the slots end together.
+# backends in child interpreters, Lightning, the fuzzer's runs), moved out of slots 1 and 3
+# so that the slots end together.
 MODE_PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 DEFAULT_LATER := tests/test_distributed.py tests/test_distributed_parallel.py \
-	tests/test_distributed_bound_device.py tests/test_vendor_walkthrough.py
+	tests/test_distributed_bound_device.py tests/test_vendor_walkthrough.py \
+	tests/test_vendor_reference.py tests/test_vendor_recipe.py tests/test_vendor_mutations.py \
+	tests/test_vendor_stream_order.py tests/test_vendor_kernel_contract.py \
+	tests/test_integrations_lightning.py tests/test_fuzz.py
 test: $(STAMP)
 	logs=$$(mktemp -d); rc=0; t0=$$(date +%s); since() { echo $$(( $$(date +%s) - t0 )); }; \
 	( TORCHPORT_SIM_STRICT=1 $(MODE_PYTEST) -m "(modes or strict or (opencl and not opencl_full)) and not slow" \
@@ -49,7 +53,8 @@ test: $(STAMP)
 	( TORCHPORT_SIM_ASYNC=1 $(MODE_PYTEST) -m "(modes or asynchronous) and not slow" tests \
 		> $$logs/async 2>&1; arc=$$?; since > $$logs/async.s; \
 	  $(MODE_PYTEST) -m "(tools or graph) and not opencl and not asynchronous and not slow" \
-		--ignore=tests/test_clean_install.py tests > $$logs/tools 2>&1 || arc=1; \
+		--ignore=tests/test_clean_install.py $(addprefix --ignore=,$(DEFAULT_LATER)) tests \
+		> $$logs/tools 2>&1 || arc=1; \
 	  since > $$logs/tools.s; exit $$arc ) & async=$$!; \
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 \
 		-m "not tools and not graph and not scripts and not opencl and not slow" \
