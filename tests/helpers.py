@@ -1,14 +1,16 @@
 """Helpers shared by the test modules, so that no test module imports another.
 
 Sections: child interpreters (a fresh process is how a test sets TORCHPORT_* variables read at
-import), two-rank distributed workers, PyTorch's CPU/gloo reference run, the examples'
-printed results, and a training loop whose float64 sums are exact (devices must equal the CPU
-bit for bit). Nothing here imports torchport: child code imports it after its environment is set.
+import), worker processes (another backend registered, running the test code sent to them),
+sweeps of cases compared with the CPU, two-rank distributed workers, PyTorch's CPU/gloo reference run, the examples' printed
+results, and a training loop whose float64 sums are exact (devices must equal the CPU bit
+for bit). Nothing here imports torchport: child code imports it after its environment is set.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -17,7 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,114 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---- worker processes: test code run where another backend is registered -----------------
+
+class Worker:
+    """A process with another backend registered (one backend per process; the test process
+    has the sim) that runs the test code sent to it: JSON lines ``{"code": ...}`` in,
+    ``{"ok": bool, "error": traceback, "result": ...}`` out (:func:`serve` is that side, or
+    tests/opencl_worker.py). ``args`` follow the interpreter; ``name`` names it in errors."""
+
+    def __init__(self, args: list[str], env: dict[str, str], name: str) -> None:
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        self._answer()  # {"ready": true}
+
+    def run(self, code: str) -> object:
+        """Run ``code`` in the worker; its exception fails the test with its traceback.
+        Returns the value the code left in ``result`` (JSON), if any."""
+        self.proc.stdin.write(json.dumps({"code": textwrap.dedent(code)}) + "\n")
+        self.proc.stdin.flush()
+        answer = self._answer()
+        if not answer["ok"]:
+            pytest.fail(answer["error"], pytrace=False)
+        return answer.get("result")
+
+    def _answer(self) -> dict:
+        while True:  # skip what else the worker prints
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the {self.name} worker ended (exit {self.proc.wait()})")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def serve(base: dict[str, Any], device: str, label: str,
+          reset: Callable[[], None] = lambda: None) -> None:
+    """A :class:`Worker`'s side, in the child that registered ``device``: each code sent runs
+    in a fresh copy of ``base`` (its tensors die with it), seeded, between two ``reset()``
+    calls; every device is synchronised after it, so no queued error goes unreported."""
+    import traceback
+
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        code = json.loads(line)["code"]
+        reset()
+        namespace = dict(base)
+        try:
+            torch.manual_seed(0)
+            exec(compile(code, label, "exec"), namespace)
+            module = getattr(torch, device)
+            for i in range(module.device_count()):
+                module.synchronize(i)
+            answer = {"ok": True, "result": namespace.get("result")}
+            namespace.clear()
+        except BaseException:  # reported to the test
+            answer = {"ok": False, "error": traceback.format_exc()}
+        reset()
+        print(json.dumps(answer), flush=True)
+
+
+def backend_worker(code: str, name: str) -> Worker:
+    """A :class:`Worker` running ``python -c code`` (which registers a backend and calls
+    :func:`serve`) in default memory, ``tests`` importable, one intra-op thread."""
+    env = child_env(drop=("TORCHPORT_SIM_STRICT", "TORCHPORT_SIM_ASYNC", "TORCHPORT_AUTOLOAD",
+                          "TORCHPORT_LAUNCH_BLOCKING"), importable=True, OMP_NUM_THREADS="1")
+    return Worker(["-c", code], env, name)
+
+
+# ---- sweeps: cases run on the CPU and on a device, differences printed ---------------------
+
+def sweep(cases: dict[str, Callable[[str], Any]], device: str,
+          differ: Callable[[Any, Any], str | None], *, rounds: int = 1,
+          before: Callable[[], None] = lambda: None, cpu_may_refuse: bool = False) -> None:
+    """Each case ``f`` of ``cases`` run as ``f("cpu")`` then ``f(device)`` (``before()``
+    ahead of each call: a seed), ``rounds`` times (a later round runs every path already
+    learnt); prints ``MISMATCH name: ...`` where the device raises or ``differ(got, want)``
+    names a difference, then ``checked N`` (the cases compared, per round) once the device
+    has synchronised. With ``cpu_may_refuse``, a case the CPU raises on has no reference
+    and is left out; without, that error ends the sweep."""
+    checked = 0
+    for r in range(rounds):
+        label = f" (round {r})" if rounds > 1 else ""
+        checked = 0
+        for name, f in cases.items():
+            try:
+                before()
+                want = f("cpu")
+            except Exception:
+                if not cpu_may_refuse:
+                    raise
+                continue
+            checked += 1
+            try:
+                before()
+                got = f(device)
+            except Exception as e:  # noqa: BLE001  (reported, then the next case)
+                print(f"MISMATCH {name}{label}: raises {type(e).__name__}: {str(e)[:200]}")
+                continue
+            problem = differ(got, want)
+            if problem:
+                print(f"MISMATCH {name}{label}: {problem}")
+    getattr(torch, device.split(":")[0]).synchronize()
+    print(f"checked {checked}")
 
 
 # ---- two-rank distributed workers ----------------------------------------------------------

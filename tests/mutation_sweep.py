@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from tests.helpers import sweep
+
 warnings.simplefilter("ignore")
 
 
@@ -282,25 +284,7 @@ def main(argv: list[str]) -> int:
     cases = _cases(g)
     if "--op-db" in argv:
         cases.update(_op_db_cases(dev))
-    checked = 0
-    for name, f in cases.items():
-        try:
-            g.manual_seed(0)
-            want = f("cpu")
-        except Exception:  # noqa: BLE001 (the CPU refuses: no reference)
-            continue
-        checked += 1
-        try:
-            g.manual_seed(0)
-            got = f(dev)
-        except Exception as e:  # noqa: BLE001
-            print(f"MISMATCH {name}: raises {type(e).__name__}: {str(e)[:200]}")
-            continue
-        problem = _compare(got, want)
-        if problem:
-            print(f"MISMATCH {name}: {problem}")
-    getattr(torch, dev).synchronize()
-    print(f"checked {checked}")
+    sweep(cases, dev, _compare, before=lambda: g.manual_seed(0), cpu_may_refuse=True)
     return 0
 
 

@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from tests.helpers import sweep
+
 warnings.simplefilter("ignore")
 
 # elements: on a runtime with queue workers, a queued kernel still runs when the host
@@ -221,19 +223,7 @@ def main(backend: str) -> int:
         if backend.endswith("vendor_walkthrough.backend"):
             _lazy(mod.runtime)
     cases = _cases(dev)
-    for rounds in range(2):  # the second round: every path already learnt
-        for name, f in cases.items():
-            want = f("cpu")
-            try:
-                got = f(dev)
-            except Exception as e:  # noqa: BLE001
-                print(f"MISMATCH {name}: raises {type(e).__name__}: {e}"[:300])
-                continue
-            problem = _same(got, want)
-            if problem:
-                print(f"MISMATCH {name} (round {rounds}): {problem}")
-    getattr(torch, dev).synchronize()
-    print(f"checked {len(cases)}")
+    sweep(cases, dev, _same, rounds=2)  # the second round: every path already learnt
     return 0
 
 
