@@ -7,22 +7,21 @@ vendor's message, leaves no tensor silently stale, returns its memory, and the d
 works after. The code runs in a worker process (one backend per process; this one has
 the sim)."""
 
-import json
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
-from tests.helpers import ROOT, child_env
+from tests.helpers import ROOT, backend_worker, child_env
 
 pytestmark = pytest.mark.vendor
 
 WORKER = r"""
-import json, sys, traceback, warnings
+import json, warnings
 import torch
 import torchport
 import torchport.backends.reference as ref
+from tests.helpers import serve
 
 torchport.ops.set_fallback_warn(False)
 warnings.simplefilter("ignore", UserWarning)
@@ -53,59 +52,13 @@ def paths(fn):
     return {name: json.dumps(row) for name, row in json.loads(rec.to_json())["ops"].items()}
 
 
-base = dict(globals())
-print(json.dumps({"ready": True}), flush=True)
-for line in sys.stdin:
-    code = json.loads(line)["code"]
-    rt.faults = ref.Faults()
-    namespace = dict(base)  # each test's tensors die with it
-    try:
-        torch.manual_seed(0)
-        exec(compile(code, "<ref test>", "exec"), namespace)
-        for i in range(torch.ref.device_count()):  # nothing left unreported
-            torch.ref.synchronize(i)
-        answer = {"ok": True, "result": namespace.get("result")}
-        namespace.clear()
-    except BaseException:
-        answer = {"ok": False, "error": traceback.format_exc()}
-    rt.faults = ref.Faults()
-    print(json.dumps(answer), flush=True)
+serve(dict(globals()), "ref", "<ref test>", reset=lambda: setattr(rt, "faults", ref.Faults()))
 """
-
-
-class Worker:
-    def __init__(self) -> None:
-        env = child_env(drop=("TORCHPORT_SIM_STRICT", "TORCHPORT_SIM_ASYNC",
-                              "TORCHPORT_AUTOLOAD", "TORCHPORT_LAUNCH_BLOCKING"),
-                        importable=True, OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        self._answer()
-
-    def run(self, code: str) -> object:
-        self.proc.stdin.write(json.dumps({"code": textwrap.dedent(code)}) + "\n")
-        self.proc.stdin.flush()
-        answer = self._answer()
-        if not answer["ok"]:
-            pytest.fail(answer["error"], pytrace=False)
-        return answer.get("result")
-
-    def _answer(self) -> dict:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the ref worker ended (exit {self.proc.wait()})")
-            if line.startswith("{"):
-                return json.loads(line)
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
 def ref():
-    w = Worker()
+    w = backend_worker(WORKER, "ref")
     yield w
     w.close()
 
@@ -394,70 +347,11 @@ def test_batchnorm2d_training_updates_the_running_statistics(ref):
     ref.run(BATCHNORM)
 
 
-TRAIN = """
-import copy
-
-def train(model, make_opt, device, steps, batch):
-    model = copy.deepcopy(model).to(device)
-    opt = make_opt(model.parameters())
-    losses = []
-    for i in range(steps):
-        x, t = batch(i)
-        x, t = x.to(device), t.to(device)
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), t)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return model, losses
-
-def compare(model, make_opt, steps, batch):
-    cpu, lc = train(model, make_opt, "cpu", steps, batch)
-    dev, ld = train(model, make_opt, "ref", steps, batch)
-    torch.testing.assert_close(torch.tensor(ld), torch.tensor(lc), rtol=1e-4, atol=1e-5)
-    for (n, a), b in zip(cpu.state_dict().items(), dev.state_dict().values()):
-        torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5, msg=n)
-"""
-
-CNN = TRAIN + """
-torch.manual_seed(0)
-# convolutions before a BatchNorm without biases (as such CNNs are written): a bias there has
-# a zero gradient but for rounding noise, which AdamW scales up to a full step
-cnn = torch.nn.Sequential(
-    torch.nn.Conv2d(3, 6, 3, padding=1, bias=False), torch.nn.BatchNorm2d(6), torch.nn.ReLU(),
-    torch.nn.MaxPool2d(2), torch.nn.Conv2d(6, 8, 3, bias=False), torch.nn.BatchNorm2d(8),
-    torch.nn.ReLU(),
-    torch.nn.Flatten(), torch.nn.Linear(8 * 2 * 2, 5))
-data = [(torch.randn(6, 3, 8, 8), torch.randint(0, 5, (6,))) for _ in range(3)]
-compare(cnn, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), 3, data.__getitem__)
-compare(cnn, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), 3, data.__getitem__)
-"""
-
-TRANSFORMER = TRAIN + """
-torch.manual_seed(0)
-
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(20, 16)
-        # no biases: the key bias's gradient is zero but for rounding noise, which Adam
-        # scales up to a full step, so it would differ by the kernels' rounding alone
-        self.enc = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True,
-                                                    bias=False)
-        self.head = torch.nn.Linear(16, 20)
-
-    def forward(self, x):
-        return self.head(self.enc(self.emb(x)).mean(1))
-
-data = [(torch.randint(0, 20, (4, 7)), torch.randint(0, 20, (4,))) for _ in range(3)]
-compare(Tiny(), lambda p: torch.optim.AdamW(p, lr=1e-2), 3, data.__getitem__)
-compare(Tiny(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 3, data.__getitem__)
-"""
-
-
-def test_cnn_with_batchnorm_trains_as_on_the_cpu(ref):
-    ref.run(CNN)
-
-
-def test_transformer_trains_as_on_the_cpu(ref):
-    ref.run(TRANSFORMER)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("model", ["cnn", "block"])
+def test_trains_as_on_the_cpu(ref, model, optimizer, dtype):
+    """A CNN with BatchNorm and a transformer block (tests/vendor_training.py): losses,
+    parameters and running statistics within the rounding of ref's numpy kernels."""
+    ref.run(f"from tests.vendor_training import check; check('ref', {model!r}, {optimizer!r}, "
+            f"{dtype!r})")

@@ -1,7 +1,10 @@
 """The vendor contract end to end: the walkthrough backend (examples/vendor_walkthrough/,
 written from docs/vendor-guide.md alone: device-only memory, streams as in-order queues,
 out= kernels launched through torchport.kernel_api) passes a conformance subset run with
-``python -m torchport.tools.conformance --backend``, and the same run fails when a kernel is wrong."""
+``python -m torchport.tools.conformance --backend``, and the same run fails when a kernel is
+wrong; it trains a CNN with BatchNorm and a transformer block to the CPU's numbers
+(tests/vendor_training.py, in a worker process: one backend per process, this one has the
+sim), bit for bit where its math is the CPU's."""
 
 import json
 import os
@@ -9,7 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
+
+from tests.helpers import ROOT, backend_worker
+
 BACKEND = "examples.vendor_walkthrough.backend"
 OPS = "add|mul|mm|sum"
 
@@ -103,8 +109,6 @@ class _Minimal:
 def test_synchronous_runtime_needs_only_the_abstract_methods():
     import time
 
-    import pytest
-
     rt = _Minimal.make()
     s = rt.create_stream(0, priority=-1)
     assert s is not None and s is not rt.create_stream(0)
@@ -131,9 +135,6 @@ def test_synchronous_runtime_needs_only_the_abstract_methods():
 
 
 def test_asynchronous_runtime_must_implement_its_queues():
-    import pytest
-
-
     base = type(_Minimal.make())
     with pytest.raises(TypeError, match="asynchronous = True.*synchronize_stream"):
         type("Half", (base,), {"asynchronous": True, "launch": lambda *a: None})
@@ -175,3 +176,89 @@ print("ok")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+# ---- training against the CPU ---------------------------------------------------------------
+
+WORKER = r"""
+import json, warnings
+import torch
+import torchport
+import examples.vendor_walkthrough.backend as walk
+from tests.helpers import serve
+from tests.vendor_training import check
+
+torchport.ops.set_fallback_warn(False)
+warnings.simplefilter("ignore", UserWarning)
+
+
+def fails(patch, undo, *case):
+    '''check("walk", *case) with patch() applied raises AssertionError: its message.'''
+    patch()
+    try:
+        check("walk", *case)
+    except AssertionError as e:
+        return str(e)
+    finally:
+        undo()
+        torch.walk.synchronize()
+    raise AssertionError(f"{case} passed on a wrong walkthrough")
+
+
+serve(dict(globals()), "walk", "<walk test>")
+"""
+
+
+@pytest.fixture(scope="module")
+def walk():
+    w = backend_worker(WORKER, "walk")
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("model", ["cnn", "block"])
+def test_trains_as_on_the_cpu(walk, model, optimizer, dtype):
+    """Losses per step, parameters and BatchNorm's running statistics within the rounding
+    of the ops torchport decomposes for the walkthrough (vendor_training.tolerance)."""
+    walk.run(f"check('walk', {model!r}, {optimizer!r}, {dtype!r})")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_trains_bit_for_bit_where_its_math_is_the_cpus(walk, dtype):
+    """The walkthrough's kernels run the CPU's own ops on the same bytes and the ops it has
+    no kernel for run on the CPU fallback, so where no op is decomposed (SGD, and a head
+    without bias: no addmm) its CNN trains to exactly the CPU's numbers."""
+    walk.run(f"""
+    with torchport.ops.record() as rec:
+        check("walk", "cnn", "sgd", {dtype!r}, exact=True, head_bias=False)
+    ops = json.loads(rec.to_json())["ops"]
+    assert not [op for op, row in ops.items() if "decomposed" in row["paths"]], ops
+    """)
+
+
+def test_a_wrong_walkthrough_fails_the_comparison(walk):
+    """The comparison catches what makes training silently wrong: a matmul off by 1e-4
+    relative, and BatchNorm's running statistics never written on the device
+    (the walkthrough as it once was: only the buffers show it)."""
+    messages = walk.run("""
+    launch, batch_norm = walk._launch, torch.nn.functional.batch_norm
+
+    def off(out, compute, *inputs):
+        wrong = (lambda *a: compute(*a) * (1 + 1e-4)) if compute is torch.mm else compute
+        launch(out, wrong, *inputs)
+
+    def lost(x, mean, var, *args, **kwargs):  # updates copies of the statistics
+        if x.device.type == "walk":
+            mean, var = mean.clone(), var.clone()
+        return batch_norm(x, mean, var, *args, **kwargs)
+
+    result = [fails(lambda: setattr(walk, "_launch", off),
+                    lambda: setattr(walk, "_launch", launch), "cnn", "sgd"),
+              fails(lambda: setattr(torch.nn.functional, "batch_norm", lost),
+                    lambda: setattr(torch.nn.functional, "batch_norm", batch_norm), "cnn",
+                    "adamw")]
+    """)
+    assert "not close" in messages[0], messages[0]
+    assert "running_mean" in messages[1], messages[1]
