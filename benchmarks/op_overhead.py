@@ -54,12 +54,25 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
     c = torch.empty(8, 8, device=device)
     host = torch.randn(8, 8)
     s = a.sum()
+    two = torch.tensor(2.0)  # a 0-dim CPU tensor: an operand beside device tensors
+    x = torch.randn(8, 16, device=device)
+    w1 = torch.randn(32, 16, device=device)
+    w2 = torch.randn(8, 32, device=device)
+    bias = torch.randn(32, device=device)
 
     def autocast_linear_softmax() -> object:
         """Two autocast policies in one region: the linear cast to bfloat16 (its weight's
         cast cached), the softmax computed in float32."""
         with torch.autocast(device, dtype=torch.bfloat16):
             return torch.nn.functional.linear(a, w).softmax(1)
+
+    def fallback_mlp() -> object:
+        """A small MLP's forward pass whose element-wise ops have no sim kernel (the CPU
+        fallback, warm): hypot with a bias as its activation, nextafter and i1e on its
+        output."""
+        h = torch.hypot(torch.nn.functional.linear(x, w1), bias)
+        y = torch.nn.functional.linear(h, w2)
+        return torch.special.i1e(torch.nextafter(y, a)).sum()
 
     return {
         "add": lambda: a + b,
@@ -91,6 +104,11 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
         "randn": lambda: torch.randn(8, 8, device=device),
         "normal_": lambda: c.normal_(),
         "dropout": lambda: torch.nn.functional.dropout(a, 0.5),
+        # an operand that is a 0-dim CPU tensor (TensorIterator's CPU scalar)
+        "mul 0-dim cpu": lambda: a * two,
+        # ops without a sim kernel: the CPU fallback, warm
+        "hypot (fallback)": lambda: torch.hypot(a, b),
+        "mlp fwd (fallback)": fallback_mlp,
     }
 
 
@@ -100,8 +118,12 @@ def main() -> None:
     p.add_argument("--number", type=int, default=2000)
     p.add_argument("--cold", action="store_true",
                    help="time single calls after flushing the caches (--number pairs)")
+    p.add_argument("--only", default="", help="comma-separated rows to time (all: empty)")
     args = p.parse_args()
     sim, cpu = cases("sim"), cases("cpu")
+    if args.only:
+        keep = {n.strip() for n in args.only.split(",")}
+        sim = {n: f for n, f in sim.items() if n in keep}
     memory = "strict" if torchport.sim.runtime.strict else "host-addressable"
     if args.cold:
         src, dst = torch.randn(8 << 20), torch.empty(8 << 20)  # 32 MiB each

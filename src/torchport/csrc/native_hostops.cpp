@@ -2,11 +2,20 @@
 // device whose memory the host reads and writes at the device address itself (a
 // synchronous runtime whose host address of a block is the block's address: the sim by
 // default, a unified-memory device). The Python host kernels (torchport/ops/hostkernels)
-// do the same with a Python entry per op; this serves their common calls without one.
+// do the same with a Python entry per op; this serves their common calls without one. The
+// same kernel serves the CPU fallback's warm calls: once the Python fallback
+// (torchport/ops/fallback.py) has learnt that an overload takes the CPU (no decomposition,
+// not forced), this file's boxed fallback for the device runs its later calls here and
+// hands everything else (first calls, views, decompositions, calls these kernels do not
+// serve) to the Python fallback, with the arguments PyTorch's own Python fallback passes.
 //
 // A call is served here when every tensor argument (also in lists) is a plain strided
-// tensor of one device of the backend (0-dim CPU tensors, such as Python numbers, pass as
-// they are outside lists). The CPU kernel sees one CPU tensor per device tensor
+// tensor of one device of the backend; outside lists, a Python number (a wrapped 0-dim CPU
+// tensor) passes as it is, and so does another 0-dim CPU tensor read as an operand where
+// CUDA's registration of the op does not compare the devices of its tensors (the op's
+// `device_checked` flag, set at registration from hostexec.op_device's tables: those ops
+// take the Python kernel, whose device check raises CUDA's error). The CPU kernel sees one
+// CPU tensor per device tensor
 // and one CPU storage per device storage (its overlap checks see what the CPU's see);
 // written arguments are the device tensors' own memory; a result that is an argument is
 // that argument, a view of an argument's memory is a device view, and a new result is a
@@ -40,6 +49,7 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Layout.h>
+#include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
@@ -54,6 +64,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -80,30 +91,42 @@ std::mutex registering;
 std::unique_ptr<torch::Library> registered;
 std::vector<std::string> registered_names;
 
+// The learnt CPU fallback: the Python fallback(keyset, op, *args, **kwargs), whether the
+// learnt overloads are served here now, and the calls handed to Python.
+PyObject* fallback_python = nullptr;
+std::atomic<bool> fallback_serving{false};
+std::atomic<int64_t> fallback_calls{0};  // calls this fallback handed to the Python one
+std::unique_ptr<torch::Library> fallback_registered;
+
+void call_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
 
 class HostOp final : public c10::OperatorKernel {
  public:
-  HostOp(PyObject* python, bool functional, bool cpu_tensors, bool to_copy, bool composite)
+  HostOp(PyObject* python, bool functional, bool cpu_tensors, bool to_copy, bool composite,
+         bool device_checked, bool fallback = false)
       : python_(python),
         functional_(functional),
         cpu_tensors_(cpu_tensors),
         to_copy_(to_copy),
-        composite_(composite) {
+        composite_(composite),
+        device_checked_(device_checked),
+        fallback_(fallback) {
     Py_INCREF(python_);  // kept for the process, as the Python registration keeps it
   }
 
   // A tensor argument this kernel maps: a plain strided tensor of a visible device, the same
   // device as the others (`index`, set by the first); `cpu_scalar`: a Python number passes as
-  // it is, and a 0-dim CPU tensor for a copy; another 0-dim CPU tensor takes the Python
-  // kernel, whose device check raises where CUDA's registration checks the op's devices
-  // (hostexec.op_device); any strided CPU tensor passes for a copy between the host and the
-  // device (`host` then set).
+  // it is, and a 0-dim CPU tensor for a copy or for an op whose devices CUDA's registration
+  // does not compare (TensorIterator's CPU scalar); for the others it takes the Python
+  // kernel, whose device check raises CUDA's error (hostexec.op_device); any strided CPU
+  // tensor passes for a copy between the host and the device (`host` then set).
   bool servable(const at::Tensor& t, bool cpu_scalar, int& index, bool& host) const {
     if (!t.defined()) return true;
     if (t.device().type() != kDevice) {
       if (t.device().type() != c10::DeviceType::CPU) return false;
       if (cpu_scalar && t.dim() == 0 &&
-          (cpu_tensors_ || t.unsafeGetTensorImpl()->is_wrapped_number()))
+          (cpu_tensors_ || !device_checked_ || t.unsafeGetTensorImpl()->is_wrapped_number()))
         return true;
       if (!cpu_tensors_ || t.layout() != c10::Layout::Strided ||
           t.unsafeGetTensorImpl()->has_symbolic_sizes_strides())
@@ -482,9 +505,11 @@ class HostOp final : public c10::OperatorKernel {
     python(op, stack);
   }
 
-  // The op's Python kernel on the arguments on the stack; its results replace them.
+  // The op's Python kernel (the Python fallback for a learnt one) on the arguments on the
+  // stack; its results replace them.
   void python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     handed.fetch_add(1, std::memory_order_relaxed);
+    if (fallback_) return call_fallback(op, stack);
     torchport::python_kernel_call(python_, nullptr, op, stack);
   }
 
@@ -493,8 +518,43 @@ class HostOp final : public c10::OperatorKernel {
   bool cpu_tensors_;
   bool to_copy_;
   bool composite_;
+  bool device_checked_;  // CUDA's registration compares its tensors' devices, CPU scalars too
+  bool fallback_;        // a learnt overload of the CPU fallback
   torchport::QueuedCalls queued_;
   std::atomic<int8_t> random_{-1};  // random(op), once known
+};
+
+// The overloads the Python fallback taught, by the address of their schema (stable while
+// the op is registered; the name is compared too, in case an op's registration was removed
+// and another took its place).
+struct Learnt {
+  c10::OperatorName name;
+  std::shared_ptr<HostOp> kernel;
+};
+std::mutex learning;
+std::unordered_map<const c10::FunctionSchema*, Learnt> learnt;
+
+std::shared_ptr<HostOp> learnt_kernel(const c10::OperatorHandle& op) {
+  std::lock_guard<std::mutex> lock(learning);
+  auto it = learnt.find(&op.schema());
+  if (it == learnt.end() || !(it->second.name == op.operator_name())) return nullptr;
+  return it->second.kernel;  // (held by the call: forgetting it meanwhile is safe)
+}
+
+// The device's boxed fallback while the C++ host-op kernels serve: a learnt overload's
+// kernel (which hands the calls it does not serve to the Python fallback), else the Python
+// fallback, which learns.
+class LearntFallback final : public c10::OperatorKernel {
+ public:
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                  torch::jit::Stack* stack) {
+    if (fallback_serving.load(std::memory_order_acquire) && !torchport::queued_mode()) {
+      std::shared_ptr<HostOp> kernel = learnt_kernel(op);
+      if (kernel) return (*kernel)(op, ks, stack);
+    }
+    fallback_calls.fetch_add(1, std::memory_order_relaxed);
+    call_fallback(op, stack);
+  }
 };
 
 }  // namespace
@@ -568,6 +628,9 @@ PyObject* python_argument(const c10::Argument& arg, const c10::IValue& v) {
   }
 }
 
+static void push_results(const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                         const py::object& result);
+
 void python_kernel_call(PyObject* fn, PyObject* prefix, const c10::OperatorHandle& op,
                         torch::jit::Stack* stack) {
   const auto& schema = op.schema();
@@ -594,7 +657,13 @@ void python_kernel_call(PyObject* fn, PyObject* prefix, const c10::OperatorHandl
     e.restore();
     raise_python();
   }
-  const auto& returns = schema.returns();
+  push_results(op, stack, result);
+}
+
+// A Python kernel's `result` on the stack as the op's returns (holding the GIL).
+static void push_results(const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                         const py::object& result) {
+  const auto& returns = op.schema().returns();
   try {
     if (returns.size() == 1) {
       stack->push_back(torch::jit::toIValue(result, returns[0].real_type()));
@@ -611,8 +680,51 @@ void python_kernel_call(PyObject* fn, PyObject* prefix, const c10::OperatorHandl
 
 }  // namespace torchport
 
+namespace {
+
+// The Python fallback on the call on the stack, given what PyTorch's own boxed Python
+// fallback gives it (its registration and this one must not differ for the Python side):
+// the keyset (None: torchport's fallbacks do not read it), the op's Python object, the
+// positional arguments but the trailing ones that hold their default, and the keyword-only
+// ones that do not hold theirs. Its results replace the arguments.
+void call_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  const size_t n = arguments.size();
+  const size_t first = stack->size() - n;
+  auto defaulted = [&](size_t i) {
+    const auto& d = arguments[i].default_value();
+    return d.has_value() && *d == (*stack)[first + i];
+  };
+  size_t keywords = n;
+  while (keywords > 0 && arguments[keywords - 1].kwarg_only()) --keywords;
+  size_t positional = keywords;
+  while (positional > 0 && defaulted(positional - 1)) --positional;
+  pybind11::gil_scoped_acquire gil;
+  py::object result;
+  try {
+    py::tuple args(2 + positional);
+    args[0] = py::none();
+    args[1] = py::reinterpret_borrow<py::object>(torch::detail::getTorchApiFunction(op));
+    for (size_t i = 0; i < positional; ++i)
+      args[2 + i] = torchport::argument_object(arguments[i], (*stack)[first + i]);
+    py::dict kwargs;
+    for (size_t i = keywords; i < n; ++i)
+      if (!defaulted(i))
+        kwargs[py::str(arguments[i].name())] =
+            torchport::argument_object(arguments[i], (*stack)[first + i]);
+    stack->resize(first);
+    result = py::reinterpret_borrow<py::object>(fallback_python)(*args, **kwargs);
+  } catch (py::error_already_set& e) {
+    e.restore();
+    torchport::raise_python();
+  }
+  torchport::push_results(op, stack, result);
+}
+
+}  // namespace
+
 // Serve the ops in `kernels` (a dict: overload name -> (Python kernel, functional flag, CPU
-// tensors of any size pass, a composite factory))
+// tensors of any size pass, a composite factory, CUDA compares its tensors' devices))
 // from C++, with `result` for the results not copied here (and those of the dtypes in
 // `refuse`, a list of torch.dtype, which it refuses), `devices` visible devices, functional
 // inputs up to `input_max` bytes and copies up to `copy_max` bytes: 1; 0 with a Python
@@ -646,11 +758,11 @@ extern "C" int torchport_native_hostops_enable(PyObject* kernels, PyObject* resu
     Py_ssize_t pos = 0;
     while (PyDict_Next(kernels, &pos, &key, &value)) {
       const char* name = PyUnicode_AsUTF8(key);
-      if (!name || !PyTuple_Check(value) || PyTuple_GET_SIZE(value) != 4 ||
+      if (!name || !PyTuple_Check(value) || PyTuple_GET_SIZE(value) != 5 ||
           !PyCallable_Check(PyTuple_GET_ITEM(value, 0))) {
         if (!PyErr_Occurred())
-          PyErr_SetString(PyExc_TypeError,
-                          "expected name -> (kernel, functional, cpu_tensors, composite)");
+          PyErr_SetString(PyExc_TypeError, "expected name -> (kernel, functional, cpu_tensors, "
+                          "composite, device_checked)");
         return 0;
       }
       bool done = false;
@@ -661,7 +773,8 @@ extern "C" int torchport_native_hostops_enable(PyObject* kernels, PyObject* resu
                                  PyObject_IsTrue(PyTuple_GET_ITEM(value, 1)) == 1,
                                  PyObject_IsTrue(PyTuple_GET_ITEM(value, 2)) == 1,
                                  std::strcmp(name, "_to_copy") == 0,
-                                 PyObject_IsTrue(PyTuple_GET_ITEM(value, 3)) == 1)));
+                                 PyObject_IsTrue(PyTuple_GET_ITEM(value, 3)) == 1,
+                                 PyObject_IsTrue(PyTuple_GET_ITEM(value, 4)) == 1)));
       registered_names.emplace_back(name);
     }
   } catch (const std::exception& e) {
@@ -721,6 +834,77 @@ extern "C" void torchport_native_hostops_disable() {
   std::lock_guard<std::mutex> lock(registering);
   registered.reset();
   registered_names.clear();
+}
+
+// From now on the device's boxed fallback (dispatch key PrivateUse1) is this file's, which
+// serves the learnt overloads while switched on and calls the Python `fallback(keyset, op,
+// *args, **kwargs)` for the rest (the caller has removed that one's registration): 1; 0 with
+// a Python error. Called through ctypes.PyDLL (with the GIL).
+extern "C" int torchport_fallback_install(PyObject* fallback) {
+  if (!PyCallable_Check(fallback)) {
+    PyErr_SetString(PyExc_TypeError, "expected the Python fallback");
+    return 0;
+  }
+  std::lock_guard<std::mutex> lock(registering);
+  try {
+    fallback_registered.reset();
+    Py_INCREF(fallback);
+    Py_XDECREF(fallback_python);
+    fallback_python = fallback;
+    fallback_registered = std::make_unique<torch::Library>(
+        torch::Library::IMPL, "_", std::make_optional(c10::DispatchKey::PrivateUse1), __FILE__,
+        __LINE__);
+    fallback_registered->fallback(
+        torch::CppFunction::makeFromBoxedFunctor(std::make_unique<LearntFallback>()));
+  } catch (const std::exception& e) {
+    fallback_registered.reset();
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return 0;
+  }
+  return 1;
+}
+
+// Removes that fallback (the caller registers the Python one again).
+extern "C" void torchport_fallback_uninstall() {
+  std::lock_guard<std::mutex> lock(registering);
+  fallback_serving.store(false);
+  fallback_registered.reset();
+}
+
+// The Python fallback has learnt that overload `name`.`overload` takes the CPU fallback and
+// that its schema is one the host-op kernels serve (`functional`: it writes no argument,
+// `device_checked`: CUDA's registration compares its tensors' devices): 1; 0 where no such
+// op is registered. Called through ctypes.PyDLL (with the GIL).
+extern "C" int torchport_fallback_learn(const char* name, const char* overload, int functional,
+                                        int device_checked) {
+  auto op = c10::Dispatcher::singleton().findSchema({name, overload});
+  if (!op) return 0;
+  auto kernel = std::make_shared<HostOp>(Py_None, functional != 0, false, false, false,
+                                         device_checked != 0, /*fallback=*/true);
+  std::lock_guard<std::mutex> lock(learning);
+  learnt.insert_or_assign(&op->schema(), Learnt{op->operator_name(), std::move(kernel)});
+  return 1;
+}
+
+// Serve the learnt overloads in C++ (1) or hand every call to the Python fallback (0).
+extern "C" void torchport_fallback_serve(int on) {
+  fallback_serving.store(on != 0, std::memory_order_release);
+}
+
+// Forgets the learnt overloads (the Python fallback decides their paths again).
+extern "C" void torchport_fallback_forget() {
+  std::lock_guard<std::mutex> lock(learning);
+  learnt.clear();
+}
+
+// Overloads learnt, and calls the C++ fallback handed to the Python one, since the process
+// started (the learnt kernels count their calls with the others below).
+extern "C" void torchport_fallback_counts(int64_t* out) {
+  {
+    std::lock_guard<std::mutex> lock(learning);
+    out[0] = static_cast<int64_t>(learnt.size());
+  }
+  out[1] = fallback_calls.load();
 }
 
 // Calls served in C++, calls handed to the Python kernels, and new results copied or

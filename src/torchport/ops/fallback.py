@@ -22,6 +22,16 @@ settable at run time):
 Porting tools (autocompare, op dumps) see every device op call through
 :mod:`torchport.ops.hooks`: while one is registered the slow paths below call
 :func:`hooks.dispatch` around each op.
+
+Warm calls in C++: where the C++ host-op kernels compute (memory the host reads at the
+device address, a synchronous runtime: :mod:`torchport.ops.native_hostops`), the
+registered fallback is C++'s while nothing intercepts ops. An overload this module has run
+on the CPU once, with no decomposition for it, warned about and not forced, whose schema
+the host-op kernels serve, is then served in C++ (the CPU kernel on CPU tensors over the
+device memory, 1-3 us over the CPU's call); every other call reaches the Python fallback
+as before. Forcing, op statistics, tools and ``TORCHPORT_FALLBACK=0`` put the Python
+registration back or make it decide again. On device-only memory (a vendor runtime in
+Python) and on asynchronous runtimes the Python fallback serves every call.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport.core import native, settings
+from torchport.core.libraries import keep_past_exit
 from torchport.memory import tensors
 from torchport.ops import derive, hooks, hostexec, paths, stats, teardown
 from torchport.ops.declarations import Decline
@@ -70,7 +81,26 @@ _ROUTES: dict[str, Route] = {}  # overload name -> route of a native kernel
 _FORCED_CACHE: dict[str, bool] = {}
 _ENABLED: bool = settings.get("TORCHPORT_FALLBACK")
 _WARN: bool = settings.get("TORCHPORT_FALLBACK_WARN")
-_WARNED: set[str] = set()
+
+
+class _Warned(set):
+    """The overloads warned about. One taken out warns again at its next call, which the
+    Python fallback must then see: the overloads C++ serves are forgotten."""
+
+    def discard(self, name: str) -> None:
+        super().discard(name)
+        _forget_learnt()
+
+    def remove(self, name: str) -> None:
+        super().remove(name)
+        _forget_learnt()
+
+    def clear(self) -> None:
+        super().clear()
+        _forget_learnt()
+
+
+_WARNED: set[str] = _Warned()
 _WARNED_SITES: set[tuple[str, int]] = set()  # user lines a fallback warning named
 _HAS_CPU_KERNEL: dict[str, bool] = {}  # qualified op name (@key) -> the CPU can run it
 _INTERNAL_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep
@@ -185,6 +215,8 @@ def set_fallback_enabled(enabled: bool) -> bool:
     """Allow (True) or forbid (False) the CPU fallback; returns the old setting."""
     global _ENABLED
     old, _ENABLED = _ENABLED, bool(enabled)
+    if old != _ENABLED:
+        _forget_learnt()  # its calls must reach the Python check again
     return old
 
 
@@ -192,6 +224,8 @@ def set_fallback_warn(warn: bool) -> bool:
     """Warn (once per op) when an op falls back; returns the old setting."""
     global _WARN
     old, _WARN = _WARN, bool(warn)
+    if old != _WARN:
+        _forget_learnt()  # an op first run unwarned warns at its next call
     return old
 
 
@@ -479,30 +513,145 @@ def make_fallback(backend: DeviceBackend) -> Callable[..., Any]:
                 else hostexec.run_view_op(op, args, kwargs)
         else:
             result = next_path(backend, op, plan.overload_name, args, kwargs)
+            if _DENSE is not None and _DENSE.in_cpp and op not in _LEARNT:
+                _learn(op, plan)
         return teardown.keep(result) if teardown.ACTIVE else result
     return fallback
 
 
 
+# ---- the learnt fallback in C++ ----------------------------------------------------
+# Where the C++ host-op kernels compute (host-addressable memory, a synchronous runtime:
+# native_hostops), the device's boxed fallback is C++'s while nothing intercepts ops: it
+# serves the overloads learnt here with the host-op kernel (a warm fallback call without
+# Python) and calls the Python fallback for everything else, which learns. While ops are
+# forced, recorded or intercepted, and where C++ cannot serve, the Python fallback is the
+# registration, as PyTorch's Python fallback calls it.
+_LEARNT: set[Any] = set()  # overloads taught to C++ (or found unservable there)
+
+
+class _Registration:
+    """A device dispatch key's boxed fallback: the Python one, or (the dense key) C++'s."""
+
+    def __init__(self, backend: DeviceBackend, fn: Callable[..., Any], key: str) -> None:
+        self.backend = backend
+        self.fn = fn
+        self.key = key
+        self.lib: torch.library.Library | None = None
+        self.in_cpp = False  # C++'s fallback is registered
+        self.closed = False  # the exit fallback has replaced this one
+        self.swapped = False  # C++'s has been registered once
+
+    def python(self) -> None:
+        """Register the Python fallback (in place of C++'s)."""
+        from torchport.ops import native_hostops
+
+        if self.in_cpp:
+            native_hostops.uninstall_fallback()
+            self.in_cpp = False
+        if self.lib is None:
+            # (the first one the backend's own; later ones, after C++'s, kept alike)
+            self.lib = keep_past_exit(torch.library.Library("_", "IMPL")) if self.swapped \
+                else self.backend.library("_")
+            self.lib.fallback(self.fn, self.key, with_keyset=True)
+
+    def cpp(self) -> bool:
+        """Register C++'s fallback in place of the Python one; False where it cannot."""
+        from torchport.ops import native_hostops
+
+        if self.in_cpp:
+            return True
+        if self.lib is not None:
+            self.lib._destroy()
+            self.lib = None
+        self.swapped = True
+        self.in_cpp = native_hostops.install_fallback(self.fn)
+        if not self.in_cpp:
+            self.python()
+        return self.in_cpp
+
+    def release(self) -> None:
+        """Remove whichever is registered (the exit fallback takes the key)."""
+        from torchport.ops import native_hostops
+
+        self.closed = True
+        if self.in_cpp:
+            native_hostops.uninstall_fallback()
+            self.in_cpp = False
+        elif self.lib is not None:
+            self.lib._destroy()
+            self.lib = None
+
+
+_DENSE: _Registration | None = None  # the PrivateUse1 fallback's
+
+
+def serve_learnt(on: bool) -> None:
+    """C++'s fallback serving the learnt overloads (``on``: the C++ host-op kernels compute
+    and nothing intercepts ops), or the Python fallback registered. Called by
+    :mod:`torchport.ops.native_hostops` when it switches."""
+    from torchport.ops import native_hostops
+
+    reg = _DENSE
+    if reg is None or reg.closed:
+        return
+    if on and reg.cpp():
+        native_hostops.serve_fallback(True)
+        return
+    native_hostops.serve_fallback(False)
+    reg.python()
+
+
+def _learn(op: Any, plan: Any) -> None:
+    """After a call of ``op`` the Python fallback ran on the CPU: let C++ serve its later
+    calls where its path is the CPU's for every call (no decomposition was found for it,
+    it is not forced, the fallback is on and has warned) and its schema is one the C++
+    host-op kernels serve."""
+    from torchport.ops import native_hostops
+
+    if teardown.ACTIVE or INTERCEPTING or not _ENABLED or not paths.takes_cpu(op) \
+            or (_WARN and plan.overload_name not in _WARNED):
+        return
+    _LEARNT.add(op)
+    if native_hostops.servable(op):
+        native_hostops.learn_fallback(op)
+
+
+def _forget_learnt() -> None:
+    """The learnt overloads decide their paths in Python again (kernels, forced ops or
+    the fallback's settings changed)."""
+    from torchport.ops import native_hostops
+
+    _LEARNT.clear()
+    native_hostops.forget_fallback()
+
+
+paths.on_forget(_forget_learnt)
+
+
 def register(backend: DeviceBackend, fn: Callable[..., Any], key: str) -> None:
     """Register ``fn(keyset, op, *args, **kwargs)`` as the boxed fallback of dispatch key
-    ``key``. From torchport's exit handler on, the C++ library's fallback calls it instead of
-    PyTorch's registration, which imports ``torch`` to find an op it meets for the first
-    time: an op first met in a finaliser during the interpreter's teardown would raise
-    (native_exit_fallback.cpp)."""
-    lib = backend.library("_")  # this registration alone, to be replaced at exit
-    lib.fallback(fn, key, with_keyset=True)
-    teardown.on_start(lambda: _native_at_exit(backend, lib, fn, key))
+    ``key`` (for the dense key, C++'s fallback calls it where C++ serves: see
+    :func:`serve_learnt`). From torchport's exit handler on, the C++ library's exit fallback
+    calls it instead of PyTorch's registration, which imports ``torch`` to find an op it
+    meets for the first time: an op first met in a finaliser during the interpreter's
+    teardown would raise (native_exit_fallback.cpp)."""
+    global _DENSE
+    reg = _Registration(backend, fn, key)
+    reg.python()
+    if key == "PrivateUse1":
+        _DENSE = reg
+    teardown.on_start(lambda: _native_at_exit(backend, reg, fn, key))
 
 
-def _native_at_exit(backend: DeviceBackend, lib: torch.library.Library,
+def _native_at_exit(backend: DeviceBackend, reg: _Registration,
                     fn: Callable[..., Any], key: str) -> None:
     install = native.python_function("torchport_exit_fallback_install",
                                      [ctypes.py_object, ctypes.py_object, ctypes.c_char_p],
                                      ctypes.c_int)
     if install is None:
         return
-    lib._destroy()
+    reg.release()
     try:
         install(fn, torch.ops, key.encode())
     except RuntimeError:  # the Python registration again, as before

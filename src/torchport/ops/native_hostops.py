@@ -21,6 +21,13 @@ empty kernels, never both are registered: where the library is missing, the memo
 host memory at the device address, the runtime is asynchronous without C++ queues, and while
 ``fallback.SLOW`` is set (op statistics, forced fallback, tools intercepting ops), the
 Python kernels serve.
+
+The same kernels serve the CPU fallback's warm calls where they compute (the memory at the
+device address, synchronous): the device's boxed fallback is then C++'s, which runs an
+overload the Python fallback has learnt to take the CPU (:func:`learn_fallback`) as a
+host op and calls the Python fallback for the rest (:mod:`torchport.ops.fallback`). On
+device-only memory (a vendor runtime in Python) the Python fallback serves every call: its
+copies between the host and the device are the runtime's Python calls anyway.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import torch
 from torchport.core import native
 from torchport.core.libraries import keep_past_exit
 from torchport.ops import switch
-from torchport.ops.plan import plan_for
+from torchport.ops.plan import cuda_checked_args, plan_for
 
 if TYPE_CHECKING:
     from torchport.core.contracts import DeviceBackend
@@ -54,8 +61,9 @@ FUNCTIONAL_INPUT_MAX = 1 << 20
 CORE = frozenset({"copy_", "_to_copy", "resize_", "_local_scalar_dense"})
 
 #: What C++ is given per op: (Python kernel, functional, CPU tensors pass as they are,
-#: composite factory).
-Entry = tuple[Callable[..., Any], bool, bool, bool]
+#: composite factory, CUDA's registration compares its tensors' devices: a 0-dim CPU
+#: operand takes the Python kernel, whose device check raises as CUDA's).
+Entry = tuple[Callable[..., Any], bool, bool, bool, bool]
 
 _ARG_TYPES = frozenset({
     "Tensor", "Tensor?", "number", "number?", "int", "int?", "bool", "bool?", "float",
@@ -115,7 +123,9 @@ class HostOpKernels:
         ``composite``: a factory whose CPU kernel is PyTorch's composite one (``full``,
         ``arange``, ``zeros_like``), which C++ runs for the device as the CPU does (a call
         asking for pinned memory takes the Python kernel)."""
-        self.python[name] = (kernel, not plan_for(op).write_args, cpu_tensors, composite)
+        plan = plan_for(op)
+        self.python[name] = (kernel, not plan.write_args, cpu_tensors, composite,
+                             bool(cuda_checked_args(plan)))
         if self.native:
             if name in self._kept:
                 self._keep_registered({name: self.python[name]})
@@ -202,6 +212,9 @@ class HostOpKernels:
             self._kept_registered._destroy()
             self._kept_registered = None
         self.native = False
+        from torchport.ops import fallback
+
+        fallback.serve_learnt(False)
 
     @contextlib.contextmanager
     def python_only(self) -> Iterator[None]:
@@ -218,12 +231,14 @@ class HostOpKernels:
 
     def use(self, from_cpp: bool) -> None:
         """Serve the ops from C++ (where it can) or from the Python kernels."""
+        from torchport.ops import fallback
         if from_cpp and not self._held and self.python:
             if self.native:
                 return
             if self._enable(self.python):
                 native.enabled("host-op kernels")
                 self.native = True
+                fallback.serve_learnt(self.direct())
                 return
         self._drop_native()
         if self._registered is None:
@@ -273,6 +288,59 @@ def counts() -> tuple[int, int, int]:
     """(calls served in C++, calls handed to the Python kernels, new results copied or
     converted after the CPU kernel made them in host memory) in this process."""
     return native.counters("torchport_native_hostops_counts", 3)  # type: ignore[return-value]
+
+
+def install_fallback(fn: Callable[..., Any]) -> bool:
+    """Register C++'s boxed fallback for the device, calling ``fn`` for what it does not
+    serve (the caller removed ``fn``'s registration); False where the library cannot."""
+    install = native.python_function("torchport_fallback_install", [ctypes.py_object],
+                                     ctypes.c_int)
+    if install is None:
+        return False
+    try:
+        install(fn)
+    except RuntimeError:
+        return False
+    return True
+
+
+def uninstall_fallback() -> None:
+    """Remove C++'s boxed fallback (the caller registers the Python one)."""
+    cpp = native.loaded()
+    if cpp is not None and hasattr(cpp, "torchport_fallback_uninstall"):
+        cpp.torchport_fallback_uninstall()
+
+
+def serve_fallback(on: bool) -> None:
+    """C++'s fallback serves the learnt overloads (True) or hands each call to Python."""
+    cpp = native.loaded()
+    if cpp is not None and hasattr(cpp, "torchport_fallback_serve"):
+        cpp.torchport_fallback_serve(int(on))
+
+
+def learn_fallback(op: torch._ops.OpOverload) -> bool:
+    """Serve ``op``'s later fallback calls with a host-op kernel in C++ (its schema must be
+    :func:`servable`); the calls it does not serve still reach the Python fallback."""
+    learn = native.python_function(
+        "torchport_fallback_learn", [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
+                                     ctypes.c_int], ctypes.c_int)
+    if learn is None:
+        return False
+    plan = plan_for(op)
+    return bool(learn(op._schema.name.encode(), op._schema.overload_name.encode(),
+                      int(not plan.written_args), int(bool(cuda_checked_args(plan)))))
+
+
+def forget_fallback() -> None:
+    """Forget the learnt overloads (the Python fallback decides their paths again)."""
+    cpp = native.loaded()
+    if cpp is not None and hasattr(cpp, "torchport_fallback_forget"):
+        cpp.torchport_fallback_forget()
+
+
+def fallback_counts() -> tuple[int, int]:
+    """(overloads learnt, calls C++'s fallback handed to the Python one) in this process."""
+    return native.counters("torchport_fallback_counts", 2)  # type: ignore[return-value]
 
 
 def install(backend: DeviceBackend) -> None:

@@ -169,9 +169,25 @@ def _scalars_beside_out(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def takes_cpu(op: Any) -> bool:
+    """Has ``op``'s path been decided as the CPU fallback for all its calls (no
+    decomposition)?"""
+    return _DECISIONS.get(op, _UNDECIDED) is None
+
+
+_FORGET_LISTENERS: list[Callable[[], None]] = []
+
+
+def on_forget(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` whenever the decisions are forgotten (what was learnt from them too)."""
+    _FORGET_LISTENERS.append(fn)
+
+
 def forget_decisions() -> None:
     """Decide again (after kernels or forced-fallback settings changed)."""
     _DECISIONS.clear()
+    for fn in _FORGET_LISTENERS:
+        fn()
 
 
 _REFUSALS: dict[tuple, BaseException | None] = {}

@@ -1,0 +1,290 @@
+"""The CPU fallback's warm calls in C++ (native_hostops.cpp's learnt fallback): once the
+Python fallback has run an overload on the CPU (no decomposition, not forced), C++'s boxed
+fallback serves its later calls with a host-op kernel, equal to the CPU bit for bit; forced
+fallback, op statistics, tools intercepting ops and ``TORCHPORT_FALLBACK=0`` keep the Python
+fallback; calls C++ does not serve are handed to it. The C++-only tests skip where the
+library does not compute (strict sim, asynchronous sim, TORCHPORT_NATIVE=0)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import torchport.sim  # noqa: F401
+from tests.helpers import check_python, child_env, python_host_kernels
+from torchport.backend import active_backend
+from torchport.ops import fallback, native_hostops, stats
+
+pytestmark = pytest.mark.modes
+
+_B = active_backend()
+_K = _B.host_op_kernels
+_COMPUTES = _K.native and _K.direct()
+needs_cpp = pytest.mark.skipif(not _COMPUTES,
+                               reason="the C++ host-op kernels do not compute (strict sim, "
+                               "asynchronous sim, TORCHPORT_NATIVE=0, no compiler)")
+
+
+class calls:
+    """Counts within: calls the C++ host-op kernels served and handed to Python, and calls
+    C++'s fallback handed to the Python one."""
+
+    def __enter__(self) -> calls:
+        self._start = (*native_hostops.counts()[:2], native_hostops.fallback_counts()[1])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = (*native_hostops.counts()[:2], native_hostops.fallback_counts()[1])
+        self.served, self.handed, self.to_python = (e - s for e, s in zip(end, self._start,
+                                                                           strict=True))
+
+
+@contextlib.contextmanager
+def torchport_frames() -> Iterator[list[str]]:
+    """Within: the names of torchport's Python functions called (in this thread)."""
+    frames: list[str] = []
+
+    def note(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and "/torchport/" in frame.f_code.co_filename:
+            frames.append(frame.f_code.co_qualname)
+    sys.setprofile(note)
+    try:
+        yield frames
+    finally:
+        sys.setprofile(None)
+
+
+def _x(seed: int = 0, shape: tuple[int, ...] = (8, 8)) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ops without a sim kernel or a decomposition into its kernels: the CPU fallback
+_FALLBACK = [
+    ("hypot", lambda a, b: torch.hypot(a, b)),
+    ("hypot out", lambda a, b: torch.hypot(a, b, out=torch.empty_like(a))),
+    ("hypot_", lambda a, b: a.clone().hypot_(b)),
+    ("nextafter", lambda a, b: torch.nextafter(a, b)),
+    ("igamma", lambda a, b: torch.igamma(a.abs(), b.abs())),
+    ("special_i1e", lambda a, b: torch.special.i1e(a)),
+    ("special_erfcx", lambda a, b: torch.special.erfcx(a)),
+]
+
+
+def _warm(fn: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fn(_x(5).to("sim"), _x(6).to("sim"))
+
+
+@needs_cpp
+@pytest.mark.parametrize("name,fn", _FALLBACK, ids=[n for n, _ in _FALLBACK])
+def test_a_warm_fallback_call_is_served_in_cpp_as_the_cpu_computes(name, fn) -> None:
+    _warm(fn)  # the first call: the Python fallback, which learns the path
+    a, b = _x(1), _x(2)
+    da, db = a.to("sim"), b.to("sim")
+    with calls() as c, torchport_frames() as frames:
+        got = fn(da, db)
+    want = fn(a, b)
+    assert got.device.type == "sim" and got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.cpu(), want)
+    assert c.served >= 1 and c.handed == 0 and c.to_python == 0, (c.served, c.handed)
+    assert frames == [], frames  # no Python of torchport's at all
+
+
+@needs_cpp
+def test_the_learnt_path_keeps_forced_fallback_statistics_and_refusal() -> None:
+    a, b = _x(1).to("sim"), _x(2).to("sim")
+    _warm(lambda a, b: torch.hypot(a, b))
+    with calls() as c:
+        torch.hypot(a, b)
+    assert c.served == 1 and c.to_python == 0
+    # forced: the Python fallback runs it (and says so), C++ serves nothing
+    old = fallback.set_force_fallback("hypot.*")
+    try:
+        with calls() as c, torchport_frames() as frames:
+            got = torch.hypot(a, b)
+        assert "run_cpu" in frames and c.served == 0
+        assert torch.equal(got.cpu(), torch.hypot(a.cpu(), b.cpu()))
+    finally:
+        fallback.set_force_fallback(old)
+    # recorded: every call in the statistics, on the fallback's path
+    with stats.record() as rec, calls() as c:
+        torch.hypot(a, b)
+        torch.hypot(a, b)
+    assert rec.ops["hypot.out"].calls == 2 and rec.path_of("hypot.out") == "fallback"
+    assert c.served == 0
+    # TORCHPORT_FALLBACK=0: refused, as on its first call
+    old_enabled = fallback.set_fallback_enabled(False)
+    try:
+        with pytest.raises(NotImplementedError, match="TORCHPORT_FALLBACK=0"):
+            torch.hypot(a, b)
+    finally:
+        fallback.set_fallback_enabled(old_enabled)
+    # and learnt again afterwards: C++ serves
+    torch.hypot(a, b)
+    with calls() as c:
+        torch.hypot(a, b)
+    assert c.served == 1 and c.handed == 0 and c.to_python == 0
+
+
+@needs_cpp
+def test_a_tool_intercepting_ops_sees_the_learnt_calls() -> None:
+    from torchport.ops import hooks
+
+    a, b = _x(1).to("sim"), _x(2).to("sim")
+    _warm(lambda a, b: torch.hypot(a, b))
+    seen: list[tuple[str, str]] = []
+
+    def note(call: Any, run: Any) -> Any:
+        seen.append((call.name, call.path))
+        return run()
+    hooks.register(note)
+    try:
+        with calls() as c:
+            torch.hypot(a, b)
+    finally:
+        hooks.unregister(note)
+    assert ("hypot.out", "fallback") in seen and c.served == 0
+    with calls() as c:
+        torch.hypot(a, b)
+    assert c.served == 1
+
+
+@needs_cpp
+@pytest.mark.parametrize("name,fn,error", [
+    ("a CPU operand with dimensions",
+     lambda a, b: torch.hypot(a, b.cpu()), RuntimeError),
+    ("another device", lambda a, b: torch.hypot(a, b.to("sim:1")), RuntimeError),
+    ("an out= on the CPU", lambda a, b: torch.hypot(a, b, out=torch.empty(8, 8)), RuntimeError),
+    ("a conjugate view", lambda a, b: torch.nextafter(a, b.to(torch.complex64).conj().real),
+     None),
+    ("shapes that do not broadcast", lambda a, b: torch.hypot(a, b[:3, :5]), RuntimeError),
+])
+def test_calls_cpp_does_not_serve_are_the_python_fallbacks(name, fn, error) -> None:
+    a, b = _x(1).to("sim"), _x(2).to("sim")
+    _warm(lambda a, b: torch.hypot(a, b))
+    _warm(lambda a, b: torch.nextafter(a, b))
+
+    def outcome() -> tuple[Any, Any]:
+        try:
+            r = fn(a, b)
+        except Exception as e:  # noqa: BLE001
+            return type(e), str(e)
+        return None, r.cpu()
+    with calls() as c:
+        native = outcome()
+    with python_host_kernels():  # the Python fallback registered, as while intercepting
+        python = outcome()
+    assert native[0] is python[0] and (error is None or native[0] is not None)
+    if native[0] is None:
+        assert torch.equal(native[1], python[1])
+    else:
+        assert native[1] == python[1]
+    if name in ("another device", "an out= on the CPU"):  # (the others raise above it)
+        assert c.handed >= 1, (c.served, c.handed)
+
+
+@needs_cpp
+def test_the_device_fallback_is_cpps_while_cpp_serves_and_pythons_else() -> None:
+    def registration() -> str:
+        return next(line for line in
+                    torch._C._dispatch_dump_table("aten::hypot.out").splitlines()
+                    if line.startswith("PrivateUse1:"))
+    assert "native_hostops.cpp" in registration()
+    with python_host_kernels():
+        assert "native_hostops.cpp" not in registration()
+    with stats.record():
+        assert "native_hostops.cpp" not in registration()
+    assert "native_hostops.cpp" in registration()
+
+
+def test_first_calls_warn_and_the_settings_hold_in_a_new_process() -> None:
+    code = """
+        import warnings, torch, torchport.sim
+        from torchport.ops import native_hostops
+        a, b = torch.randn(4, device="sim"), torch.randn(4, device="sim")
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            torch.hypot(a, b)
+            before = native_hostops.counts()[0]
+            r = torch.hypot(a, b)
+            print(len(w), native_hostops.counts()[0] - before,
+                  torch.equal(r.cpu(), torch.hypot(a.cpu(), b.cpu())))
+    """
+    out = check_python(code, env=child_env(TORCHPORT_FALLBACK_WARN="1")).split()
+    served = "1" if _COMPUTES else "0"
+    assert out == ["1", served, "True"], out
+    out = check_python(code, env=child_env(TORCHPORT_FORCE_FALLBACK_OPS="hypot.*")).split()
+    assert out == ["0", "0", "True"], out  # (forced ops do not warn)
+    r = check_python("""
+        import torch, torchport.sim
+        a = torch.randn(4, device="sim")
+        for _ in range(3):
+            try:
+                torch.hypot(a, a)
+            except NotImplementedError as e:
+                print("refused")
+    """, env=child_env(TORCHPORT_FALLBACK="0"))
+    assert r.split() == ["refused"] * 3
+
+
+# ops keeping native_functions.yaml's ``device_check: ExactSame`` with a CUDA kernel: a
+# 0-dim CPU operand raises CUDA's error, from the Python kernel or fallback
+_EXACT_SAME = [
+    ("logaddexp", lambda x: torch.logaddexp(x, torch.tensor(1.0))),
+    ("clamp min", lambda x: torch.clamp(x, min=torch.tensor(0.0))),
+    ("index_select", lambda x: x.index_select(0, torch.tensor(1))),
+]
+
+# ops TensorIterator serves with a 0-dim CPU operand (a CPU scalar), served in C++
+_CPU_SCALARS = [
+    ("mul", lambda x: x * torch.tensor(2.0)),
+    ("add", lambda x: torch.tensor(2.5) + x),
+    ("mul_", lambda x: x.clone().mul_(torch.tensor(0.5))),
+    ("where", lambda x: torch.where(x > 0, x, torch.tensor(-1.0))),
+    ("lerp weight", lambda x: torch.lerp(x, x.flip(0), torch.tensor(0.25))),
+]
+
+
+@pytest.mark.parametrize("name,fn", _EXACT_SAME, ids=[n for n, _ in _EXACT_SAME])
+def test_a_0dim_cpu_operand_of_an_exactsame_op_raises_cudas_error(name, fn) -> None:
+    x = _x(3).to("sim")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="same device"):
+            fn(x)
+        with pytest.raises(RuntimeError, match="same device"):  # a warm call too
+            fn(x)
+
+
+@needs_cpp
+@pytest.mark.parametrize("name,fn", _CPU_SCALARS, ids=[n for n, _ in _CPU_SCALARS])
+def test_a_0dim_cpu_operand_is_served_in_cpp(name, fn) -> None:
+    x = _x(3)
+    fn(x.to("sim"))
+    with calls() as c:
+        got = fn(x.to("sim"))
+    assert torch.equal(got.cpu(), fn(x))
+    assert c.served >= 1 and c.handed == 0, (c.served, c.handed)
+
+
+@needs_cpp
+def test_an_op_taken_out_of_the_warned_ones_warns_again() -> None:
+    a = _x(1).to("sim")
+    _warm(lambda a, b: torch.hypot(a, b))
+    old = fallback.set_fallback_warn(True)
+    try:
+        fallback._WARNED.discard("hypot.out")
+        with pytest.warns(fallback.FallbackWarning, match="hypot.out"):
+            torch.hypot(a, a)
+        with calls() as c:
+            torch.hypot(a, a)
+        assert c.served == 1 and c.to_python == 0
+    finally:
+        fallback.set_fallback_warn(old)
