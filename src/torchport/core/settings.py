@@ -247,6 +247,14 @@ _DECLARED = [
     Setting("TORCHPORT_ZOO_REPORT", "str", None, "file the zoo's step times go to",
             "`tests/test_zoo.py` appends each run's step time and the CPU's to this JSON-lines "
             "file (`make zoo`: `reports/zoo.jsonl`)", scope="test", shown_default="none"),
+    Setting("TORCHPORT_TEST_BACKEND", "str", "sim",
+            "backend the HF, zoo and Lightning tests run on",
+            "backend (as `--backend`: `sim`, a `torchport.backends` name or a module path) that "
+            "`tests/test_models_hf.py`, `tests/test_zoo.py` and "
+            "`tests/test_integrations_lightning.py` run against; on any other than `sim` they "
+            "compare within the dtype's default tolerances (its kernels round otherwise) and "
+            "run under `pytest --noconftest` (`tests/conftest.py` registers `sim`; "
+            "`make test-vendor`)", scope="test"),
 ]
 
 #: name -> setting, in the order ``torchport info`` and docs/configuration.md list them.
