@@ -2,6 +2,14 @@
 
     python -m torchport.tools.fuzz --seed 0 --n 200 --modes default,strict,async \\
         --jobs 2 --out fuzz-out --minimise
+    python -m torchport.tools.fuzz --backend torchport.backends.reference --n 300
+
+``--backend MODULE`` runs the programs on the device that MODULE registers (as ``torchport
+run -b`` takes it) instead of the sim modes. Such a backend computes with kernels of its own
+and PyTorch's decompositions, which round otherwise than the CPU's, so there every
+floating-point value compares within ``torch.testing.assert_close``'s default tolerances
+for its dtype (integers, booleans, shapes, dtypes, strides, errors and warnings still
+exactly); sim runs the CPU's kernels and compares bit for bit.
 
 Prints programs run per mode and the differences by class (each marked known-open or
 unexplained), writes ``summary.json`` and, with ``--minimise``, one minimised repro script
@@ -24,7 +32,7 @@ from typing import Any
 from torchport.tools.fuzz.generator import Program, generate
 from torchport.tools.fuzz.known import classify, excluder, known_open
 from torchport.tools.fuzz.minimise import in_workers, minimise, write_repro
-from torchport.tools.fuzz.runner import MODES, Result, Worker, run_one
+from torchport.tools.fuzz.runner import MODES, Result, Worker, add_backend, run_one
 
 
 @dataclass
@@ -194,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start", type=int, default=0, help="first program index")
     p.add_argument("--modes", default="default,strict,async",
                    help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--backend", "-b", metavar="MODULE",
+                   help="run on this backend's device instead of the sim modes (a "
+                        "torchport.backends name or a module path); floating values compare "
+                        "within the dtype's default tolerances")
     p.add_argument("--jobs", type=int, default=1, help="worker sets side by side")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per program (hang)")
     p.add_argument("--out", type=Path, default=Path("fuzz-out"))
@@ -203,11 +215,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--show", type=int, metavar="INDEX",
                    help="print program INDEX of --seed as a script and exit")
     a = p.parse_args(argv)
+    if a.backend:
+        try:
+            modes = [add_backend(a.backend)]
+        except RuntimeError as e:
+            p.error(str(e))
+    else:
+        modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if a.show is not None:
-        print(generate(a.seed, a.show).script(mode=a.modes.split(",")[0]))
+        print(generate(a.seed, a.show).script(mode=modes[0], backend=a.backend))
         return 0
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in MODES and not a.backend]
     if bad:
         p.error(f"unknown mode(s) {bad}; use {', '.join(MODES)}")
     summary = fuzz(a.seed, a.n, modes, a.jobs, a.timeout, a.exclude_known, a.start,

@@ -15,7 +15,7 @@ from typing import Any
 
 from torchport.tools.fuzz.known import classify
 from torchport.tools.fuzz.program import Program
-from torchport.tools.fuzz.runner import Worker, device_diffs
+from torchport.tools.fuzz.runner import BACKENDS, Worker, device_diffs
 
 
 def ddmin(n: int, fails: Callable[[list[int]], bool], max_trials: int = 300) -> list[int]:
@@ -77,7 +77,7 @@ def write_repro(program: Program, mode: str, target: str, detail: str, out: Path
     path = out / repro_name(target, mode)
     detail = detail.replace("\\", "/").replace('"""', "'''")
     title = f"Fuzz repro: {target} ({mode} mode)\n\nFirst seen: {detail}"
-    text = program.script(title=title, mode=mode)
+    text = program.script(title=title, mode=mode, backend=BACKENDS.get(mode))
     if target.startswith(("crash", "hang")):  # the corpus test must not run it in-process
         text = text.replace('"""\n', '"""\n# fuzz-corpus: subprocess\n', 1)
     path.write_text(text)

@@ -74,23 +74,27 @@ class Program:
         """The program with only the steps at ``keep`` (the minimiser's trials)."""
         return Program(self.seed, self.index, [self.steps[i] for i in keep])
 
-    def script(self, title: str = "", mode: str = "default") -> str:
-        """A standalone script: runs the program on the CPU and on sim, exits 1 with the
-        differences listed while they exist."""
+    def script(self, title: str = "", mode: str = "default", backend: str | None = None) -> str:
+        """A standalone script: runs the program on the CPU and on sim (on ``backend``'s
+        device ``mode``, within tolerance, where given), exits 1 with the differences
+        listed while they exist."""
         env = {"default": "", "strict": "TORCHPORT_SIM_STRICT=1 ",
                "async": "TORCHPORT_SIM_ASYNC=1 "}.get(mode, "")
         head = (f'"""{title or "Fuzz program"}\n\nFrom `python -m torchport.tools.fuzz` '
                 f"(seed/program {self.name}, mode {mode}). Runs the program below on the CPU "
-                f"and on sim,\nthen compares them step by step; exits 1 listing the "
-                f"differences while any remain:\n\n    {env}python {{this file}}\n\nThe "
-                f"helpers are torchport.tools.fuzz.prelude's, as the fuzzer's own.\n\"\"\"\n")
+                f"and on {'the device' if backend else 'sim'},\nthen compares them step by step; "
+                f"exits 1 listing the differences while any remain:\n\n    {env}python "
+                f"{{this file}}\n\nThe helpers are torchport.tools.fuzz.prelude's, as the fuzzer's own.\n\"\"\"\n")
         body = "from torchport.tools.fuzz.prelude import *  # noqa: F403 (check, mk, torch...)\n"
-        main = textwrap.dedent("""
-            if __name__ == "__main__":
-                import torchport.sim  # noqa: F401
-                found = check(program)
-                for d in found:
-                    print(f"step {d['k']} [{d['tag']}] {d['kind']}: {d['detail']}")
-                raise SystemExit(1 if found else 0)
-            """)
+        load, call = ["import torchport.sim  # noqa: F401"], "check(program)"
+        if backend:  # another backend's device, compared within tolerance
+            load = ["from torchport.tools.run import load_backend", "",
+                    f"device = load_backend({backend!r}).name"]
+            call = "check(program, device, tolerant=True)"
+        main = "\n".join([
+            "", "", 'if __name__ == "__main__":', *(f"    {ln}" if ln else "" for ln in load),
+            f"    found = {call}",
+            "    for d in found:",
+            "        print(f\"step {d['k']} [{d['tag']}] {d['kind']}: {d['detail']}\")",
+            "    raise SystemExit(1 if found else 0)", ""])
         return head + body + "\n\n# ---- the program " + "-" * 70 + "\n" + self.source() + main

@@ -1,4 +1,5 @@
-"""Running programs in worker processes: the CPU reference and each sim mode.
+"""Running programs in worker processes: the CPU reference and each sim mode (or another
+backend's device, :func:`add_backend`).
 
 A :class:`Worker` is one long-lived process (:mod:`.worker`) per side; a program that kills
 it (a crash) or outlives ``timeout`` (a hang) is reported as such and the worker restarts
@@ -28,6 +29,25 @@ from torchport.tools.fuzz.worker import write_frame
 MODES = {"default": {}, "strict": {"TORCHPORT_SIM_STRICT": "1"},
          "async": {"TORCHPORT_SIM_ASYNC": "1"}}
 STARTUP_TIMEOUT = 180.0
+# Modes that are another backend's device: mode (the device's name) -> the backend's module.
+# Their floating values compare within tolerance (prelude.compare_traces, tolerant).
+BACKENDS: dict[str, str] = {}
+
+
+def add_backend(module: str) -> str:
+    """Make backend ``module`` (as ``torchport run -b`` takes it) a mode; the mode's name,
+    its device's, asked of a fresh interpreter (this process never loads a backend)."""
+    code = ("import sys; from torchport.tools.run import load_backend; "
+            "print(load_backend(sys.argv[1]).name)")
+    out = subprocess.run([sys.executable, "-c", code, module], capture_output=True, text=True,
+                         env=_env(None), timeout=STARTUP_TIMEOUT)
+    if out.returncode != 0:
+        raise RuntimeError(f"backend {module!r} does not load: {out.stderr.strip()[-1500:]}")
+    name = out.stdout.split()[-1]
+    if name in MODES:
+        raise RuntimeError(f"backend {module!r} registers {name!r}, which is a sim mode's name")
+    BACKENDS[name] = module
+    return name
 
 
 def _env(mode: str | None) -> dict[str, str]:
@@ -53,9 +73,10 @@ class Worker:
     def _start(self) -> None:
         self.log.seek(0)
         self.log.truncate()
-        role = "cpu" if self.mode is None else "sim"
+        role = ["cpu"] if self.mode is None else ["backend", BACKENDS[self.mode]] \
+            if self.mode in BACKENDS else ["sim"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torchport.tools.fuzz.worker", role],
+            [sys.executable, "-m", "torchport.tools.fuzz.worker", *role],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=_env(self.mode))
         ready = self._read(STARTUP_TIMEOUT)
         if not isinstance(ready, dict) or not ready.get("ready"):
@@ -177,7 +198,8 @@ def run_one(program: Program, modes: list[str], workers: dict[str | None, Worker
         if "trace" not in reply:
             results.append(Result(program, mode, _failure(reply, mode)))
             continue
-        results.append(Result(program, mode, prelude.compare_traces(cpu_trace, reply["trace"])))
+        results.append(Result(program, mode, prelude.compare_traces(
+            cpu_trace, reply["trace"], tolerant=mode in BACKENDS)))
     return results
 
 

@@ -1,9 +1,10 @@
-"""A fuzz worker process: ``python -m torchport.tools.fuzz.worker cpu|sim``.
+"""A fuzz worker process: ``python -m torchport.tools.fuzz.worker cpu|sim|backend MODULE``.
 
 Programs run in long-lived worker processes, so that a crash or a hang on the device costs
 one worker (restarted by :mod:`.runner`), not the fuzzer, and so that the CPU reference
 never loads torchport. The sim mode comes from the environment the runner gives the process
-(``TORCHPORT_SIM_STRICT``/``TORCHPORT_SIM_ASYNC``), as for any user.
+(``TORCHPORT_SIM_STRICT``/``TORCHPORT_SIM_ASYNC``), as for any user; ``backend MODULE`` runs
+on the device of another backend (``--backend`` of the command line).
 
 Protocol on stdin/stdout: frames of a 4-byte big-endian length and a pickle. The worker
 sends ``{"ready": True}`` once imported, then answers each ``{"source": text}`` with
@@ -37,20 +38,26 @@ def read_frame(f: IO[bytes]) -> Any:
     return pickle.loads(f.read(n))
 
 
-def serve(role: str) -> None:
-    """Answer programs until stdin closes. ``role`` is ``cpu`` (the reference: torch only)
-    or ``sim`` (the device, in the mode the environment selects)."""
+def serve(role: str, backend: str = "") -> None:
+    """Answer programs until stdin closes. ``role`` is ``cpu`` (the reference: torch only),
+    ``sim`` (the device, in the mode the environment selects) or ``backend`` (the device
+    that module ``backend`` registers)."""
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything a program prints goes to the log, not into the protocol
     sys.stdout = sys.stderr
     import torch
 
     from torchport.tools.fuzz import prelude
-    if role != "cpu":
+    dev, dev1 = ("cpu", "cpu") if role == "cpu" else ("sim", "sim:1")
+    if role == "sim":
         import torchport.sim  # noqa: F401
+    elif role == "backend":
+        from torchport.tools.run import load_backend
+
+        dev = load_backend(backend).name
+        dev1 = f"{dev}:1"
     prelude.Recorder.announce = True
     torch.set_warn_always(True)  # warn-once warnings: every time, in both processes
-    dev, dev1 = ("cpu", "cpu") if role == "cpu" else ("sim", "sim:1")
     write_frame(out, {"ready": True})
     stdin = sys.stdin.buffer
     while True:
@@ -70,4 +77,4 @@ def serve(role: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+    serve(sys.argv[1] if len(sys.argv) > 1 else "cpu", sys.argv[2] if len(sys.argv) > 2 else "")
