@@ -25,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from torchport.memory.tensors import storage_nbytes
+from torchport.ops.declarations import Decline
 from torchport.ops.plan import DeviceMismatchError, check_common_device, named_arguments, plan_for
 from torchport.ops.quiet import is_python_resize_warning, resize_warnings, silently
 
@@ -384,11 +385,43 @@ def _cpu_overlap_error(op: OpOverload, args: tuple,
     return found
 
 
+def _tensors(v: Any) -> list[Tensor]:
+    if isinstance(v, Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for x in v for t in _tensors(x)]
+    return []
+
+
+def foreign(backend: DeviceBackend, args: tuple, kwargs: dict,
+            written: list[Any]) -> str | None:
+    """Why the call breaks the kernel contract on devices, or None: every tensor a vendor's
+    kernel gets is on the call's device, but for a 0-dim CPU tensor it only reads (a
+    wrapped Python number). Such a call (an ``out=`` on the CPU or on another device of
+    the backend, a CPU input of several elements, inputs on two devices) is not the
+    kernel's: the next path raises CUDA's device error, or computes where CUDA does (a
+    vendor's kernel would read a host or another device's address as its own)."""
+    out_ids = {id(t) for w in written for t in _tensors(w)}
+    common: torch.device | None = None
+    for t in [*_tensors(list(args)), *_tensors(list(kwargs.values()))]:
+        if t.device.type == backend.name:
+            if common is None:
+                common = t.device
+            elif t.device != common:
+                return f"tensors on {common} and {t.device}"
+        elif not (t.device.type == "cpu" and t.dim() == 0 and id(t) not in out_ids):
+            return f"a tensor on {t.device}" + (" to write" if id(t) in out_ids else "")
+    return None
+
+
 def out_kernel(backend: DeviceBackend, out_op: OpOverload, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``out_op`` itself: the outputs resized to the meta result before ``fn`` runs."""
     names = out_names(out_op)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
+        why = foreign(backend, args, kwargs, [kwargs.get(n) for n in names])
+        if why:
+            raise Decline(f"{out_op}: {why}")
         check_overlap(out_op, args, kwargs, [kwargs[n] for n in names],
                       args if len(kwargs) == len(names)
                       else [*args, *(v for k, v in kwargs.items() if k not in names)])
@@ -410,6 +443,9 @@ def functional_kernel(backend: DeviceBackend, op: OpOverload, out_op: OpOverload
     names = out_names(out_op)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
+        why = foreign(backend, args, kwargs, [])
+        if why:
+            raise Decline(f"{op}: {why}")
         specs = output_specs(op, args, kwargs)
         index = _device_index(backend, args, kwargs)
         outs = [backend.empty_strided(shape, stride, dtype, index)
@@ -429,6 +465,9 @@ def inplace_kernel(backend: DeviceBackend, op: OpOverload, out_op: OpOverload,
     (name,) = out_names(out_op)
 
     def kernel(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        why = foreign(backend, (self, *args), kwargs, [self])
+        if why:
+            raise Decline(f"{op}: {why}")
         check_overlap(op, (self, *args), kwargs, [self], [*args, *kwargs.values()])
         # PyTorch's checks; a mismatch is an error below, not the meta kernel's resize warning
         ((shape, _, _),) = output_specs(op, (self, *args), kwargs, quiet=True)

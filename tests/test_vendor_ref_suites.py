@@ -1,0 +1,97 @@
+"""The reference backend (device ``ref``) under the suites that compare with the CPU: what
+they found, kept as tests.
+
+* A vendor's derived ``out=``/functional/in-place kernel is promised device tensors of the
+  call's device (0-dim CPU inputs aside): a CPU ``out=``, a CPU input of several elements or
+  tensors on two devices take the next path, which raises CUDA's device error (the fuzzer's
+  ``out:cpu*`` steps: ``ref`` raised ``ValueError`` from the kernel's address lookup, and
+  resized the CPU ``out`` first; tensors on ``ref:0`` and ``ref:1`` were accepted).
+* A few fuzz programs on ``ref``, compared within tolerance (``--backend``); the
+  ``make test-vendor`` run draws hundreds.
+
+One backend per process and this one has the sim: the ``ref`` code runs in a child.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tests.helpers import check_python, child_env
+
+pytestmark = pytest.mark.vendor
+
+DEVICE_CHECKS = """
+import torch, torchport
+import torchport.backends.reference  # noqa: F401
+torchport.ops.set_fallback_warn(False)
+t = torch.randn(3, 4, device="ref")
+on1 = torch.randn(3, 4, device="ref:1")
+u = torch.ones(3, 4, device="ref")
+# name: (the call, given the out= tensor; a good call of the same op; the out= tensor)
+cases = {
+    "add out=cpu 0-dim": (lambda o: torch.add(t, 1.0, out=o),
+                          lambda: torch.add(t, 1.0, out=torch.empty(3, 4, device="ref")),
+                          lambda: torch.tensor(5.0)),
+    "add out=cpu": (lambda o: torch.add(t, 1.0, out=o),
+                    lambda: torch.add(t, 1.0, out=torch.empty(3, 4, device="ref")),
+                    lambda: torch.full((3, 4), 5.0)),
+    "mul out=cpu": (lambda o: torch.mul(t, 2, out=o),
+                    lambda: torch.mul(t, 2, out=torch.empty(3, 4, device="ref")),
+                    lambda: torch.full((3, 4), 5.0)),
+    "sum out=cpu": (lambda o: torch.sum(t, 0, out=o),
+                    lambda: torch.sum(t, 0, out=torch.empty(4, device="ref")),
+                    lambda: torch.full((4,), 5.0)),
+    "mm out=cpu": (lambda o: torch.mm(t, t.T, out=o),
+                   lambda: torch.mm(t, t.T, out=torch.empty(3, 3, device="ref")),
+                   lambda: torch.full((3, 3), 5.0)),
+    "add out=ref:1": (lambda o: torch.add(t, 1.0, out=o),
+                      lambda: torch.add(t, 1.0, out=torch.empty(3, 4, device="ref")),
+                      lambda: torch.zeros(3, 4, device="ref:1")),
+    "add cpu input": (lambda o: torch.add(t, torch.ones(3, 4)), lambda: t + u, None),
+    "add_ cpu input": (lambda o: t.clone().add_(torch.ones(3, 4)), lambda: t.clone().add_(u),
+                       None),
+    "mm cpu input": (lambda o: torch.mm(t, torch.ones(4, 2)), lambda: t @ t.T, None),
+    "add ref:1 input": (lambda o: torch.add(t, on1), lambda: t + u, None),
+    "add_ ref:1 input": (lambda o: t.clone().add_(on1), lambda: t.clone().add_(u), None),
+}
+for name, (call, good, make_out) in cases.items():
+    for _ in range(2):  # the second call meets whatever the first one planned
+        good()
+        out = make_out() if make_out is not None else None
+        before = None if out is None else out.cpu().clone()
+        try:
+            call(out)
+        except RuntimeError as e:
+            assert "Expected all tensors to be on the same device" in str(e), (name, str(e))
+        else:
+            raise AssertionError(f"{name}: no error (CUDA raises)")
+        if out is not None:
+            assert out.shape == before.shape and torch.equal(out.cpu(), before), name
+assert torch.equal((t + torch.tensor(2.0)).cpu(), t.cpu() + 2)  # a wrapped number is fine
+print("ok")
+"""
+
+
+def test_vendor_kernels_get_tensors_of_the_call_device_only() -> None:
+    """CUDA's device errors, and nothing written, for tensors the kernel may not read."""
+    out = check_python(textwrap.dedent(DEVICE_CHECKS), timeout=300,
+                       env=child_env(drop=("TORCHPORT_SIM_STRICT", "TORCHPORT_SIM_ASYNC",
+                                           "TORCHPORT_AUTOLOAD"), importable=True,
+                                     OMP_NUM_THREADS="1"))
+    assert out.strip().endswith("ok")
+
+
+@pytest.mark.slow
+def test_fuzz_programs_on_ref() -> None:
+    """A handful of fuzz programs on ``ref`` against the CPU, within tolerance: no
+    unexplained difference."""
+    from torchport.tools.fuzz.cli import fuzz
+    from torchport.tools.fuzz.runner import add_backend
+
+    mode = add_backend("torchport.backends.reference")
+    assert mode == "ref"
+    summary = fuzz(seed=0, n=6, modes=[mode])
+    assert summary.runs[mode] + summary.skipped[mode] == 6
+    assert not summary.unexplained, summary.report()
