@@ -3,6 +3,10 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Python's own default, also where the environment turns it off: the suites start hundreds of
+# interpreters, and each would compile torchport's and the tests' sources again (__pycache__
+# folders are ignored by git and by every check of the source tree).
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: demo test test-torch test-graph test-opencl test-vendor conformance compiled-conformance examples zoo quant stress fuzz bench lint clean
 
@@ -184,9 +188,11 @@ compiled-conformance: $(STAMP)
 # Typical CUDA training scripts (examples/scripts/: torch.accelerator, .cuda() with checkpoint
 # resume, mp.spawn DDP, DataParallel, Hugging Face Trainer in fp32/bf16/fp16, accelerate), each
 # run unchanged (torchport run), migrated then run, and under torchport coverage, against the
-# original on the CPU; make test runs a subset. About 10 minutes on 2 cores.
+# original on the CPU, and mnist_hogwild's --cuda code under torchport run (tests/test_ipc.py);
+# make test runs a subset. About 10 minutes on 2 cores.
 examples: $(STAMP)
 	TORCHPORT_FULL_SCRIPTS=1 $(BIN)/python -m pytest -q tests/test_real_scripts.py
+	$(BIN)/python -m pytest -q -m slow tests/test_ipc.py
 
 # An optional extra goes into .venv under a constraint that keeps the venv's torch (PIP_EXTRA).
 PIN := $(VENV)/torch-pin.txt

@@ -537,6 +537,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow  # a real script: make examples runs it with the others
 @pytest.mark.skipif(any(os.environ.get(k, "") not in ("", "0")
                         for k in ("TORCHPORT_SIM_STRICT", "TORCHPORT_SIM_ASYNC")),
                     reason="the CUDA script's path (torchport run, autoload in spawned "
