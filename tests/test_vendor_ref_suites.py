@@ -6,6 +6,8 @@ they found, kept as tests.
   tensors on two devices take the next path, which raises CUDA's device error (the fuzzer's
   ``out:cpu*`` steps: ``ref`` raised ``ValueError`` from the kernel's address lookup, and
   resized the CPU ``out`` first; tensors on ``ref:0`` and ``ref:1`` were accepted).
+* A Python meta kernel's ``ValueError`` (``sub(int, int, alpha=0.5)``) is not the kernel's
+  verdict: the next path raises the CPU's ``RuntimeError`` (the fuzzer's ``seq:sub-alpha``).
 * A few fuzz programs on ``ref``, compared within tolerance (``--backend``); the
   ``make test-vendor`` run draws hundreds.
 
@@ -70,6 +72,17 @@ for name, (call, good, make_out) in cases.items():
         if out is not None:
             assert out.shape == before.shape and torch.equal(out.cpu(), before), name
 assert torch.equal((t + torch.tensor(2.0)).cpu(), t.cpu() + 2)  # a wrapped number is fine
+# the CPU's error where the Python meta kernel raises ValueError (a float alpha, int tensors)
+i = torch.ones(2, 3, dtype=torch.int64, device="ref")
+for call in (lambda: torch.sub(i, i, alpha=0.5), lambda: i.clone().add_(i, alpha=0.5),
+             lambda: torch.add(i, i, alpha=0.5, out=torch.empty_like(i)),
+             lambda: torch.sub(i[:0], i[:0], alpha=0.5)):
+    try:
+        call()
+    except RuntimeError as e:
+        assert "alpha must not be a floating point number" in str(e), str(e)
+    else:
+        raise AssertionError("a float alpha with integer tensors: no error")
 print("ok")
 """
 

@@ -414,6 +414,17 @@ def foreign(backend: DeviceBackend, args: tuple, kwargs: dict,
     return None
 
 
+def _kernel_specs(op: OpOverload, args: tuple, kwargs: dict, quiet: bool = False) -> list[Spec]:
+    """:func:`output_specs` for a derived kernel. A Python meta kernel (``torch._refs``)
+    rejects some arguments with ``ValueError`` or ``TypeError`` where the CPU's and CUDA's
+    kernels raise ``RuntimeError`` (a float ``alpha`` with integer tensors): such a call takes
+    the next path, whose CPU kernel raises the CPU's error."""
+    try:
+        return output_specs(op, args, kwargs, quiet=quiet)
+    except (ValueError, TypeError) as e:
+        raise Decline(f"{op}: its meta kernel raises {type(e).__name__}: {e}") from e
+
+
 def out_kernel(backend: DeviceBackend, out_op: OpOverload, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``out_op`` itself: the outputs resized to the meta result before ``fn`` runs."""
     names = out_names(out_op)
@@ -426,7 +437,7 @@ def out_kernel(backend: DeviceBackend, out_op: OpOverload, fn: Callable[..., Any
                       args if len(kwargs) == len(names)
                       else [*args, *(v for k, v in kwargs.items() if k not in names)])
         check_outs_not_inputs_to_resize(out_op, args, kwargs, names)
-        specs = output_specs(out_op, args, kwargs)
+        specs = _kernel_specs(out_op, args, kwargs)
         for name, (shape, stride, _) in zip(names, specs, strict=True):
             out = kwargs[name]
             if out.shape != shape:
@@ -446,7 +457,7 @@ def functional_kernel(backend: DeviceBackend, op: OpOverload, out_op: OpOverload
         why = foreign(backend, args, kwargs, [])
         if why:
             raise Decline(f"{op}: {why}")
-        specs = output_specs(op, args, kwargs)
+        specs = _kernel_specs(op, args, kwargs)
         index = _device_index(backend, args, kwargs)
         outs = [backend.empty_strided(shape, stride, dtype, index)
                 for shape, stride, dtype in specs]
@@ -470,7 +481,7 @@ def inplace_kernel(backend: DeviceBackend, op: OpOverload, out_op: OpOverload,
             raise Decline(f"{op}: {why}")
         check_overlap(op, (self, *args), kwargs, [self], [*args, *kwargs.values()])
         # PyTorch's checks; a mismatch is an error below, not the meta kernel's resize warning
-        ((shape, _, _),) = output_specs(op, (self, *args), kwargs, quiet=True)
+        ((shape, _, _),) = _kernel_specs(op, (self, *args), kwargs, quiet=True)
         if shape != tuple(self.shape):
             raise RuntimeError(f"{op}: output with shape {list(self.shape)} doesn't match the "
                                f"broadcast shape {list(shape)}")
