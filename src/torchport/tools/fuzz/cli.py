@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from torchport.tools.fuzz.generator import Program, generate
-from torchport.tools.fuzz.known import classify, excluder, known_open
+from torchport.tools.fuzz.known import backend_explained, classify, excluder, known_open
 from torchport.tools.fuzz.minimise import in_workers, minimise, write_repro
-from torchport.tools.fuzz.runner import MODES, Result, Worker, add_backend, run_one
+from torchport.tools.fuzz.runner import BACKENDS, MODES, Result, Worker, add_backend, run_one
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Summary:
     runs: Counter = field(default_factory=Counter)  # mode -> programs compared
     clean: Counter = field(default_factory=Counter)
     skipped: Counter = field(default_factory=Counter)  # the CPU run failed
-    findings: dict[tuple[str, str], Finding] = field(default_factory=dict)
+    findings: dict[tuple[str, str, str | None], Finding] = field(default_factory=dict)
     skips: dict[str, str] = field(default_factory=dict)  # program -> why the CPU run failed
     seconds: float = 0.0
 
@@ -82,8 +82,11 @@ class Summary:
             # a crash after a step of a known bug (a wrong out= corrupts memory): that bug
             for step in r.program.steps[:first["k"] + 1]:
                 entry = entry or known_open(step.tag, r.mode)
-        f = self.findings.setdefault((r.mode, cls), Finding(
-            r.mode, cls, entry.id if entry else None, first=r.program,
+        known = entry.id if entry else None
+        if known is None and r.mode in BACKENDS:  # by design on a backend of its own kernels
+            known = backend_explained(first, [s.tag for s in r.program.steps])
+        f = self.findings.setdefault((r.mode, cls, known), Finding(
+            r.mode, cls, known, first=r.program,
             detail=f"program {r.program.name} step {first['k']}: {first['detail']}"))
         f.count += 1
 
@@ -104,7 +107,8 @@ class Summary:
             lines.append("differences by class (first difference of each program):")
             for f in sorted(self.findings.values(), key=lambda f: (f.known is not None,
                                                                    f.mode, -f.count)):
-                mark = f"known-open {f.known}" if f.known else "UNEXPLAINED"
+                mark = "UNEXPLAINED" if not f.known else f"explained {f.known}" \
+                    if f.mode in BACKENDS else f"known-open {f.known}"
                 lines.append(f"  [{f.mode}] {f.cls}  x{f.count}  {mark}")
                 lines.append(f"      {f.detail[:300]}")
                 if f.repro:

@@ -50,6 +50,36 @@ def known_open(tag: str, mode: str) -> KnownOpen | None:
     return None
 
 
+# Differences a backend with kernels of its own (``--backend``) shows by design, not bugs:
+# (id, tag patterns of the differing step, tag patterns one of the steps before it must
+# have, or () for none, why). Value differences only; sim compares bit for bit and has none.
+BACKEND_EXPLAINED: tuple[tuple[str, tuple[str, ...], tuple[str, ...], str], ...] = (
+    ("adam-normalises-rounding", ("module:*Norm*+Adam*",), (),
+     "a normalisation layer's bias gradient under a loss of its normalised output is zero in "
+     "exact arithmetic, so both sides hold rounding noise, which Adam divides by its own "
+     "magnitude: the first step moves the bias by about lr either way"),
+    ("failed-op-writes", ("*",), ("index:index_add_*", "index:index_copy_*", "index:scatter*",
+                                  "index:index_put*"),
+     "an indexing op that raised on an out-of-range index: the CPU's kernel writes the "
+     "elements before the bad index first, a device's fallback computes on a copy and "
+     "writes nothing; PyTorch promises no state after a failed op (CUDA reports it later, "
+     "as a device-side assert)"),
+)
+
+
+def backend_explained(diff: dict[str, Any], tags: list[str]) -> str | None:
+    """The :data:`BACKEND_EXPLAINED` id of a value difference on step ``diff["k"]`` of a
+    program whose step tags are ``tags``, if one explains it."""
+    if diff.get("kind") != "value":
+        return None
+    before = tags[:max(diff.get("k", 0), 0)]
+    for eid, where, after, _ in BACKEND_EXPLAINED:
+        if any(fnmatchcase(diff["tag"], p) for p in where) and (
+                not after or any(fnmatchcase(t, p) for t in before for p in after)):
+            return eid
+    return None
+
+
 def excluder(mode: str | None = None):  # noqa: ANN201 - a predicate on tags
     """A predicate for :func:`.generator.generate`: tags of entries open in ``mode`` (any
     mode when None), so that a run with them excluded must find no difference."""
