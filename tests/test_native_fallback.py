@@ -290,3 +290,29 @@ def test_an_op_taken_out_of_the_warned_ones_warns_again() -> None:
         assert c.served == 1 and c.to_python == 0
     finally:
         fallback.set_fallback_warn(old)
+
+
+@pytest.mark.parametrize("out", [False, True], ids=["functional", "out"])
+@pytest.mark.parametrize("left,adjoint", [(False, False), (False, True), (True, True)])
+def test_a_lazy_bit_the_cpu_kernel_sets_is_stored_as_its_values(out, left, adjoint) -> None:
+    # linalg_lu_solve (no sim kernel) with left=False conjugates its out= on the CPU
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 3, dtype=torch.complex64, generator=g)
+    b = torch.randn(4, 3, dtype=torch.complex64, generator=g)
+    if left:
+        b = b.mT.contiguous()
+    lu, piv = torch.linalg.lu_factor(a)
+
+    def solve(*t: torch.Tensor) -> torch.Tensor:
+        kw = {"out": torch.empty_like(t[2])} if out else {}
+        return torch.linalg.lu_solve(*t, left=left, adjoint=adjoint, **kw)
+    want = solve(lu, piv, b)
+    dev = [t.to("sim") for t in (lu, piv, b)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        solve(*dev)
+    with calls() as c:  # warm: C++ where it serves
+        got = solve(*dev)
+    assert torch.equal(got.cpu().resolve_conj(), want.resolve_conj())
+    if _COMPUTES:
+        assert c.served >= 1 and c.handed == 0 and c.to_python == 0, (c.served, c.handed)

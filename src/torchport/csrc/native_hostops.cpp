@@ -279,6 +279,7 @@ class HostOp final : public c10::OperatorKernel {
         if (cpu.sizes() != dev.sizes() || cpu.strides() != dev.strides() ||
             cpu.storage_offset() != dev.storage_offset())
           impl->set_sizes_and_strides(cpu.sizes(), cpu.strides(), cpu.storage_offset());
+        if (cpu.is_conj() || cpu.is_neg()) store_lazy_bits(cpu);
       }
     }
 
@@ -405,6 +406,19 @@ class HostOp final : public c10::OperatorKernel {
     }
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
     served.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  // The CPU kernel set a lazy bit on its written argument's CPU tensor (linalg_lu_solve.out
+  // with left=False conjugates its out=): its memory holds the values before the bit, and
+  // the device tensor (which has none: one with a bit takes the Python kernel) must hold the
+  // values the bit means, as the Python kernels store them.
+  static void store_lazy_bits(const at::Tensor& cpu) {
+    at::Tensor raw = at::detail::make_tensor<c10::TensorImpl>(
+        c10::Storage(cpu.storage()), c10::DispatchKeySet(c10::DispatchKey::CPU), cpu.dtype());
+    raw.unsafeGetTensorImpl()->set_sizes_and_strides(cpu.sizes(), cpu.strides(),
+                                                     cpu.storage_offset());
+    if (cpu.is_conj()) raw.conj_physical_();
+    if (cpu.is_neg()) raw.neg_();
   }
 
   // Is `cpu` a CPU tensor the caller passed (the host side of a copy, returned as it is)?
