@@ -233,6 +233,14 @@ SAME_BF16_LOGITS = frozenset({
     "pegasus", "vit", "deit", "resnet", "whisper"})
 
 
+# Off sim (a backend with no fused attention kernel), scaled_dot_product_attention takes
+# PyTorch's math composite, which in bf16 rounds the scores and probabilities between its
+# steps where the CPU's fused kernel accumulates in fp32: OPT's bf16 gradients on the
+# reference backend are 0.061 (of a norm of 3.5) from the fp32 step, the CPU's 0.014; with
+# attn_implementation="eager" both are 0.013763. There the device may be 5 times as far.
+MATH_SDPA_BF16_GRADS = frozenset({"opt"})
+
+
 def _flat_grads(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.detach().cpu().float().flatten() for p in model.parameters()
                       if p.grad is not None])
@@ -289,7 +297,8 @@ def test_autocast_bf16_step(arch: Arch) -> None:
     g_scale = r_grad.norm().item()
     assert (s_grad - c_grad).norm().item() <= 0.03 * g_scale
     s_gerr, c_gerr = (s_grad - r_grad).norm().item(), (c_grad - r_grad).norm().item()
-    assert s_gerr <= 1.5 * c_gerr + 0.005 * g_scale, (s_gerr, c_gerr, g_scale)
+    factor = 5.0 if not but.EXACT and arch.name in MATH_SDPA_BF16_GRADS else 1.5
+    assert s_gerr <= factor * c_gerr + 0.005 * g_scale, (s_gerr, c_gerr, g_scale)
     # AdamW's first step moves each weight by about lr in the direction of its gradient's
     # sign: a weight whose bf16 gradient changed sign moves the other way.
     sim_params = dict(sim.named_parameters())
