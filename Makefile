@@ -134,14 +134,26 @@ test-graph: $(STAMP)
 # worker thread per stream, numpy kernels) through the long suites: every OpInfo
 # (reports/conformance-ref.{json,md}), its own tests, the written-arguments sweep over every
 # in-place and out= OpInfo on it, on the walkthrough and with no kernels at all
-# (tests/mutation_sweep.py --op-db), and PyTorch's device-generic test files where
+# (tests/mutation_sweep.py --op-db), module_db (reports/modules-ref.{json,md}), the 29
+# Hugging Face architectures and the Lightning tests (TORCHPORT_TEST_BACKEND, under pytest
+# --noconftest: one backend per process), the zoo's nanoGPT and Lightning cases (eager),
+# 300 fuzz programs compared within tolerance, and PyTorch's device-generic test files where
 # ../shared/upstream has them. All runs always execute.
 test-vendor: $(STAMP)
-	rc=0; \
-	$(BIN)/python -m torchport.tools.conformance --backend torchport.backends.reference \
+	rc=0; ref=torchport.backends.reference; \
+	$(BIN)/python -m torchport.tools.conformance --backend $$ref \
 		$(CONFORMANCE_ARGS) --name conformance-ref || rc=1; \
+	$(BIN)/python -m tests.conformance.modules --backend $$ref $(MODULES_ARGS) || rc=1; \
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_vendor_reference.py \
-		tests/test_vendor_mutations.py tests/test_vendor_stream_order.py || rc=1; \
+		tests/test_vendor_mutations.py tests/test_vendor_stream_order.py \
+		tests/test_vendor_ref_suites.py || rc=1; \
+	TORCHPORT_TEST_BACKEND=$$ref TORCHPORT_FULL_MODELS=1 OMP_NUM_THREADS=1 \
+		$(BIN)/python -m pytest --noconftest -q tests/test_models_hf.py \
+		tests/test_integrations_lightning.py || rc=1; \
+	TORCHPORT_TEST_BACKEND=$$ref TORCHPORT_FULL_ZOO=1 OMP_NUM_THREADS=1 \
+		$(BIN)/python -m pytest -q tests/test_zoo.py -k '(nanogpt or lightning) and not compile' || rc=1; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m torchport.tools.fuzz --backend $$ref --n 300 \
+		--jobs 1 --out reports/tmp/fuzz-ref --minimise || rc=1; \
 	for b in bare walk torchport.backends.reference; do \
 		out=$$(OMP_NUM_THREADS=1 $(BIN)/python -m tests.mutation_sweep $$b --op-db) || rc=1; \
 		echo "$$out" | tail -1; ! echo "$$out" | grep MISMATCH || rc=1; \
