@@ -528,6 +528,17 @@ def make_fallback(backend: DeviceBackend) -> Callable[..., Any]:
 # forced, recorded or intercepted, and where C++ cannot serve, the Python fallback is the
 # registration, as PyTorch's Python fallback calls it.
 _LEARNT: set[Any] = set()  # overloads taught to C++ (or found unservable there)
+# C++'s fallback and the host-op kernels' switch (torchport.ops.native_hostops, a layer above,
+# connects itself as it is imported: connect_cpp); None until then, when only Python serves
+_CPP: Any = None
+
+
+def connect_cpp(controls: Any) -> None:
+    """The module that installs, feeds and removes C++'s fallback (``install_fallback``,
+    ``uninstall_fallback``, ``serve_fallback``, ``servable``, ``learn_fallback``,
+    ``forget_fallback``): the host-op kernels' layer, which sits above this one."""
+    global _CPP
+    _CPP = controls
 
 
 class _Registration:
@@ -544,10 +555,8 @@ class _Registration:
 
     def python(self) -> None:
         """Register the Python fallback (in place of C++'s)."""
-        from torchport.ops import native_hostops
-
         if self.in_cpp:
-            native_hostops.uninstall_fallback()
+            _CPP.uninstall_fallback()
             self.in_cpp = False
         if self.lib is None:
             # (the first one the backend's own; later ones, after C++'s, kept alike)
@@ -557,26 +566,25 @@ class _Registration:
 
     def cpp(self) -> bool:
         """Register C++'s fallback in place of the Python one; False where it cannot."""
-        from torchport.ops import native_hostops
-
         if self.in_cpp:
             return True
+        if _CPP is None:
+            self.python()
+            return False
         if self.lib is not None:
             self.lib._destroy()
             self.lib = None
         self.swapped = True
-        self.in_cpp = native_hostops.install_fallback(self.fn)
+        self.in_cpp = _CPP.install_fallback(self.fn)
         if not self.in_cpp:
             self.python()
         return self.in_cpp
 
     def release(self) -> None:
         """Remove whichever is registered (the exit fallback takes the key)."""
-        from torchport.ops import native_hostops
-
         self.closed = True
         if self.in_cpp:
-            native_hostops.uninstall_fallback()
+            _CPP.uninstall_fallback()
             self.in_cpp = False
         elif self.lib is not None:
             self.lib._destroy()
@@ -590,15 +598,16 @@ def serve_learnt(on: bool) -> None:
     """C++'s fallback serving the learnt overloads (``on``: the C++ host-op kernels compute
     and nothing intercepts ops), or the Python fallback registered. Called by
     :mod:`torchport.ops.native_hostops` when it switches."""
-    from torchport.ops import native_hostops
-
     reg = _DENSE
     if reg is None or reg.closed:
         return
-    if on and reg.cpp():
-        native_hostops.serve_fallback(True)
+    if _CPP is None:
+        reg.python()
         return
-    native_hostops.serve_fallback(False)
+    if on and reg.cpp():
+        _CPP.serve_fallback(True)
+        return
+    _CPP.serve_fallback(False)
     reg.python()
 
 
@@ -607,23 +616,20 @@ def _learn(op: Any, plan: Any) -> None:
     calls where its path is the CPU's for every call (no decomposition was found for it,
     it is not forced, the fallback is on and has warned) and its schema is one the C++
     host-op kernels serve."""
-    from torchport.ops import native_hostops
-
     if teardown.ACTIVE or INTERCEPTING or not _ENABLED or not paths.takes_cpu(op) \
             or (_WARN and plan.overload_name not in _WARNED):
         return
     _LEARNT.add(op)
-    if native_hostops.servable(op):
-        native_hostops.learn_fallback(op)
+    if _CPP.servable(op):
+        _CPP.learn_fallback(op)
 
 
 def _forget_learnt() -> None:
     """The learnt overloads decide their paths in Python again (kernels, forced ops or
     the fallback's settings changed)."""
-    from torchport.ops import native_hostops
-
     _LEARNT.clear()
-    native_hostops.forget_fallback()
+    if _CPP is not None:
+        _CPP.forget_fallback()
 
 
 paths.on_forget(_forget_learnt)

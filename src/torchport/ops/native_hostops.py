@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -341,6 +342,17 @@ def forget_fallback() -> None:
 def fallback_counts() -> tuple[int, int]:
     """(overloads learnt, calls C++'s fallback handed to the Python one) in this process."""
     return native.counters("torchport_fallback_counts", 2)  # type: ignore[return-value]
+
+
+def _connect_fallback() -> None:
+    """Give the fallback (a layer below, which cannot import this module) the functions that
+    switch C++'s fallback."""
+    from torchport.ops import fallback
+
+    fallback.connect_cpp(sys.modules[__name__])
+
+
+_connect_fallback()
 
 
 def install(backend: DeviceBackend) -> None:
