@@ -88,6 +88,36 @@ def test_the_generator_draws_sparse_quantized_and_same_op_sequences() -> None:
     assert sum(len(d) >= 2 for d in dtypes) >= 5  # dtype changes within a sequence
 
 
+def test_sequences_give_no_cpu_operand_where_cuda_compares_the_devices() -> None:
+    """A 0-dim CPU tensor beside a device operand of an op whose CUDA registration compares
+    the devices raises there (the device follows CUDA), where the CPU computes: the
+    generator draws such an operand on the device, also for a variant's name
+    (``clamp-tensor``: program 4031 of seed 0 drew ``torch.clamp(cpu_0dim, device)``)."""
+    import re
+
+    from torchport.tools.fuzz.catalog import cuda_checks_devices
+    from torchport.tools.fuzz.generator import _Gen
+
+    cpu_first = re.compile(r"torch\.(\w+)\(mk\(\(\), [^)]*\), mk\(")
+    seen = 0
+    for i in range(4000, 4100):  # 4031: clamp; 4096: maximum, CPU operand allowed
+        g = _Gen(0, i, lambda tag: False)
+        g.build()
+        for step in g.steps:
+            m = step.code and cpu_first.search(step.code[-1])
+            if step.tag.startswith("seq:") and m:
+                seen += 1
+                assert not cuda_checks_devices(m.group(1)), (i, step.code)
+    assert seen  # CPU operands are still drawn where CUDA takes them
+
+    from torchport.tools.fuzz.steps_layouts import SEQ_OPS, cpu_operand_ok
+
+    for name, template, *_ in SEQ_OPS:  # the ops with a device operand are aten's
+        assert "{y}" not in template or hasattr(torch.ops.aten, name.split("-")[0]), name
+    assert not cpu_operand_ok("clamp-tensor", "torch.clamp({x}, {y})")
+    assert cpu_operand_ok("add-alpha", "torch.add({x}, {y}, alpha={p})")
+
+
 def test_the_comparator_compares_sparse_and_quantized_tensors() -> None:
     steps = [Step("sparse", ["s = mk((3, 4), torch.float32, 1).to(dev).to_sparse_csr()",
                              "r = s.to_sparse()"], ["s", "r"]),

@@ -177,6 +177,15 @@ SEQ_DTYPES = (torch.float32, torch.float32, torch.float64, torch.float16, torch.
 SEQ_SHAPES = ((3, 4), (4,), (), (2, 3), (1, 5), (0, 3), (2, 2, 2), (5, 1))
 
 
+def cpu_operand_ok(name: str, template: str) -> bool:
+    """May a sequence step of ``name`` (``op`` or ``op-variant``: :data:`SEQ_OPS`) take a
+    0-dim CPU tensor as ``{x}``? Not reshaped (then it is no longer a scalar operand: CUDA
+    refuses it), nor beside a device operand where CUDA's registration of the op compares
+    the devices (it raises there, where the CPU computes)."""
+    return ".reshape" not in template and not (
+        "{y}" in template and cuda_checks_devices(name.split("-")[0]))
+
+
 class LayoutSteps(Draw):
     """Steps on sparse and quantized tensors, and same-op sequences with varied arguments."""
 
@@ -282,11 +291,8 @@ class LayoutSteps(Draw):
                 dtype = self.rng.choice(SEQ_DTYPES)
             elif i and r < 0.6:
                 shape = self.rng.choice(SEQ_SHAPES)
-            # reshaped, a 0-dim CPU tensor is no longer a scalar operand: CUDA refuses it
             half = dtype in (torch.float16, torch.bfloat16)
-            # nor beside a device operand where CUDA's registration checks the devices
-            cpu_ok = ".reshape" not in template and not (
-                "{y}" in template and cuda_checks_devices(name))
+            cpu_ok = cpu_operand_ok(name, template)
             x, layout = self._seq_operand(dtype, shape, cpu_ok,
                                           not (half and name in HALF_STRIDED_ACCUMULATION))
             y_dtype = dtype if self.rng.random() < 0.8 else self.rng.choice(FLOATS + INTS)
