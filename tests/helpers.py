@@ -19,7 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -378,6 +378,22 @@ def python_host_kernels() -> contextlib.AbstractContextManager[None]:
     from torchport.backend import active_backend
 
     return active_backend().host_op_kernels.python_only()
+
+
+@contextlib.contextmanager
+def torchport_frames() -> Iterator[list[str]]:
+    """Within: the names of torchport's Python functions called (in this thread): a call
+    served without entering Python leaves it empty."""
+    frames: list[str] = []
+
+    def note(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and "/torchport/" in frame.f_code.co_filename:
+            frames.append(frame.f_code.co_qualname)
+    sys.setprofile(note)
+    try:
+        yield frames
+    finally:
+        sys.setprofile(None)
 
 
 def privateuse1_registrations(name: str) -> list[str]:

@@ -7,17 +7,14 @@ library does not compute (strict sim, asynchronous sim, TORCHPORT_NATIVE=0)."""
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 import torchport.sim  # noqa: F401
-from tests.helpers import check_python, child_env, python_host_kernels
+from tests.helpers import check_python, child_env, python_host_kernels, torchport_frames
 from torchport.backend import active_backend
 from torchport.ops import fallback, native_hostops, stats
 
@@ -43,21 +40,6 @@ class calls:
         end = (*native_hostops.counts()[:2], native_hostops.fallback_counts()[1])
         self.served, self.handed, self.to_python = (e - s for e, s in zip(end, self._start,
                                                                            strict=True))
-
-
-@contextlib.contextmanager
-def torchport_frames() -> Iterator[list[str]]:
-    """Within: the names of torchport's Python functions called (in this thread)."""
-    frames: list[str] = []
-
-    def note(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and "/torchport/" in frame.f_code.co_filename:
-            frames.append(frame.f_code.co_qualname)
-    sys.setprofile(note)
-    try:
-        yield frames
-    finally:
-        sys.setprofile(None)
 
 
 def _x(seed: int = 0, shape: tuple[int, ...] = (8, 8)) -> torch.Tensor:

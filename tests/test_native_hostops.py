@@ -6,20 +6,22 @@ TORCHPORT_NATIVE=0; on the asynchronous sim it queues: tests/test_async.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import sys
 import threading
 import warnings
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import torchport.sim  # noqa: F401
-from tests.helpers import check_python, child_env, privateuse1_registrations, python_host_kernels
+from tests.helpers import (
+    check_python,
+    child_env,
+    privateuse1_registrations,
+    python_host_kernels,
+    torchport_frames,
+)
 from torchport.backend import active_backend
 from torchport.ops import native_hostops, stats
 
@@ -45,21 +47,6 @@ class calls:
         end = native_hostops.counts()
         self.served, self.handed, self.moved = (e - s for e, s in zip(end, self._start,
                                                                        strict=True))
-
-
-@contextlib.contextmanager
-def torchport_frames() -> Iterator[list[str]]:
-    """Within: the names of torchport's Python functions called (in this thread)."""
-    frames: list[str] = []
-
-    def note(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and "/torchport/" in frame.f_code.co_filename:
-            frames.append(frame.f_code.co_qualname)
-    sys.setprofile(note)
-    try:
-        yield frames
-    finally:
-        sys.setprofile(None)
 
 
 def _same(dev: object, cpu: object) -> None:
