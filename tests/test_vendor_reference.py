@@ -279,6 +279,7 @@ def test_a_failing_queued_copy_is_reported_at_its_stream(ref):
     ref.run("""
     d = torch.zeros(4, device="ref")
     s = torch.ref.Stream()
+    s.wait_stream(torch.ref.current_stream())        # d's zeros are queued on the default one
     with torch.ref.stream(s):
         rt.faults.copy_raise_after = 0
         d.copy_(torch.ones(4), non_blocking=True)    # queued on s
