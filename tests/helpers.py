@@ -396,6 +396,20 @@ def torchport_frames() -> Iterator[list[str]]:
         sys.setprofile(None)
 
 
+#: Why a test of the C++ host-op kernels (or the fallback they serve) is skipped.
+CPP_HOST_OPS_IDLE = ("the C++ host-op kernels do not compute (strict sim, asynchronous sim: "
+                     "they queue, TORCHPORT_NATIVE=0, no compiler)")
+
+
+def cpp_host_ops_compute() -> bool:
+    """Do the active backend's C++ host-op kernels compute the calls (an asynchronous
+    sim's queue them: tests/test_async.py)?"""
+    from torchport.backend import active_backend
+
+    kernels = active_backend().host_op_kernels
+    return bool(kernels.native and kernels.direct())
+
+
 def privateuse1_registrations(name: str) -> list[str]:
     """The dispatcher's registrations of operator ``name`` (``"aten::add.Tensor"``) for
     PrivateUse1, each naming the file that registered it: one where the kernels switch."""

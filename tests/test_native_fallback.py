@@ -14,7 +14,14 @@ import pytest
 import torch
 
 import torchport.sim  # noqa: F401
-from tests.helpers import check_python, child_env, python_host_kernels, torchport_frames
+from tests.helpers import (
+    CPP_HOST_OPS_IDLE,
+    check_python,
+    child_env,
+    cpp_host_ops_compute,
+    python_host_kernels,
+    torchport_frames,
+)
 from torchport.backend import active_backend
 from torchport.ops import fallback, native_hostops, stats
 
@@ -22,10 +29,8 @@ pytestmark = pytest.mark.modes
 
 _B = active_backend()
 _K = _B.host_op_kernels
-_COMPUTES = _K.native and _K.direct()
-needs_cpp = pytest.mark.skipif(not _COMPUTES,
-                               reason="the C++ host-op kernels do not compute (strict sim, "
-                               "asynchronous sim, TORCHPORT_NATIVE=0, no compiler)")
+_COMPUTES = cpp_host_ops_compute()
+needs_cpp = pytest.mark.skipif(not _COMPUTES, reason=CPP_HOST_OPS_IDLE)
 
 
 class calls:

@@ -16,8 +16,10 @@ import torch.nn.functional as F
 
 import torchport.sim  # noqa: F401
 from tests.helpers import (
+    CPP_HOST_OPS_IDLE,
     check_python,
     child_env,
+    cpp_host_ops_compute,
     privateuse1_registrations,
     python_host_kernels,
     torchport_frames,
@@ -29,11 +31,8 @@ pytestmark = pytest.mark.modes
 
 _B = active_backend()
 _K = _B.host_op_kernels
-# C++ computes the calls (an asynchronous sim's C++ kernels queue them: tests/test_async.py)
-_COMPUTES = _K.native and _K.direct()
-needs_cpp = pytest.mark.skipif(not _COMPUTES,
-                               reason="the C++ host-op kernels do not compute (strict sim, "
-                               "asynchronous sim: they queue, TORCHPORT_NATIVE=0, no compiler)")
+_COMPUTES = cpp_host_ops_compute()
+needs_cpp = pytest.mark.skipif(not _COMPUTES, reason=CPP_HOST_OPS_IDLE)
 
 
 class calls:
