@@ -30,6 +30,8 @@ class Liveness:
         self.rank = rank
         self.size = size
         self.stop = threading.Event()
+        self._diagnosing = threading.Lock()
+        self._dead: str | None = None
         self.thread = threading.Thread(target=self._beat, name=f"torchport-hb-{rank}",
                                        daemon=True)
         self.thread.start()
@@ -46,18 +48,27 @@ class Liveness:
         return [int(self.store.add(f"hb/{r}", 0)) for r in range(self.size)]
 
     def diagnose(self) -> str:
-        """Which peers stopped beating (takes a few heartbeat periods)."""
-        try:
-            before = self._counts()
-            time.sleep(self.PERIOD * 5)
-            after = self._counts()
-        except Exception as e:
-            return (f"the rendezvous store is unreachable ({type(e).__name__}: {e}); the process "
-                    f"hosting it (rank 0 or the torchrun agent) has probably died")
-        dead = [r for r in range(self.size) if r != self.rank and after[r] == before[r]]
-        if dead:
-            return f"rank(s) {', '.join(map(str, dead))} stopped responding (process died?)"
-        return "all ranks are alive: a timeout or mismatched collectives across ranks"
+        """Which peers stopped beating (takes a few heartbeat periods). A rank found dead
+        stays dead: the collectives that fail after it reuse that finding, one at a time, so
+        that a queue of failed collectives does not spend a diagnosis each."""
+        with self._diagnosing:
+            if self._dead is not None:
+                return self._dead
+            try:
+                before = self._counts()
+                time.sleep(self.PERIOD * 5)
+                after = self._counts()
+            except Exception as e:
+                self._dead = (f"the rendezvous store is unreachable ({type(e).__name__}: {e}); "
+                              f"the process hosting it (rank 0 or the torchrun agent) has "
+                              f"probably died")
+                return self._dead
+            dead = [r for r in range(self.size) if r != self.rank and after[r] == before[r]]
+            if dead:
+                self._dead = (f"rank(s) {', '.join(map(str, dead))} stopped responding "
+                              f"(process died?)")
+                return self._dead
+            return "all ranks are alive: a timeout or mismatched collectives across ranks"
 
     def close(self) -> None:
         self.stop.set()

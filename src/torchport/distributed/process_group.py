@@ -41,11 +41,14 @@ def _shutdown() -> None:
     collections (0.2 s each with torch loaded)."""
     if not _KEEP_ALIVE and not LIVENESS and not callbacks_pending():
         return
+    gc.collect()  # drop finished DDP reducers / works, and with them their callbacks
+    # Collectives still in flight end as Gloo's own groups end theirs at destruction: they
+    # complete, or fail (a peer that exits closes its connections; a hung one times out).
+    # Heartbeats go on meanwhile, so that the peers' diagnoses do not call this rank dead.
+    drain_callbacks(timeout=_EXIT_WAIT[0])
     for lv in list(LIVENESS):
         lv.close()
         lv.thread.join(timeout=2 * lv.PERIOD)
-    gc.collect()  # drop finished DDP reducers / works, and with them their callbacks
-    drain_callbacks(timeout=2.0)
     _KEEP_ALIVE.clear()
     gc.collect()
 
@@ -53,6 +56,8 @@ def _shutdown() -> None:
 # ---- the c10d process group -----------------------------------------------------------
 _FACTORIES: dict[str, CollectivesFactory] = {}
 _KEEP_ALIVE: list[Any] = []
+# How long exit waits for collectives in flight: the longest timeout of this process's groups.
+_EXIT_WAIT = [0.0]
 
 
 def set_collectives(device: str, factory: CollectivesFactory) -> None:
@@ -90,6 +95,7 @@ class DeviceProcessGroup(dist.ProcessGroup):
         # Gloo must not be destroyed by its own worker thread (a callback dropping the last
         # reference aborts the process): keep it until interpreter exit.
         _KEEP_ALIVE.append(self.gloo)
+        _EXIT_WAIT[0] = max(_EXIT_WAIT[0], timeout.total_seconds())
         factory = _FACTORIES.get(self.device)
         dstore = dist.PrefixStore("dev/", store)
         if factory is None:
