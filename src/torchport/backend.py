@@ -8,10 +8,12 @@ backend: registering the same one again is a no-op; a different one is an error.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
+import gc
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -52,6 +54,23 @@ def parse_visible_devices(text: str | None, count: int) -> list[int]:
             break
         out.append(i)
     return out
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a backend is built and registered.
+
+    That allocates some 10^5 long-lived objects (a kernel and a plan for each of about a
+    thousand ops), and each full collection they trigger walks torch's whole heap: it
+    doubled the time of ``import torchport.sim``. The collector is left as it was (a caller
+    that disabled it finds it disabled)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class Backend:
@@ -360,6 +379,10 @@ class Backend:
     # ---- registration -------------------------------------------------------
     def register(self) -> Backend:
         """Make the device usable from PyTorch; idempotent."""
+        with collector_paused():
+            return self._register()
+
+    def _register(self) -> Backend:
         global _ACTIVE
         if _ACTIVE is not None:
             if _ACTIVE is self:

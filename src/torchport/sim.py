@@ -8,5 +8,6 @@ __all__ = ["BACKEND", "SimRuntime", "runtime"]
 if _backend._ACTIVE is not None and _backend._ACTIVE.name == "sim":
     BACKEND = _backend._ACTIVE  # re-import or reload: keep the registered one
 else:
-    BACKEND = make_backend().register()
+    with _backend.collector_paused():
+        BACKEND = make_backend().register()
 runtime = BACKEND.runtime
