@@ -415,3 +415,24 @@ def privateuse1_registrations(name: str) -> list[str]:
     PrivateUse1, each naming the file that registered it: one where the kernels switch."""
     return [line for line in torch._C._dispatch_dump(name).splitlines()
             if line.startswith("PrivateUse1:")]
+
+
+# ---- objects the sim made --------------------------------------------------------------
+def host_kernels_of(op: torch._ops.OpOverload) -> list:
+    """The host-op kernels (``IntoDevice``) made for ``op``, found among the live objects,
+    those in the collector's permanent generation included (conftest freezes the heap)."""
+    import gc
+    import warnings
+
+    from torchport.ops import hostkernels
+
+    frozen = gc.get_freeze_count()
+    gc.unfreeze()
+    try:
+        with warnings.catch_warnings():  # isinstance on every object touches deprecated ones
+            warnings.simplefilter("ignore")
+            return [o for o in gc.get_objects()
+                    if isinstance(o, hostkernels.IntoDevice) and o.op is op]
+    finally:
+        if frozen:
+            gc.freeze()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torchport.sim  # noqa: F401
-from tests.helpers import python_host_kernels
+from tests.helpers import host_kernels_of, python_host_kernels
 from torchport.backend import active_backend
 from torchport.ops import hostviews
 
@@ -570,15 +570,8 @@ def test_gradients_sum_in_place_as_on_cpu() -> None:
 
 
 # ---- the out= overload through its Python binding ------------------------------------
-def _into(op: torch._ops.OpOverload) -> list:
-    import gc
-
-    from torchport.ops import hostkernels
-    return [o for o in gc.get_objects() if isinstance(o, hostkernels.IntoDevice) and o.op is op]
-
-
 def _plans(op: torch._ops.OpOverload) -> list:
-    return [v for o in _into(op) for v in o.layouts.values() if v]
+    return [v for o in host_kernels_of(op) for v in o.layouts.values() if v]
 
 
 @sync_path
@@ -591,7 +584,7 @@ def test_python_binding_is_used_once_it_agrees() -> None:
 
 @sync_path
 def test_a_binding_computing_other_bits_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    for into in _into(torch.ops.aten.atan2.default):  # its out= binding replaced by sub's
+    for into in host_kernels_of(torch.ops.aten.atan2.default):  # its out= binding replaced by sub's
         into.layouts.clear()
         monkeypatch.setattr(into, "binding", torch._C._VariableFunctions.sub)
     a, b = torch.randn(3, 9, dtype=torch.float64), torch.randn(3, 9, dtype=torch.float64)
@@ -786,7 +779,7 @@ def test_list_ops_with_data_dependent_shapes_compute_on_the_cpu() -> None:
     for _ in range(2):
         assert torch.equal(xs[xs > 0].cpu(), x[x > 0])
     index = torch.ops.aten.index.Tensor
-    assert any(v is False for o in _into(index) for v in o.layouts.values())
+    assert any(v is False for o in host_kernels_of(index) for v in o.layouts.values())
 
 
 def test_list_op_errors_are_the_cpus_and_free_the_output() -> None:
@@ -910,7 +903,7 @@ def test_random_functional_ops_draw_once_from_the_device_generator(train: bool) 
     assert torch.equal(torch.get_rng_state(), cpu_state)
     for g, w in zip(got, want, strict=True):
         assert all(torch.equal(a.cpu(), b) for a, b in zip(g, w, strict=True))
-    kernel = _into(torch.ops.aten.native_dropout.default)
+    kernel = host_kernels_of(torch.ops.aten.native_dropout.default)
     assert kernel and not kernel[0].layouts, "native_dropout took the out= path"
 
 

@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import torchport.sim  # noqa: F401
-from tests.helpers import python_host_kernels
+from tests.helpers import host_kernels_of, python_host_kernels
 from torchport.backend import active_backend
-from torchport.ops import hostkernels
 from torchport.ops.hostkernels import trials
 
 pytestmark = pytest.mark.modes
@@ -106,22 +105,13 @@ def test_batch_norm_backward_on_strided_inputs_matches_cpu_bits(layout: str) -> 
             assert _bits(d.grad.cpu(), c.grad)
 
 
-def _kernel_of(op: torch._ops.OpOverload) -> list:
-    import gc
-    import warnings
-    with warnings.catch_warnings():  # isinstance on every object touches deprecated ones
-        warnings.simplefilter("ignore")
-        return [o for o in gc.get_objects()
-                if isinstance(o, hostkernels.IntoDevice) and o.op is op]
-
-
 @pytest.mark.skipif(ASYNC, reason="the synchronous trial (the asynchronous one: below)")
 def test_an_out_kernel_that_leaves_an_output_unwritten_is_not_used(
         monkeypatch: pytest.MonkeyPatch) -> None:
     op = torch.ops.aten.atan2.default
     a, b = torch.randn(5, 7), torch.randn(5, 7)
     torch.atan2(a.to("sim"), b.to("sim"))  # makes the op's kernel
-    intos = _kernel_of(op)
+    intos = host_kernels_of(op)
     assert intos
     for into in intos:  # an out= kernel writing nothing: the output keeps the trial's pattern
         into.layouts.clear()
@@ -137,7 +127,7 @@ def test_an_out_kernel_giving_other_bits_is_not_used(monkeypatch: pytest.MonkeyP
     op = torch.ops.aten.atan2.default
     a, b = torch.randn(4, 6), torch.randn(4, 6)
     torch.atan2(a.to("sim"), b.to("sim"))
-    intos = _kernel_of(op)
+    intos = host_kernels_of(op)
     sub = torch.ops.aten.sub.out._handle.redispatch_boxed
     for into in intos:  # an out= kernel of the right layout and other values
         into.layouts.clear()
@@ -176,7 +166,7 @@ def test_random_ops_never_take_the_trial() -> None:
     torch.sim.synchronize()
     subs = rec.subpaths_of("native_dropout")
     assert sum(subs.values()) == 2
-    layouts = [v for o in _kernel_of(torch.ops.aten.native_dropout.default)
+    layouts = [v for o in host_kernels_of(torch.ops.aten.native_dropout.default)
                for v in o.layouts.values()]
     if active_backend().runtime.asynchronous:
         # its mask drawn by the host at the call, once; the layout proven against the CPU
