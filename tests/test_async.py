@@ -164,7 +164,8 @@ def test_in_place_updates_are_queued_and_match_cpu():
         w = rt._workers[(0, 0)]
         for step in range(2):                       # the first call with a layout, then a later one
             close_gate()
-            threading.Timer(20, gate.set).start()   # (a host that waits fails, not hangs)
+            timer = threading.Timer(20, gate.set)   # (a host that waits fails, not hangs)
+            timer.start()
             before = w.submitted
             r = da.mul_(0.5).add_(db, alpha=2.0)    # returns its argument, queued
             assert r is da
@@ -177,6 +178,7 @@ def test_in_place_updates_are_queued_and_match_cpu():
             assert w.submitted - before == 10 and not torch.sim.current_stream().query(), \
                 (w.submitted - before)
             gate.set()
+            timer.cancel()
             a.mul_(0.5).add_(b, alpha=2.0)
             a.t().sub_(b.t()).clamp_(min=-1.0)
             b.fill_(0.25)
@@ -254,6 +256,49 @@ def test_in_place_errors_stay_at_the_call():
                     raise AssertionError("no error at the call: " + want)
         torch.sim.synchronize()                   # nothing failed on the stream
         assert x.cpu().tolist() == list(range(6)) and v.cpu().tolist() == [float(i) for i in range(6)]
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+def test_calls_their_shapes_or_dtypes_refuse_raise_without_waiting_for_the_stream():
+    """A call whose arguments' layouts alone refuse it (shapes that do not broadcast or
+    multiply, a dtype that cannot be cast) raises at the call as CUDA's host checks do,
+    before the queued kernels ran, with the CPU's words; the arguments stay as they were
+    and the CPU's random numbers untouched."""
+    out = run("""
+        d = lambda *s, **k: torch.ones(*s, device="sim", **k)
+        c = lambda *s, **k: torch.ones(*s, **k)
+        cases = {
+            "broadcast": lambda t: t(5, 6) + t(4),
+            "matmul": lambda t: t(5, 6) @ t(5, 6),
+            "cat": lambda t: torch.cat([t(5, 6), t(5, 7)]),
+            "lerp dtypes": lambda t: torch.lerp(t(3), t(3, dtype=torch.long), 0.5),
+            "in-place dtype": lambda t: t(3, dtype=torch.long).add_(t(3) * 0.5),
+            "in-place broadcast": lambda t: t(1, 6).add_(t(5, 6)),
+            "out= dtype": lambda t: torch.add(t(3), t(3), out=t(3, dtype=torch.long)),
+            "random": lambda t: torch.normal(t(5, 6), t(4)),
+        }
+        x = torch.arange(6.0, device="sim")
+        for _ in range(2):                        # a layout's first call, then a later one
+            for name, call in cases.items():
+                try:
+                    call(c)
+                except RuntimeError as e:
+                    want = str(e).splitlines()[0]
+                else:
+                    raise AssertionError(name + ": the CPU accepts it")
+                close_gate()
+                x.mul_(2)                         # queued behind the gate
+                timer = threading.Timer(10.0, gate.set)   # (a call that waits returns then)
+                timer.start()
+                cpu_rng = torch.get_rng_state()
+                raises_at_the_call(lambda: call(d), want)
+                assert not gate.is_set(), name + ": the call waited for the stream"
+                assert torch.equal(torch.get_rng_state(), cpu_rng), name
+                gate.set()
+                timer.cancel()
+        assert x.cpu().tolist() == [float(i * 2 ** 16) for i in range(6)]
         print("ok")
     """)
     assert "ok" in out
@@ -516,12 +561,16 @@ def test_list_ops_and_factories_are_queued_as_cuda_queues_them():
             for g, w in zip(got, want):
                 assert g.device.type == "sim" and g.dtype == w.dtype and g.stride() == w.stride()
                 assert torch.equal(g.cpu(), w), (g, w)
-        close_gate()
-        threading.Timer(10.0, gate.set).start()         # (a bad call may wait: the host's error)
-        raises_at_the_call(lambda: torch.cat([da, torch.ones(2, 3, device="sim")]),
-                           "Sizes of tensors must match")
-        bad = da[torch.tensor([0, 9], device="sim")]     # returns; fails on the worker
+        rows, other = torch.tensor([0, 9], device="sim"), torch.ones(2, 3, device="sim")
+        close_gate()                                    # (a copy from the host waits for it)
+        timer = threading.Timer(10.0, gate.set)         # (a call that waits returns then)
+        timer.start()
+        raises_at_the_call(lambda: torch.cat([da, other]), "Sizes of tensors must match")
+        assert not gate.is_set(), "a call its shapes refuse waited for the stream"
+        bad = da[rows]                                  # returns; fails on the worker
+        assert not gate.is_set(), "an index waited for the stream"
         gate.set()
+        timer.cancel()
         try:
             torch.sim.synchronize()
         except RuntimeError as e:
@@ -669,10 +718,11 @@ def test_explicit_out_calls_are_queued_with_their_errors_at_the_call():
             long = torch.empty(5, 6, dtype=torch.long, device="sim")
             raises_at_the_call(lambda: torch.add(da, db, out=long),
                                "can't be cast to the desired output type Long")
-            expanded = torch.empty(5, 6, device="sim").expand(3, 5, 6)
-            raises_at_the_call(lambda: torch.add(da, db, out=expanded), "more than one element")
+            assert not gate.is_set(), "a call its dtypes refuse waited for the stream"
             gate.set()
             timer.cancel()
+            expanded = torch.empty(5, 6, device="sim").expand(3, 5, 6)   # the host's check
+            raises_at_the_call(lambda: torch.add(da, db, out=expanded), "more than one element")
             for g, w in zip(got, want, strict=True):
                 assert g.device.type == "sim" and g.dtype == w.dtype and g.stride() == w.stride()
                 assert torch.equal(g.cpu(), w), (g, w)

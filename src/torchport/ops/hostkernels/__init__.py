@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchport.ops import fallback, hostexec, hostviews, stats
-from torchport.ops.hostkernels import schema
+from torchport.ops.hostkernels import schema, trials
 from torchport.ops.hostkernels.drawing import fill_kernel
 from torchport.ops.hostkernels.factories import factory_kernel
 from torchport.ops.hostkernels.functional import functional_kernel, random_kernel
@@ -63,7 +63,7 @@ from torchport.ops.hostkernels.into_device import IntoDevice
 from torchport.ops.hostkernels.launching import launching_kernel
 from torchport.ops.hostkernels.layouts import LayoutCache
 from torchport.ops.hostkernels.lists import list_kernel
-from torchport.ops.hostkernels.mapping import Call, sync_devices
+from torchport.ops.hostkernels.mapping import Call, plain_device, sync_devices
 from torchport.ops.hostkernels.out_calls import out_call_kernel
 from torchport.ops.hostkernels.views import view_kernel
 from torchport.ops.plan import plan_for
@@ -169,11 +169,14 @@ def _general(state: OpState, slow: Call | None) -> Call:
     run = hostexec.run_on_host
     fb = fallback
     asynchronous = backend.runtime.asynchronous
+    name = backend.name
 
     def general(args: tuple, kwargs: dict) -> Any:
         if slow is not None and fb.SLOW:
             return slow(args, kwargs)
-        if asynchronous:  # computed by the host right now: queued kernels first
+        if asynchronous:  # computed by the host right now: queued kernels first, unless
+            if plain_device(name, args, kwargs) is not None:  # (devices are checked first)
+                trials.raise_refused_layouts(op, args, kwargs)  # the layouts refuse it
             sync_devices(backend, args, kwargs)
         return run(backend, op, args, kwargs, to_cpu, True)
 

@@ -257,6 +257,52 @@ def copy_launch_specs(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> l
     return None
 
 
+def raise_refused_layouts(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+    """Raise the CPU's error for a call whose layouts alone refuse it (shapes that do not
+    broadcast, an ``out=`` of a dtype the result cannot be cast to), without looking at
+    values: what CUDA's host checks raise at the call, before any queued kernel ran.
+
+    The meta kernel, which sees no values, decides; the CPU kernel run on stand-ins in
+    the call's layouts says it in PyTorch's words (a meta kernel's own differ). Where the
+    meta kernel has no answer (no meta kernel, a data-dependent shape) or the CPU accepts
+    one of three fillings of stand-ins (a meta kernel's own limit), this returns and the
+    host decides; so it does for an op with a device argument (a factory: no tensor to
+    stand in for) or arguments that must be on the CPU (a device tensor there is CUDA's
+    first error)."""
+    plan = plan_for(op)
+    if plan.has_device_arg or plan.host_args:
+        return
+    try:
+        derive.output_specs(op, args, kwargs, quiet=True)
+        return
+    except NotImplementedError:
+        return
+    except Exception:  # noqa: S110  (decided below, in the CPU's words)
+        pass
+    gen = torch.default_generator
+    saved = gen.get_state() if plan.random else None
+    first: Exception | None = None
+    try:
+        # refused whatever the values: the layouts' error, as said for ones (the values
+        # least likely to be refused themselves: a negative standard deviation, a zero divisor)
+        for value in (1, 0, None):
+            sargs, skw = stand_ins(op, args, kwargs, value)
+            try:
+                warnings_of(lambda a=sargs, k=skw: op._op(*a, **k))
+            except Exception as e:
+                first = first or e
+            else:
+                return
+    finally:
+        if saved is not None:
+            gen.set_state(saved)  # the CPU's own random numbers stay untouched
+    assert first is not None
+    try:
+        raise first.with_traceback(None) from None
+    finally:
+        del first  # (no cycle through this frame: the call's tensors go with the error)
+
+
 def inplace_launchable(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
     """Can in-place ``op`` called with arguments laid out as ``args``/``kwargs`` be queued
     without the host looking at values? Its meta kernel accepts the layouts, and its CPU
