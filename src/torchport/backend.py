@@ -8,17 +8,16 @@ backend: registering the same one again is a no-op; a different one is an error.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
-import gc
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from torchport.core import native, settings
+from torchport.core.collector import collector_paused
 from torchport.core.contracts import BackendError
 from torchport.core.libraries import keep_past_exit
 from torchport.memory import qtensors, tensors
@@ -54,23 +53,6 @@ def parse_visible_devices(text: str | None, count: int) -> list[int]:
             break
         out.append(i)
     return out
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a backend is built and registered.
-
-    That allocates some 10^5 long-lived objects (a kernel and a plan for each of about a
-    thousand ops), and each full collection they trigger walks torch's whole heap: it
-    doubled the time of ``import torchport.sim``. The collector is left as it was (a caller
-    that disabled it finds it disabled)."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 class Backend:

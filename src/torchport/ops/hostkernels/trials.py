@@ -9,6 +9,7 @@ with a pattern no result has, and comparing the bytes with the functional kernel
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -257,6 +258,10 @@ def copy_launch_specs(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> l
     return None
 
 
+# What PyTorch's argument checks raise (TORCH_CHECK and its kin).
+_CHECK_ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
+
+
 def raise_refused_layouts(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
     """Raise the CPU's error for a call whose layouts alone refuse it (shapes that do not
     broadcast, an ``out=`` of a dtype the result cannot be cast to), without looking at
@@ -270,15 +275,17 @@ def raise_refused_layouts(op: torch._ops.OpOverload, args: tuple, kwargs: dict) 
     stand in for) or arguments that must be on the CPU (a device tensor there is CUDA's
     first error)."""
     plan = plan_for(op)
-    if plan.has_device_arg or plan.host_args:
+    if plan.has_device_arg or plan.host_args or sys.is_finalizing():
         return
     try:
         derive.output_specs(op, args, kwargs, quiet=True)
         return
     except NotImplementedError:
         return
-    except Exception:  # noqa: S110  (decided below, in the CPU's words)
+    except _CHECK_ERRORS:  # noqa: S110  (decided below, in the CPU's words)
         pass
+    except Exception:  # not an argument check's (an interpreter tearing down)
+        return
     gen = torch.default_generator
     saved = gen.get_state() if plan.random else None
     first: Exception | None = None
@@ -289,8 +296,12 @@ def raise_refused_layouts(op: torch._ops.OpOverload, args: tuple, kwargs: dict) 
             sargs, skw = stand_ins(op, args, kwargs, value)
             try:
                 warnings_of(lambda a=sargs, k=skw: op._op(*a, **k))
-            except Exception as e:
+            except NotImplementedError:
+                return
+            except _CHECK_ERRORS as e:
                 first = first or e
+            except Exception:
+                return
             else:
                 return
     finally:
