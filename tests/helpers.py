@@ -29,6 +29,11 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 MODE_VARIABLES = ("TORCHPORT_SIM_ASYNC", "TORCHPORT_SIM_STRICT")  # the sim's memory modes
+IN_A_MEMORY_MODE = any(os.environ.get(v, "") not in ("", "0") for v in MODE_VARIABLES)
+# A test of what the memory modes leave alone (what an import loads, settings read from the
+# environment) in a module the modes' stages run: the default stage alone runs it.
+mode_independent = pytest.mark.skipif(
+    IN_A_MEMORY_MODE, reason="the memory mode changes nothing it checks (the default stage runs it)")
 
 
 # ---- child interpreters ------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torchport
-from tests.helpers import run_python
+from tests.helpers import mode_independent, run_python
 from torchport.backends.sim.runtime import SimRuntime
 from torchport.core import native
 
@@ -170,6 +170,7 @@ def test_visible_devices_select_and_renumber():
     assert r.stdout.split() == ["2", "[3,", "1]"]
 
 
+@mode_independent
 def test_sim_settings_from_environment():
     r = run_python("import torch, torchport.sim; print(torch.sim.device_count(), "
                    "torch.sim.get_device_properties(0).total_memory)",

@@ -6,6 +6,8 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import mode_independent
+
 pytestmark = pytest.mark.modes
 
 
@@ -85,6 +87,7 @@ def test_impossible_sizes_and_strides_raise_the_cpus_error(make) -> None:
     assert torch.sim.memory_allocated() == before  # nothing taken, nothing leaked
 
 
+@mode_independent
 @pytest.mark.parametrize("env, message", [
     ({"TORCHPORT_VISIBLE_DEVICES": "5"},
      "invalid device ordinal 0; 0 sim device(s) are visible (TORCHPORT_VISIBLE_DEVICES=5)"),

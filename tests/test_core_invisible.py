@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.modes
-
 # Every public attribute of these namespaces, by identity, before and after the import.
 _SNAPSHOT = """
 import torch, torch.nn.functional

@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch._dynamo.device_interface import get_interface_for_device
 
+from tests.helpers import mode_independent
+
 pytestmark = pytest.mark.modes
 
 
@@ -44,6 +46,7 @@ def test_the_interface_answers_from_the_device_module() -> None:
     assert isinstance(s, torch.Stream)
 
 
+@mode_independent
 def test_registered_when_dynamo_is_imported_after_torchport() -> None:
     code = ("import sys, torch, torchport.sim\n"
             "assert 'torch._dynamo' not in sys.modules\n"  # importing torchport loads no dynamo

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import torchport
 from tests.conftest import chip_view
-from tests.helpers import check_python
+from tests.helpers import check_python, mode_independent
 from torchport import ops
 from torchport.graph import GraphInfo, graph_info, register_graph_compiler
 
@@ -334,6 +334,7 @@ def test_supports_as_a_list_of_ops() -> None:
     assert {op for g in rec.graphs for op in g.ops} == {A.relu.default, A.mul.Tensor}
 
 
+@mode_independent
 def test_registering_imports_no_dynamo() -> None:
     out = check_python(textwrap.dedent("""
         import sys, torch, torchport.sim

@@ -6,14 +6,11 @@ where bytes live and when kernels run, which int64 covers for 8-byte elements, n
 arithmetic, which the default stage checks in float64.
 """
 
-import os
-
 import pytest
 
-from tests.helpers import MODE_VARIABLES
+from tests.helpers import IN_A_MEMORY_MODE
 from torchport.tools.conformance import SUBSET, SUBSET_DTYPES, SUBSET_MAX_SAMPLES, run_in_process
 
-IN_A_MEMORY_MODE = any(os.environ.get(v, "") not in ("", "0") for v in MODE_VARIABLES)
 DTYPES = tuple(d for d in SUBSET_DTYPES if d != "float64") if IN_A_MEMORY_MODE else SUBSET_DTYPES
 
 
