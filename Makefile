@@ -200,11 +200,12 @@ compiled-conformance: $(STAMP)
 # Typical CUDA training scripts (examples/scripts/: torch.accelerator, .cuda() with checkpoint
 # resume, mp.spawn DDP, DataParallel, Hugging Face Trainer in fp32/bf16/fp16, accelerate), each
 # run unchanged (torchport run), migrated then run, and under torchport coverage, against the
-# original on the CPU, and mnist_hogwild's --cuda code under torchport run (tests/test_ipc.py);
+# original on the CPU, mnist_hogwild's --cuda code under torchport run (tests/test_ipc.py), and
+# the Trainer's migrated bf16 script (tests/test_integrations_hf_migrated.py);
 # make test runs a subset. About 10 minutes on 2 cores.
 examples: $(STAMP)
 	TORCHPORT_FULL_SCRIPTS=1 $(BIN)/python -m pytest -q tests/test_real_scripts.py
-	$(BIN)/python -m pytest -q -m slow tests/test_ipc.py
+	$(BIN)/python -m pytest -q -m slow tests/test_ipc.py tests/test_integrations_hf_migrated.py
 
 # An optional extra goes into .venv under a constraint that keeps the venv's torch (PIP_EXTRA).
 PIN := $(VENV)/torch-pin.txt

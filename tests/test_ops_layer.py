@@ -8,7 +8,7 @@ import torch
 
 import torchport.ops as ops
 from tests.conftest import chip_view
-from tests.helpers import run_python
+from tests.helpers import mode_independent, run_python
 from torchport.ops import fallback, registry, stats
 from torchport.ops.fallback import FallbackWarning
 from torchport.ops.plan import plan_for
@@ -242,6 +242,7 @@ def test_nested_recorders():
     assert outer.ops["neg"].calls == 2 and inner.ops["neg"].calls == 1
 
 
+@mode_independent
 def test_op_stats_env_prints_at_exit():
     r = run_python("import torch, torchport.sim\nx = torch.ones(3, device='sim')\n(x * 2).sum()\n",
                    TORCHPORT_OP_STATS="1")
