@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import mode_independent
 from torchport.backend import active_backend
 from torchport.core import native
 from torchport.device import accelerator_memory
@@ -281,6 +282,7 @@ def test_statistics_before_first_use_and_after_all_memory_returned():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
+@mode_independent
 def test_without_the_library_pytorchs_error_remains():
     r = _run_child(
         "import torch, torchport.sim\n"

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.helpers import mode_independent
+
 pytestmark = pytest.mark.modes
 
 # Forks after ``used`` ran and reports what the child saw; run in a fresh process so the
@@ -49,6 +51,7 @@ def _child(used: str, survives: bool = False) -> str:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+@mode_independent
 @pytest.mark.parametrize("used", ["torch.ones(3, device='sim').sum().item()",
                                   "torch.sim.init()"])
 def test_a_child_forked_after_use_cannot_reinitialize(used: str) -> None:

@@ -15,6 +15,7 @@ from torch.autograd.profiler import profile as autograd_profile
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import torchport.sim  # noqa: F401
+from tests.helpers import mode_independent
 from torchport.core import native
 from torchport.device import profiling
 
@@ -246,6 +247,7 @@ print("ok")
 """
 
 
+@mode_independent
 def test_without_the_library_cpu_time_and_one_warning() -> None:
     r = subprocess.run([sys.executable, "-c", _WITHOUT_LIBRARY], capture_output=True,
                        text=True, timeout=300,
