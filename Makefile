@@ -27,6 +27,7 @@ demo: $(STAMP)
 # each pytest with one intra-op thread (three processes already fill the cores):
 # 1. the suite on default (host-addressable) sim memory, less the porting tools (`tools`),
 #    torch.compile (`graph`), the real-scripts subset (`scripts`), OpenCL and DEFAULT_LATER;
+#    then DEFAULT_AFTER (the zoo's quick cases);
 # 2. the modules marked `modes` (core tests, the op layer's, the conformance subsets, the
 #    device layer's) with device-only memory (TORCHPORT_SIM_STRICT=1), where every byte must
 #    go through the runtime, plus those marked `strict` (the real-scripts subset runs there
@@ -48,6 +49,9 @@ DEFAULT_LATER := tests/test_distributed.py tests/test_distributed_parallel.py \
 	tests/test_vendor_reference.py tests/test_vendor_recipe.py tests/test_vendor_mutations.py \
 	tests/test_vendor_stream_order.py tests/test_vendor_kernel_contract.py \
 	tests/test_integrations_lightning.py tests/test_fuzz.py
+# DEFAULT_AFTER: porting tools' modules run in slot 1 after the default stage (slot 3 leaves
+# them out), so that the slots end together.
+DEFAULT_AFTER := tests/test_zoo.py
 test: $(STAMP)
 	logs=$$(mktemp -d); rc=0; t0=$$(date +%s); since() { echo $$(( $$(date +%s) - t0 )); }; \
 	( TORCHPORT_SIM_STRICT=1 $(MODE_PYTEST) -m "(modes or strict or (opencl and not opencl_full)) and not slow" \
@@ -57,12 +61,14 @@ test: $(STAMP)
 	( TORCHPORT_SIM_ASYNC=1 $(MODE_PYTEST) -m "(modes or asynchronous) and not slow" tests \
 		> $$logs/async 2>&1; arc=$$?; since > $$logs/async.s; \
 	  $(MODE_PYTEST) -m "(tools or graph) and not opencl and not asynchronous and not slow" \
-		--ignore=tests/test_clean_install.py $(addprefix --ignore=,$(DEFAULT_LATER)) tests \
-		> $$logs/tools 2>&1 || arc=1; \
+		--ignore=tests/test_clean_install.py $(addprefix --ignore=,$(DEFAULT_LATER) $(DEFAULT_AFTER)) \
+		tests > $$logs/tools 2>&1 || arc=1; \
 	  since > $$logs/tools.s; exit $$arc ) & async=$$!; \
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 \
 		-m "not tools and not graph and not scripts and not opencl and not slow" \
 		$(addprefix --ignore=,$(DEFAULT_LATER)) tests || rc=1; since > $$logs/default.s; \
+	echo "== porting tools after the default stage (default mode)"; \
+	$(MODE_PYTEST) -m "not slow" $(DEFAULT_AFTER) || rc=1; since > $$logs/after.s; \
 	wait $$strict || rc=1; wait $$async || rc=1; \
 	echo "== porting tools and torch.compile (default mode)"; cat $$logs/tools; \
 	echo "== TORCHPORT_SIM_STRICT=1"; cat $$logs/strict; \
@@ -70,7 +76,7 @@ test: $(STAMP)
 	echo "== TORCHPORT_SIM_ASYNC=1"; cat $$logs/async; \
 	s=$$(cat $$logs/strict.s); a=$$(cat $$logs/async.s); \
 	echo "== stage wall times, the three slots side by side:"; \
-	echo "== default stage: $$(cat $$logs/default.s) s"; \
+	echo "== default stage: $$(cat $$logs/default.s) s, then porting tools: $$(( $$(cat $$logs/after.s) - $$(cat $$logs/default.s) )) s"; \
 	echo "== strict stage: $$s s, then worker-process modules: $$(( $$(cat $$logs/later.s) - s )) s"; \
 	echo "== async stage: $$a s, then tools and torch.compile: $$(( $$(cat $$logs/tools.s) - a )) s"; \
 	echo "== total: $$(since) s"; rm -rf $$logs; exit $$rc
