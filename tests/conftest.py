@@ -25,6 +25,25 @@ chip_view = next(d.to_cpu for ks in torchport.sim.BACKEND.kernel_sets for d in k
 CONFORMANCE = Path(__file__).parent / "conformance"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fresh-interpreters", action="store_true",
+                     help="start every child interpreter of helpers.run_python from nothing "
+                          "(default: forked from one that has imported torch where that is "
+                          "the same; tests/preloaded.py)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from tests import preloaded
+
+    preloaded.enabled = not config.getoption("--fresh-interpreters")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from tests import preloaded
+
+    preloaded.close()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The conformance subsets run in every mode stage (``modes``), like the core tests."""
     for item in items:

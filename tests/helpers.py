@@ -27,6 +27,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests import preloaded
+
 ROOT = Path(__file__).resolve().parents[1]
 MODE_VARIABLES = ("TORCHPORT_SIM_ASYNC", "TORCHPORT_SIM_STRICT")  # the sim's memory modes
 IN_A_MEMORY_MODE = any(os.environ.get(v, "") not in ("", "0") for v in MODE_VARIABLES)
@@ -50,15 +52,21 @@ def child_env(drop: Iterable[str] = (), importable: bool = False, **env: str) ->
     return out
 
 
-def run_python(code: str, *, timeout: float = 300, cwd: Path = ROOT,
-               env: dict[str, str] | None = None, **overrides: str) -> subprocess.CompletedProcess:
-    """``python -c code`` (dedented) in a fresh interpreter with ``env`` (default: this
-    process's) plus ``overrides``, from the repository root (``tests`` importable); its
-    result, output captured as text."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
-                          env={**(os.environ if env is None else env), **overrides},
-                          cwd=str(cwd), capture_output=True, text=True,
-                          timeout=timeout)
+def run_python(code: str, *, args: Iterable[str] = (), timeout: float = 300,
+               cwd: Path = ROOT, env: dict[str, str] | None = None, fresh: bool = False,
+               **overrides: str) -> subprocess.CompletedProcess:
+    """``python -c code *args`` (code dedented) in a fresh interpreter with ``env`` (default:
+    this process's) plus ``overrides``, from the repository root (``tests`` importable), stdin
+    empty; its result, output captured as text. Forked from a preloaded interpreter that has
+    imported torch where that is the same (``tests/preloaded.py``), unless ``fresh``."""
+    code, args = textwrap.dedent(code), [str(a) for a in args]
+    env = {**(os.environ if env is None else env), **overrides}
+    r = None if fresh else preloaded.run(code, args, env, str(cwd), timeout)
+    if r is None:
+        r = subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=str(cwd),
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                           timeout=timeout)
+    return r
 
 
 def check_python(code: str, **kw: Any) -> str:

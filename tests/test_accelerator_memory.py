@@ -7,14 +7,12 @@ from __future__ import annotations
 import ctypes
 import gc
 import operator
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.helpers import mode_independent
+from tests.helpers import mode_independent, run_python
 from torchport.backend import active_backend
 from torchport.core import native
 from torchport.device import accelerator_memory
@@ -47,8 +45,7 @@ def _four(module, *device) -> tuple[int, int, int, int]:
 
 
 def _run_child(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=300)
+    return run_python(code, **env)
 
 
 @needs_cpp

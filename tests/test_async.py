@@ -8,12 +8,11 @@ worker until the test opens it, so "the host ran ahead" is observed, not timed.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from tests.helpers import run_python
 from torchport.core import native, settings
 
 STRICT = settings.get("TORCHPORT_SIM_STRICT")
@@ -42,8 +41,7 @@ def raises_at_the_call(call, message):
 def run(code: str, **env: str) -> str:
     full = PRELUDE + textwrap.dedent(code)
     e = {**os.environ, "TORCHPORT_SIM_ASYNC": "1", **env}
-    p = subprocess.run([sys.executable, "-c", full], env=e, capture_output=True, text=True,
-                       timeout=300)
+    p = run_python(full, env=e)
     assert p.returncode == 0, p.stdout + p.stderr
     return p.stdout
 
@@ -386,9 +384,7 @@ def test_launch_blocking_makes_every_op_synchronous():
     code = ("import torchport.sim; rt = torchport.sim.runtime; "
             "import torch; x = torch.randn(8, device='sim'); y = x * 2; "
             "print(rt.asynchronous, not rt._workers)")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**os.environ, "TORCHPORT_SIM_ASYNC": "1",
-                            "TORCHPORT_LAUNCH_BLOCKING": "1"}, timeout=300)
+    p = run_python(code, TORCHPORT_SIM_ASYNC="1", TORCHPORT_LAUNCH_BLOCKING="1")
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["False", "True"]
 
@@ -410,9 +406,7 @@ def test_training_matches_sync_run(steps):
     """
     outs = []
     for asyn in ("1", "0"):
-        p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                           text=True, env={**os.environ, "TORCHPORT_SIM_ASYNC": asyn},
-                           timeout=300)
+        p = run_python(code, TORCHPORT_SIM_ASYNC=asyn)
         assert p.returncode == 0, p.stderr
         outs.append(p.stdout)
     assert outs[0] == outs[1]

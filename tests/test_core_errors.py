@@ -1,12 +1,10 @@
 """Bad input gets a clear exception and leaves inputs intact (issue 2, item 11)."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.helpers import mode_independent
+from tests.helpers import mode_independent, run_python
 
 pytestmark = pytest.mark.modes
 
@@ -57,7 +55,7 @@ if native.loaded() is not None:
     cap = torch.accelerator.get_device_capability()["supported_dtypes"]
     print("CAP", torch.float64 in cap, torch.qint8 in cap, torch.float32 in cap)
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = run_python(code, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("ERR sim does not support torch.float64") == 5, r.stdout
     assert "[1.0, 1.0]" in r.stdout
@@ -95,8 +93,6 @@ def test_impossible_sizes_and_strides_raise_the_cpus_error(make) -> None:
     ({"TORCHPORT_SIM_DEVICES": "abc"}, "TORCHPORT_SIM_DEVICES='abc' is not a device count"),
 ])
 def test_bad_device_settings_are_named(env: dict, message: str) -> None:
-    import os
-    r = subprocess.run([sys.executable, "-c",
-                        "import torch, torchport.sim\ntorch.ones(2, device='sim')"],
-                       capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    r = run_python("import torch, torchport.sim\ntorch.ones(2, device='sim')", timeout=120,
+                   **env)
     assert r.returncode == 1 and message in r.stderr.strip().splitlines()[-1], r.stderr

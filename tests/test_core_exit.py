@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.helpers import run_python
 from torchport.core import native
 
 pytestmark = pytest.mark.modes
@@ -100,8 +99,7 @@ TENSORS = [torch.arange(1000.0, device="sim").reshape(10, 100)]
 
 
 def test_streams_and_events_in_finalizers_at_exit() -> None:
-    r = subprocess.run([sys.executable, "-c", _FINALIZERS_STREAMS], capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "TORCHPORT_FALLBACK_WARN": "0"})
+    r = run_python(_FINALIZERS_STREAMS, timeout=120, TORCHPORT_FALLBACK_WARN="0")
     assert r.returncode == 0, r.stderr
     assert not r.stderr.strip(), r.stderr
     t = torch.arange(1000.0).reshape(10, 100)
@@ -137,8 +135,7 @@ holders = [Holder("sim"), Holder("cpu")]
 
 
 def test_kernel_results_in_finalizers_during_teardown() -> None:
-    r = subprocess.run([sys.executable, "-c", _FINALIZER_RESULTS], capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "TORCHPORT_FALLBACK_WARN": "0"})
+    r = run_python(_FINALIZER_RESULTS, timeout=120, TORCHPORT_FALLBACK_WARN="0")
     assert r.returncode == 0, r.stderr[-2000:]
     assert not r.stderr.strip(), r.stderr
     lines = [ln.split(" ", 2) for ln in r.stdout.splitlines()]
@@ -183,8 +180,7 @@ def test_fallback_ops_in_finalizers_during_teardown(sites: str, warm_up: bool) -
     script = _FALLBACK_OPS + (_AT_EXIT if sites == "all" else _AT_EXIT_DEL)
     env = {**os.environ, "TORCHPORT_FALLBACK_WARN": "0", "WARM_UP": "1" if warm_up else "",
            "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       timeout=180, env=env)
+    r = run_python(script, timeout=180, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert not r.stderr.strip(), r.stderr[-3000:]
     lines = [ln.split(" ", 3) for ln in r.stdout.splitlines()]
@@ -210,16 +206,14 @@ holders = [Holder("cpu"), Holder("sim")]
 
 
 def test_float_arguments_in_finalizers_during_teardown() -> None:
-    r = subprocess.run([sys.executable, "-c", _FLOAT_ARGUMENT], capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "TORCHPORT_FALLBACK_WARN": "0"})
+    r = run_python(_FLOAT_ARGUMENT, timeout=120, TORCHPORT_FALLBACK_WARN="0")
     assert r.returncode == 0, r.stderr[-2000:]
     assert not r.stderr.strip(), r.stderr[-2000:]
     assert sorted(r.stdout.splitlines()) == ["cpu torch.Size([0])", "sim torch.Size([0])"]
 
 
 def test_whole_tensor_reductions_in_finalizers_at_exit() -> None:
-    r = subprocess.run([sys.executable, "-c", _FINALIZERS_DIMLESS], capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "TORCHPORT_FALLBACK_WARN": "0"})
+    r = run_python(_FINALIZERS_DIMLESS, timeout=120, TORCHPORT_FALLBACK_WARN="0")
     assert r.returncode == 0, r.stderr
     lines = [ln.split() for ln in r.stdout.splitlines() if ln.strip()]
     assert not r.stderr.strip(), r.stderr
@@ -229,7 +223,6 @@ def test_whole_tensor_reductions_in_finalizers_at_exit() -> None:
 
 
 def test_device_ops_in_finalizers_at_exit() -> None:
-    r = subprocess.run([sys.executable, "-c", _FINALIZER], capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "TORCHPORT_FALLBACK_WARN": "0"})
+    r = run_python(_FINALIZER, timeout=120, TORCHPORT_FALLBACK_WARN="0")
     assert r.returncode == 0, r.stderr
     assert sorted(r.stdout.split("\n")[:2]) == ["cpu 12.0", "sim 12.0"], r.stdout + r.stderr

@@ -4,12 +4,10 @@ not survive fork), and can use the device when the parent never did."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import mode_independent
+from tests.helpers import mode_independent, run_python
 
 pytestmark = pytest.mark.modes
 
@@ -42,9 +40,8 @@ print("parent", (torch.ones(2, device="sim") + 1).cpu().tolist())
 
 
 def _child(used: str, survives: bool = False) -> str:
-    r = subprocess.run([sys.executable, "-c", _FORK.format(used=used, survives=survives)],
-                       capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "TORCHPORT_FALLBACK_WARN": "0"})
+    r = run_python(_FORK.format(used=used, survives=survives), timeout=120,
+                   TORCHPORT_FALLBACK_WARN="0")
     assert r.returncode == 0, r.stderr
     assert "parent [2.0, 2.0]" in r.stdout  # the parent is unaffected
     return r.stdout

@@ -5,14 +5,13 @@ the kernel means. Each case is a device-only difference random programs found: t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from tests.helpers import run_python
 
 pytestmark = [pytest.mark.modes, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -173,8 +172,7 @@ def test_a_division_by_zero_teaches_no_refusal() -> None:
     division by a Python 0 (an error of that value, not of the dtypes) must not be learnt
     for the overload's later calls with other numbers. A fresh process: the first call of
     the overload and dtypes is the one that teaches."""
-    r = subprocess.run([sys.executable, "-c", _AFTER_A_DIVISION_BY_ZERO], capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = run_python(_AFTER_A_DIVISION_BY_ZERO, timeout=120, OMP_NUM_THREADS="1")
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.split()
     assert lines == ["cpu", "-2", "[-1,", "0]", "sim", "-2", "[-1,", "0]",

@@ -1,11 +1,10 @@
 """torch.save / torch.load of device tensors, state dicts and modules (issue 2, item 10)."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.helpers import run_python
 
 pytestmark = pytest.mark.modes
 
@@ -52,8 +51,7 @@ def test_load_with_fewer_devices_is_clear(tmp_path):
             f"try:\n    torch.load({str(tmp_path / 't.pt')!r})\n"
             f"except RuntimeError as e:\n    print('ERR', e)\n"
             f"print(torch.load({str(tmp_path / 't.pt')!r}, map_location='sim:0').device)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, TORCHPORT_SIM_DEVICES="1"))
+    r = run_python(code, timeout=120, TORCHPORT_SIM_DEVICES="1")
     assert r.returncode == 0, r.stderr
     assert "ERR" in r.stdout and "map_location" in r.stdout
     assert r.stdout.strip().endswith("sim:0")

@@ -1,13 +1,12 @@
 """Autocompare: device ops re-run on the CPU and compared (the CPU is the oracle)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import torchport.ops as ops
+from tests.helpers import run_python
 from torchport.ops import fallback, hooks, registry
 from torchport.tools import debug
 from torchport.tools.debug.crosscheck import AutocompareMismatchError, AutocompareReport
@@ -202,8 +201,7 @@ def test_env_variable_reports_at_exit():
             "x = torch.randn(4, device='sim')\n"
             "(x * 2 + 1).relu().sum()\n")
     env = {**os.environ, "TORCHPORT_AUTOCOMPARE": r"mul\..*, relu", "TORCHPORT_FALLBACK_WARN": "0"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=120)
+    r = run_python(code, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "torchport autocompare: 2 calls of 2 ops compared" in r.stderr
     assert "0 mismatches" in r.stderr

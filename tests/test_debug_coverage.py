@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import torchport.sim  # noqa: F401
+from tests.helpers import run_python
 from torchport import ops
 from torchport.tools.debug import coverage
 from torchport.tools.debug.opcoverage import PATH_ORDER, CoverageResult, OpCoverage, run_coverage
@@ -190,8 +191,7 @@ def test_static_subprocess_cli(tmp_path):
             "try:\n    main()\n"
             "except SystemExit as e:\n"
             "    print('RESERVED', torch.sim.memory_reserved(), 'EXIT', e.code)\n")
-    out = subprocess.run([sys.executable, "-c", code, str(js), str(STATIC)],
-                         capture_output=True, text=True, timeout=120)
+    out = run_python(code, args=[js, STATIC], timeout=120)
     assert "RESERVED 0 EXIT 0" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "static" in out.stdout and "convolution" in out.stdout
     assert "after item" not in out.stdout

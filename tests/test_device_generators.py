@@ -4,16 +4,14 @@
 from __future__ import annotations
 
 import copy
-import os
 import pickle
-import subprocess
-import sys
 from collections.abc import Callable
 
 import pytest
 import torch
 
 import torchport.sim  # noqa: F401
+from tests.helpers import run_python
 from torchport.core import native
 from torchport.ops.hostexec import GeneratorDeviceError
 
@@ -277,9 +275,7 @@ print("ok")
 
 
 def test_without_the_cpp_library_the_cpu_generators_serve() -> None:
-    r = subprocess.run([sys.executable, "-c", _WITHOUT_CPP], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "TORCHPORT_NATIVE": "0",
-                                         "TORCHPORT_FALLBACK_WARN": "0"})
+    r = run_python(_WITHOUT_CPP, TORCHPORT_NATIVE="0", TORCHPORT_FALLBACK_WARN="0")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr[-3000:]
 
 

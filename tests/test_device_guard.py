@@ -4,15 +4,13 @@ as CUDA's guard keeps them."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
 
 import torchport.sim  # noqa: F401
+from tests.helpers import run_python
 from torchport.core import native
 
 pytestmark = pytest.mark.modes
@@ -243,8 +241,7 @@ print(out)
 
 def test_backward_on_device_1_in_a_thread_without_the_cpp_layer():
     # PyTorch's Python guard reports one device there; autograd must not use its threads
-    r = subprocess.run([sys.executable, "-c", _THREAD_BACKWARD], capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "TORCHPORT_NATIVE": "0"})
+    r = run_python(_THREAD_BACKWARD, TORCHPORT_NATIVE="0")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[[0.0, 2.0, 4.0, 6.0]]"
 

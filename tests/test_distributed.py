@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ from tests.helpers import (  # noqa: E402
     ddp_reference,
     init_rank,
     launch_workers,
+    run_python,
 )
 
 HERE = Path(__file__).resolve()
@@ -97,8 +97,7 @@ def test_exit_of_a_process_without_groups_skips_the_collections() -> None:
             "gc.collect = lambda *a: calls.append(a) or 0\n"
             "d._shutdown()\n"
             "print('collections', len(calls))\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+    res = run_python(code, timeout=120)
     assert res.returncode == 0, res.stderr[-4000:]
     assert "collections 0" in res.stdout, res.stdout
 

@@ -3,15 +3,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from torch._dynamo.device_interface import get_interface_for_device
 
-from tests.helpers import mode_independent
+from tests.helpers import mode_independent, run_python
 
 pytestmark = pytest.mark.modes
 
@@ -56,8 +52,7 @@ def test_registered_when_dynamo_is_imported_after_torchport() -> None:
             "f = torch.compile(lambda a: (a * 2).sum(), backend='eager')\n"
             "assert f(torch.ones(4, device='sim')).item() == 8\n"
             "print('ok')")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "TORCHPORT_FALLBACK_WARN": "0"})
+    r = run_python(code, TORCHPORT_FALLBACK_WARN="0")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
 

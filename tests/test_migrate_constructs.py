@@ -22,8 +22,6 @@ import ast
 import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
+from tests.helpers import run_python
 from torchport.tools.debug import opcoverage
 from torchport.tools.migrate import migrate_path, migrate_source, rewrite_source
 from torchport.tools.migrate.cli import register
@@ -396,8 +395,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHPORT_TRANSFER")}
     env.update(OMP_NUM_THREADS="1", TORCHPORT_FALLBACK_WARN="0", PYTHONDONTWRITEBYTECODE="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(runs)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_python(_DRIVER, args=[json.dumps(runs)], env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     outputs = json.loads(proc.stdout.strip().splitlines()[-1])
     return {"result": result, "src": src, "dst": dst, "report": root / "report",

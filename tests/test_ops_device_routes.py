@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -25,6 +23,7 @@ import torch.nn as nn
 from torch.testing import assert_close
 
 import torchport
+from tests.helpers import run_python
 from torchport.ops import FallbackWarning
 
 pytestmark = pytest.mark.modes
@@ -500,8 +499,7 @@ def test_convolution_overrideable_on_backend_without_conv_kernel():
     # route), and a process has one PrivateUse1 backend: a child process registers a
     # backend without kernels, where _convolution picks ConvBackend::Overrideable.
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHPORT_FALLBACK_WARN="0")
-    r = subprocess.run([sys.executable, "-c", _VENDOR], capture_output=True, text=True,
-                       env=env, timeout=240)
+    r = run_python(_VENDOR, env=env, timeout=240)
     assert r.returncode == 0 and "VENDOR-OK" in r.stdout, r.stdout + r.stderr
 
 

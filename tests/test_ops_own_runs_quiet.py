@@ -3,11 +3,9 @@ an ``out=`` trial, an aliasing check) warn nobody: a device op warns as the CPU'
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.helpers import run_python
 
 pytestmark = pytest.mark.modes
 
@@ -43,9 +41,7 @@ for call in sys.argv[2:]:
 def test_device_ops_warn_as_the_cpus_do() -> None:
     out = {}
     for device in ("cpu", "sim"):
-        r = subprocess.run([sys.executable, "-c", _SCRIPT, device, *_CALLS],
-                           capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "TORCHPORT_FALLBACK_WARN": "0"})
+        r = run_python(_SCRIPT, args=[device, *_CALLS], TORCHPORT_FALLBACK_WARN="0")
         assert r.returncode == 0, r.stderr
         out[device] = r.stdout.splitlines()
     assert len(out["cpu"]) == len(_CALLS)

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -15,7 +12,7 @@ from torch.autograd.profiler import profile as autograd_profile
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import torchport.sim  # noqa: F401
-from tests.helpers import mode_independent
+from tests.helpers import mode_independent, run_python
 from torchport.core import native
 from torchport.device import profiling
 
@@ -249,9 +246,7 @@ print("ok")
 
 @mode_independent
 def test_without_the_library_cpu_time_and_one_warning() -> None:
-    r = subprocess.run([sys.executable, "-c", _WITHOUT_LIBRARY], capture_output=True,
-                       text=True, timeout=300,
-                       env={**os.environ, "TORCHPORT_NATIVE": "0"})
+    r = run_python(_WITHOUT_LIBRARY, TORCHPORT_NATIVE="0")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
     _no_backtrace(r.stderr)
     assert r.stderr.count("DeviceProfilerWarning") == 1, r.stderr[-3000:]

@@ -183,9 +183,7 @@ def test_ctrl_c_inside_a_callback_of_the_cpp_library_stops_the_program(
     """The interrupt is raised again once the callback has returned, where the caller's
     Python runs (it used to become a RuntimeError, or, in a deleter, to be printed and
     lost: the program went on, the freed block neither in use nor free)."""
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_INTERRUPTED_CALLBACK),
-                        where, scenario], env=_env(mode), capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
+    r = run_python(_INTERRUPTED_CALLBACK, args=[where, scenario], env=_env(mode))
     assert r.returncode == 0, mode + r.stdout + r.stderr
     assert "interrupted NoneType" in r.stdout and "allocated 0" in r.stdout \
         and "Exception ignored" not in r.stderr, mode + r.stdout + r.stderr
@@ -239,9 +237,7 @@ def test_ctrl_c_as_the_cpp_library_enters_a_callback_stops_the_program(
     """The signal is held until the callback has returned, then raised in the caller's
     Python (it was raised at the callback's first bytecode: printed as "Exception ignored
     on calling ctypes callback function" and lost, the loop went on)."""
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_SIGNAL_AT_CALLBACK_ENTRY),
-                        filename, name, scenario], env=_env(mode), capture_output=True,
-                       text=True, timeout=300, cwd=ROOT)
+    r = run_python(_SIGNAL_AT_CALLBACK_ENTRY, args=[filename, name, scenario], env=_env(mode))
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"interrupted ['{name}']" in r.stdout and "allocated 0" in r.stdout \
         and "Exception ignored" not in r.stderr, r.stdout + r.stderr

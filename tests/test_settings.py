@@ -6,12 +6,12 @@ from __future__ import annotations
 import ast
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_python
 from torchport.core import settings
 from torchport.core.settings import SETTINGS, SettingError
 from torchport.tools import info
@@ -110,11 +110,9 @@ def test_a_bad_flag_stops_the_import_with_its_name() -> None:
     fallback on and a typo went unnoticed; now the first is off and the second an error."""
     code = "import torchport.ops.fallback as f; print(f._ENABLED)"
     env = {**os.environ, "TORCHPORT_FALLBACK_WARN": "0"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=120, env={**env, "TORCHPORT_FALLBACK": "false"})
+    r = run_python(code, timeout=120, env=env, TORCHPORT_FALLBACK="false")
     assert r.returncode == 0 and r.stdout.split() == ["False"], r.stderr
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=120, env={**env, "TORCHPORT_FALLBACK": "nope"})
+    r = run_python(code, timeout=120, env=env, TORCHPORT_FALLBACK="nope")
     assert r.returncode == 1, r.stdout
     assert r.stderr.strip().splitlines()[-1] == (
         "torchport.core.settings.SettingError: TORCHPORT_FALLBACK='nope' is not a flag; use 0 or 1 "

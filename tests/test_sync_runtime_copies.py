@@ -5,10 +5,10 @@ see that stream's queued work, as on CUDA. The runtime is the vendor walkthrough
 run when the host synchronises) declared synchronous, in a process of its own."""
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
+
+from tests.helpers import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,6 +49,5 @@ def test_blocking_copies_follow_the_current_streams_queue_on_a_synchronous_runti
         filter(None, [str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH")]))}
     for k in ("TORCHPORT_SIM_STRICT", "TORCHPORT_SIM_ASYNC", "TORCHPORT_AUTOLOAD"):
         env.pop(k, None)
-    run = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = run_python(SCRIPT, env=env)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, backend_worker
+from tests.helpers import ROOT, backend_worker, run_python
 
 BACKEND = "examples.vendor_walkthrough.backend"
 OPS = "add|mul|mm|sum"
@@ -173,8 +173,7 @@ print("ok")
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
                                                        os.environ.get("PYTHONPATH")]))}
     env.pop("TORCHPORT_AUTOLOAD", None)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = run_python(code, env=env, timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
