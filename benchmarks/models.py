@@ -61,6 +61,12 @@ def _mlp() -> nn.Module:
                          nn.Linear(512, 10))
 
 
+def _tiny_mlp() -> nn.Module:
+    """A step of about 50 tiny ops (600 us on the CPU): the host's cost per op decides."""
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.LayerNorm(64), nn.Linear(64, 64),
+                         nn.ReLU(), nn.Linear(64, 10))
+
+
 def _cnn() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
@@ -83,8 +89,8 @@ def _images(n: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
     return lambda: (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,)))
 
 
-def _vectors(n: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-    return lambda: (torch.randn(n, 256), torch.randint(0, 10, (n,)))
+def _vectors(n: int, width: int = 256) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    return lambda: (torch.randn(n, width), torch.randint(0, 10, (n,)))
 
 
 def _tokens(n: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
@@ -99,6 +105,7 @@ CASES = [
     Case("mlp-small", "small", _mlp, _vectors(8), CE),
     Case("cnn-small", "small", _cnn, _images(4), CE),
     Case("transformer-small", "small", _Transformer, _tokens(2), CE, "adamw"),
+    Case("mlp-ln-tiny", "small", _tiny_mlp, _vectors(8, 64), CE, "adamw"),
 ]
 
 

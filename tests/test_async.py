@@ -462,6 +462,45 @@ def test_cpp_queues_the_calls_the_python_kernels_taught_it():
 
 
 @needs_cpp
+def test_an_optimizers_foreach_updates_are_queued_from_cpp_whatever_their_step_sizes():
+    """An optimizer's foreach step (AdamW's: per-tensor step sizes as lists of floats that
+    change every step, ``_foreach_sqrt``'s list of new tensors) is learned by the Python
+    kernels once, then queued from C++ with other step sizes, the results bit for bit the
+    CPU's; a list of integers is keyed by its values."""
+    out = run("""
+        from torchport.ops import native_hostops as nh
+        params = [torch.randn(5, 3), torch.randn(7), torch.randn(2, 2)]
+        def step(ps, k):
+            sizes = [0.1 * k + 0.01 * j for j in range(len(ps))]
+            roots = torch._foreach_sqrt([p.abs() for p in ps])
+            torch._foreach_div_(roots, sizes)
+            torch._foreach_addcdiv_(ps, roots, roots, [-s for s in sizes])
+            torch._foreach_mul_(ps, [2, 3, 4])
+            return roots
+        cpu = [p.clone() for p in params]
+        dev = [p.to("sim") for p in params]
+        want = [step(cpu, k) for k in range(1, 5)]
+        got = [step(dev, 1)]                    # the Python kernels learn and teach
+        torch.sim.synchronize()
+        served, handed, _ = nh.counts()
+        close_gate()
+        got += [step(dev, k) for k in (2, 3, 4)]
+        assert not torch.sim.current_stream().query()  # queued behind the gate
+        s2, h2, _ = nh.counts()
+        gate.set()
+        assert h2 == handed and s2 - served == 3 * (3 + 4), (s2 - served, h2 - handed)
+        for g, w in zip(got, want):
+            assert all(torch.equal(a.cpu(), b) for a, b in zip(g, w))
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(dev, cpu))
+        h3 = nh.counts()[1]
+        torch._foreach_mul_(dev, [2, 3, 5])     # other integers: learned on their own
+        assert nh.counts()[1] == h3 + 1, nh.counts()[1] - h3
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+@needs_cpp
 def test_a_failure_of_a_call_queued_from_cpp_is_reported_at_the_next_sync():
     """The second call of a layout is queued from C++: its CPU kernel fails on the worker,
     the failure (with the op's name and the kernel's exception, as the Python worker

@@ -134,19 +134,26 @@ void set_default_queue(int index, Queue* q);
 // `op`'s CPU kernel on `stack` queued on `q` (run in the caller where `q` runs inline),
 // waiting for room where the queue is full; its ticket.
 int64_t submit_op(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack stack);
+// Queue `op`'s functional CPU kernel on `stack`, its list of results then copied into `outs`
+// (CPU tensors over device memory, laid out as the results must be: a result of another
+// shape or dtype fails the queue).
+int64_t submit_copied(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack stack,
+                      std::vector<at::Tensor> outs);
 }  // namespace queues
 
 // native_queued_ops.cpp: host-op kernels on an asynchronous runtime whose queues are C++'s.
 // What a host-op kernel learned from its Python kernel for a layout of its arguments: the
-// Python kernel queued the call (in place, or the out= overload `out` into new tensors laid
-// out as `specs` say).
+// Python kernel queued the call (in place, the out= overload `out` into new tensors laid out
+// as `specs` say, or, `copied`, the functional kernel, its list of results copied into new
+// tensors laid out as `specs` say).
 struct QueuedSpec {
   std::vector<int64_t> sizes, strides;
   c10::ScalarType dtype;
   uint64_t nbytes;
 };
 struct QueuedLaunch {
-  std::optional<c10::OperatorHandle> out;  // none: in place
+  std::optional<c10::OperatorHandle> out;  // none: in place, or copied
+  bool copied = false;
   std::vector<QueuedSpec> specs;
 };
 // One op's learned launches, by the layouts of its arguments.

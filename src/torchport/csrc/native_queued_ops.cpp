@@ -167,6 +167,28 @@ bool layout_key(const c10::FunctionSchema& schema, const torch::jit::Stack& stac
     } else if (v.isBoolList()) {
       put(key, 'B');
       for (bool x : v.toBoolList()) put(key, x);
+    } else if (v.isList()) {
+      // Scalar[] (a foreach op's per-tensor numbers): an integer's value; a float's only
+      // outside foreach ops, whose results are their tensors' shapes whatever the floats
+      // (an optimizer's step sizes change every step)
+      const c10::List<c10::IValue> l = v.toList();
+      const bool foreach = schema.name().rfind("aten::_foreach_", 0) == 0;
+      put(key, 'S');
+      put(key, static_cast<int64_t>(l.size()));
+      for (const c10::IValue& e : l) {
+        if (e.isDouble()) {
+          put(key, 'd');
+          if (!foreach) put(key, e.toDouble());
+        } else if (e.isInt()) {
+          put(key, 'i');
+          put(key, e.toInt());
+        } else if (e.isBool()) {
+          put(key, 'b');
+          put(key, e.toBool());
+        } else {
+          return false;  // complex numbers, tensors, None
+        }
+      }
     } else if (v.isString()) {
       put(key, 's');
       const auto& s = v.toStringRef();
@@ -205,7 +227,7 @@ bool queued_serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, Queue
     if (it != calls.by_layout.end()) launch = it->second;
   }
   if (!launch) return false;  // the Python kernel decides, and may teach
-  if (!launch->out) {
+  if (!launch->out && !launch->copied) {
     // in place: a written tensor sharing memory with another argument is the Python
     // kernel's to check (a partial overlap the CPU refuses)
     std::sort(tensors.begin(), tensors.end());
@@ -246,6 +268,15 @@ bool queued_serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, Queue
     } else {
       job.push_back(v);
     }
+  }
+  if (launch->copied) {
+    std::vector<at::Tensor> outs;
+    outs.reserve(results.size());
+    for (const at::Tensor& r : results) outs.push_back(cpu_alias(r, aliases, storages));
+    queues::submit_copied(queue, op, std::move(job), std::move(outs));
+    stack->resize(first);
+    stack->emplace_back(c10::List<at::Tensor>(results));
+    return true;
   }
   for (const at::Tensor& r : results) job.emplace_back(cpu_alias(r, aliases, storages));
   queues::submit_op(queue, launch->out ? *launch->out : op, std::move(job));
@@ -291,6 +322,40 @@ bool read_ints(PyObject* seq, std::vector<int64_t>& out) {
 }
 
 }  // namespace torchport
+
+namespace {
+// The asking kernel's QueuedTeaching, where it asks for the op `name`, `overload`.
+torchport::QueuedTeaching* asking_for(const char* name, const char* overload) {
+  torchport::QueuedTeaching* t = teaching;
+  if (t == nullptr) return nullptr;
+  const c10::OperatorName& asking = t->op.operator_name();
+  return asking.name == name && asking.overload_name == overload ? t : nullptr;
+}
+
+// `specs` (a list of (sizes, strides, dtype, nbytes)) into `out`; false with a Python error.
+bool read_specs(PyObject* specs, std::vector<torchport::QueuedSpec>& out) {
+  PyObject* fast = PySequence_Fast(specs, "expected a list of output specs");
+  if (!fast) return false;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    PyObject *sizes, *strides, *dtype;
+    unsigned long long nbytes;
+    torchport::QueuedSpec s;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OOOK", &sizes, &strides,
+                          &dtype, &nbytes) ||
+        !THPDtype_Check(dtype) || !torchport::read_ints(sizes, s.sizes) ||
+        !torchport::read_ints(strides, s.strides)) {
+      Py_DECREF(fast);
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "expected a torch.dtype");
+      return false;
+    }
+    s.dtype = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+    s.nbytes = nbytes;
+    out.push_back(std::move(s));
+  }
+  Py_DECREF(fast);
+  return true;
+}
+}  // namespace
 
 extern "C" {
 // Queue host-op calls from C++ on the default streams' queues `queues` (a list of queue
@@ -347,16 +412,15 @@ int torchport_queued_copy(PyObject* dst, PyObject* src) {
   return 1;
 }
 
+
 // The Python kernel of the op being called from C++ (`name`, `overload`) queued this call: in
 // place (`out` None), or `out` (the out= overload's (name, overload)) into new tensors laid
 // out as `specs` says (a list of (sizes, strides, dtype, nbytes)). 1: learned; 0: no C++
 // kernel is asking (or it asks for another op). Through ctypes.PyDLL.
 int torchport_queued_teach(const char* name, const char* overload, PyObject* out,
                            PyObject* specs) {
-  torchport::QueuedTeaching* t = teaching;
+  torchport::QueuedTeaching* t = asking_for(name, overload);
   if (t == nullptr) return 0;
-  const c10::OperatorName& asking = t->op.operator_name();
-  if (asking.name != name || asking.overload_name != overload) return 0;
   auto launch = std::make_shared<torchport::QueuedLaunch>();
   try {
     if (out != Py_None) {
@@ -364,30 +428,26 @@ int torchport_queued_teach(const char* name, const char* overload, PyObject* out
       const char* out_overload = nullptr;
       if (!PyArg_ParseTuple(out, "ss", &out_name, &out_overload)) return -1;
       launch->out = c10::Dispatcher::singleton().findSchemaOrThrow(out_name, out_overload);
-      PyObject* fast = PySequence_Fast(specs, "expected a list of output specs");
-      if (!fast) return -1;
-      for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
-        PyObject *sizes, *strides, *dtype;
-        unsigned long long nbytes;
-        torchport::QueuedSpec s;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OOOK", &sizes, &strides,
-                              &dtype, &nbytes) ||
-            !THPDtype_Check(dtype) || !torchport::read_ints(sizes, s.sizes) ||
-            !torchport::read_ints(strides, s.strides)) {
-          Py_DECREF(fast);
-          if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "expected a torch.dtype");
-          return -1;
-        }
-        s.dtype = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
-        s.nbytes = nbytes;
-        launch->specs.push_back(std::move(s));
-      }
-      Py_DECREF(fast);
+      if (!read_specs(specs, launch->specs)) return -1;
     }
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return -1;
   }
+  t->taught = std::move(launch);
+  return 1;
+}
+
+// The Python kernel of the op being called from C++ (`name`, `overload`), whose result is a
+// list of tensors, queued its functional kernel, the results copied into new tensors laid out
+// as `specs` says (a list of (sizes, strides, dtype, nbytes)). 1: learned; 0: no C++ kernel
+// is asking (or it asks for another op). Through ctypes.PyDLL.
+int torchport_queued_teach_copied(const char* name, const char* overload, PyObject* specs) {
+  torchport::QueuedTeaching* t = asking_for(name, overload);
+  if (t == nullptr) return 0;
+  auto launch = std::make_shared<torchport::QueuedLaunch>();
+  launch->copied = true;
+  if (!read_specs(specs, launch->specs)) return -1;
   t->taught = std::move(launch);
   return 1;
 }

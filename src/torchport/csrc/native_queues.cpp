@@ -6,7 +6,8 @@
 // Python callable (copies, timing events, the Python kernels' launches); an op launched from
 // C++ (native_queued_ops.cpp), an event's marker and a wait for another stream run without it.
 //
-// Tickets count submissions; a wait is for a ticket. The first failure is kept, with its op's
+// An idle worker watches its queue briefly before it sleeps (`spin`), so that a host issuing
+// tiny ops does not wake it for each. Tickets count submissions; a wait is for a ticket. The first failure is kept, with its op's
 // name, until a synchronising call takes it (later work still runs: the device stays usable);
 // `abandon` drops what is queued (Ctrl-C, exit); `inline` runs new work in the caller (after
 // the interpreter started finalising, no other thread may run Python). Queues live for the
@@ -40,10 +41,11 @@
 namespace torchport::queues {
 
 struct Job {
-  enum Kind { kPython, kOp, kMarker, kWaitFor } kind = kMarker;
+  enum Kind { kPython, kOp, kCopied, kMarker, kWaitFor } kind = kMarker;
   PyObject* fn = nullptr;  // kPython: owned reference
-  std::optional<c10::OperatorHandle> op;  // kOp: run on `stack` by its CPU kernel
+  std::optional<c10::OperatorHandle> op;  // kOp, kCopied: run on `stack` by its CPU kernel
   torch::jit::Stack stack;
+  std::vector<at::Tensor> outs;  // kCopied: where its list of results goes
   Queue* other = nullptr;  // kWaitFor: until `other` completed `ticket`
   int64_t ticket = 0;
   std::string name;
@@ -85,10 +87,11 @@ class Queue {
     }
     job.number = ++submitted_;
     const int64_t ticket = job.number;
-    const bool idle = jobs_.empty();
     jobs_.push_back(std::move(job));
+    queued_.store(true, std::memory_order_release);
+    const bool asleep = sleeping_;
     l.unlock();
-    if (idle) work_.notify_one();  // the worker waits only on an empty queue
+    if (asleep) work_.notify_one();  // a spinning or working worker needs no wake-up call
     return ticket;
   }
 
@@ -148,6 +151,8 @@ class Queue {
   static void after_fork_child() {
     for (Queue* q : all) {
       q->jobs_.clear();
+      q->queued_.store(false);
+      q->sleeping_ = false;
       q->completed_ = q->submitted_;
       q->started_ = false;
       new (&q->work_) std::condition_variable();
@@ -163,21 +168,47 @@ class Queue {
       Job job;
       {
         std::unique_lock<std::mutex> l(m_);
-        work_.wait(l, [&] { return !jobs_.empty(); });
+        if (jobs_.empty()) {
+          l.unlock();
+          spin();
+          l.lock();
+        }
+        while (jobs_.empty()) {
+          sleeping_ = true;
+          work_.wait(l);
+          sleeping_ = false;
+        }
         job = std::move(jobs_.front());
         jobs_.pop_front();
+        queued_.store(!jobs_.empty(), std::memory_order_relaxed);
       }
       run(job);
     }
   }
 
+  // An idle worker watches its queue for kSpin before it sleeps: a host issuing tiny ops
+  // submits the next one sooner than a sleeping thread wakes (a futex call each side and a
+  // context switch per op, which cost more than the ops).
+  void spin() const {
+    const auto until = std::chrono::steady_clock::now() + kSpin;
+    for (int i = 1; !queued_.load(std::memory_order_acquire); ++i) {
+      if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) return;
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    }
+  }
+  static constexpr std::chrono::microseconds kSpin{50};
+
   void run(Job& job) {
     if (!abandoned()) {
       switch (job.kind) {
         case Job::kOp:
+        case Job::kCopied:
           try {
             c10::InferenceMode inference(true);  // device work knows no autograd
             job.op->redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &job.stack);
+            if (job.kind == Job::kCopied) copy_results(job);
           } catch (const c10::Error& e) {
             fail(job.name, nullptr, e.what_without_backtrace(), python_class(e));
           } catch (const std::exception& e) {
@@ -234,6 +265,21 @@ class Queue {
     return PyExc_RuntimeError;
   }
 
+  // A kCopied job's list of results into its outputs, each of the launch's layout.
+  static void copy_results(Job& job) {
+    const c10::List<at::Tensor> results = job.stack.at(0).toTensorList();
+    TORCH_CHECK(results.size() == job.outs.size(), job.name, ": the kernel gave ",
+                results.size(), " results where its launch made ", job.outs.size());
+    for (size_t i = 0; i < job.outs.size(); ++i) {
+      const at::Tensor r = results.get(i);
+      at::Tensor& out = job.outs[i];
+      TORCH_CHECK(r.sizes() == out.sizes() && r.scalar_type() == out.scalar_type(), job.name,
+                  ": the kernel gave a result of ", r.scalar_type(), " ", r.sizes(),
+                  " where its launch made ", out.scalar_type(), " ", out.sizes());
+      out.copy_(r);
+    }
+  }
+
   void fail(const std::string& name, PyObject* exc, const char* message,
             PyObject* type = PyExc_RuntimeError) {
     std::unique_lock<std::mutex> l(m_);
@@ -255,6 +301,8 @@ class Queue {
   std::mutex m_;
   std::condition_variable work_, done_;
   std::deque<Job> jobs_;
+  std::atomic<bool> queued_{false};  // jobs_ is not empty (read without m_ while spinning)
+  bool sleeping_ = false;  // the worker waits on work_
   int64_t submitted_ = 0, completed_ = 0;
   std::atomic<bool> abandoned_{false};
   bool failed_ = false;
@@ -292,6 +340,17 @@ int64_t submit_op(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack sta
   job.kind = Job::kOp;
   job.op = op;
   job.stack = std::move(stack);
+  job.name = op.schema().name();
+  return q->submit(std::move(job), /*bounded=*/true);
+}
+
+int64_t submit_copied(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack stack,
+                      std::vector<at::Tensor> outs) {
+  Job job;
+  job.kind = Job::kCopied;
+  job.op = op;
+  job.stack = std::move(stack);
+  job.outs = std::move(outs);
   job.name = op.schema().name();
   return q->submit(std::move(job), /*bounded=*/true);
 }

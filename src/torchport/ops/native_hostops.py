@@ -261,16 +261,24 @@ def _queued(handles: list[int] | None) -> None:
     teach = native.python_function(
         "torchport_queued_teach",
         [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object, ctypes.py_object], ctypes.c_int)
+    teach_copied = native.python_function(
+        "torchport_queued_teach_copied",
+        [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object], ctypes.c_int)
 
     def taught(op: torch._ops.OpOverload, out: torch._ops.OpOverload | None,
-               specs: list | None) -> None:
+               specs: list | None, copied: bool = False) -> None:
+        """``op`` queued in place (``out`` None), into new tensors laid out as ``specs``
+        by its ``out=`` overload ``out``, or (``copied``) by its functional kernel whose
+        list of results is copied into them."""
         name = op._schema.name.encode()
         overload = op._schema.overload_name.encode()
-        if out is None:
+        layouts = [(s.size, s.stride, s.dtype, s.nbytes) for s in specs or ()]
+        if copied:
+            teach_copied(name, overload, layouts)
+        elif out is None:
             teach(name, overload, None, None)
         else:
-            teach(name, overload, (out._schema.name, out._schema.overload_name),
-                  [(s.size, s.stride, s.dtype, s.nbytes) for s in specs or ()])
+            teach(name, overload, (out._schema.name, out._schema.overload_name), layouts)
 
     switch.QUEUED_TEACH = taught
 

@@ -64,6 +64,10 @@ def launching_kernel(backend: DeviceBackend, into: IntoDevice, general: Call,
     general = stats.noted(general, "general", trace)
     random = into.plan.random
     key_of = exact_layout_of if random else layout_of
+    # may C++ queue a copied launch itself? A foreach op's list of results (an optimizer's
+    # ``_foreach_sqrt``), whose layouts no float decides (C++'s key holds a float's type)
+    copies_from_cpp = into.list_result and not random and \
+        into.op._schema.name.startswith("aten::_foreach_")
 
     def plan(args: tuple, kwargs: dict) -> list | Copied | Dropped | None:
         if into.out is not None and not random:
@@ -101,9 +105,12 @@ def launching_kernel(backend: DeviceBackend, into: IntoDevice, general: Call,
             return drawing.launch_dropout(backend, into.views, specs.specs, args[0],
                                           _dropout_args(args, kwargs)[0], label)
         if type(specs) is Copied:
-            return into.launch_copy(index, specs.specs, args, kwargs, rt,
-                                    backend.visible[index], backend.current_stream_handle(index),
-                                    label)
+            r = into.launch_copy(index, specs.specs, args, kwargs, rt, backend.visible[index],
+                                 backend.current_stream_handle(index), label)
+            teach = switch.QUEUED_TEACH
+            if teach is not None and copies_from_cpp and None not in specs.specs:
+                teach(into.op, None, specs.specs, copied=True)  # C++ queues it from now on
+            return r
         r = into.launch(index, specs, args, kwargs, rt, backend.visible[index],
                         backend.current_stream_handle(index), label)
         teach = switch.QUEUED_TEACH
