@@ -500,6 +500,41 @@ def test_an_optimizers_foreach_updates_are_queued_from_cpp_whatever_their_step_s
     assert out.strip() == "ok"
 
 
+def test_every_foreach_optimizer_trains_as_on_the_cpu():
+    """PyTorch's optimizers with ``foreach=True`` (lists of step sizes, new tensors from
+    foreach ops, queued from C++ after their first step): five steps bit for bit the CPU's."""
+    out = run("""
+        from torch import nn
+        settings = {
+            "AdamW": dict(weight_decay=0.1), "AdamW-amsgrad": dict(amsgrad=True),
+            "Adam": dict(maximize=True), "Adamax": {}, "NAdam": {},
+            "NAdam-decoupled": dict(decoupled_weight_decay=True, weight_decay=0.1),
+            "RAdam": {}, "Adagrad": {}, "Adadelta": dict(lr=1.0),
+            "RMSprop": dict(momentum=0.9, centered=True),
+            "SGD": dict(momentum=0.9, nesterov=True), "ASGD": {}, "Rprop": {}}
+        def train(device, name, kw):
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.LayerNorm(16),
+                              nn.Linear(16, 3)).to(device)
+            opt = getattr(torch.optim, name.split("-")[0])(
+                m.parameters(), foreach=True, **{"lr": 1e-2, **kw})
+            x, y = torch.randn(4, 8).to(device), torch.randint(0, 3, (4,)).to(device)
+            losses = []
+            for _ in range(5):
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(m(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            return losses, [p.detach().cpu() for p in m.parameters()]
+        for name, kw in settings.items():
+            (lc, pc), (ls, ps) = train("cpu", name, kw), train("sim", name, kw)
+            assert lc == ls and all(torch.equal(a, b) for a, b in zip(pc, ps)), name
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
 @needs_cpp
 def test_a_failure_of_a_call_queued_from_cpp_is_reported_at_the_next_sync():
     """The second call of a layout is queued from C++: its CPU kernel fails on the worker,
