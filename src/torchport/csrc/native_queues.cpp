@@ -88,7 +88,8 @@ class Queue {
     job.number = ++submitted_;
     const int64_t ticket = job.number;
     jobs_.push_back(std::move(job));
-    queued_.store(true, std::memory_order_release);
+    // written only when it changes: a spinning worker reads its cache line
+    if (!queued_.load(std::memory_order_relaxed)) queued_.store(true, std::memory_order_release);
     const bool asleep = sleeping_;
     l.unlock();
     if (asleep) work_.notify_one();  // a spinning or working worker needs no wake-up call
@@ -180,7 +181,7 @@ class Queue {
         }
         job = std::move(jobs_.front());
         jobs_.pop_front();
-        queued_.store(!jobs_.empty(), std::memory_order_relaxed);
+        if (jobs_.empty()) queued_.store(false, std::memory_order_relaxed);
       }
       run(job);
     }
@@ -301,7 +302,9 @@ class Queue {
   std::mutex m_;
   std::condition_variable work_, done_;
   std::deque<Job> jobs_;
-  std::atomic<bool> queued_{false};  // jobs_ is not empty (read without m_ while spinning)
+  // jobs_ is not empty (read without m_ while spinning), on a cache line of its own
+  alignas(64) std::atomic<bool> queued_{false};
+  char queued_line_[63] = {};
   bool sleeping_ = false;  // the worker waits on work_
   int64_t submitted_ = 0, completed_ = 0;
   std::atomic<bool> abandoned_{false};
