@@ -412,7 +412,6 @@ int torchport_queued_copy(PyObject* dst, PyObject* src) {
   return 1;
 }
 
-
 // The Python kernel of the op being called from C++ (`name`, `overload`) queued this call: in
 // place (`out` None), or `out` (the out= overload's (name, overload)) into new tensors laid
 // out as `specs` says (a list of (sizes, strides, dtype, nbytes)). 1: learned; 0: no C++

@@ -7,10 +7,11 @@
 // C++ (native_queued_ops.cpp), an event's marker and a wait for another stream run without it.
 //
 // An idle worker watches its queue briefly before it sleeps (`spin`), so that a host issuing
-// tiny ops does not wake it for each. Tickets count submissions; a wait is for a ticket. The first failure is kept, with its op's
-// name, until a synchronising call takes it (later work still runs: the device stays usable);
-// `abandon` drops what is queued (Ctrl-C, exit); `inline` runs new work in the caller (after
-// the interpreter started finalising, no other thread may run Python). Queues live for the
+// tiny ops does not wake it for each. Tickets count submissions; a wait is for a ticket. The
+// first failure is kept, with its op's name, until a synchronising call takes it (later work
+// still runs: the device stays usable); `abandon` drops what is queued (Ctrl-C, exit); `inline`
+// runs new work in the caller (after the interpreter started finalising, no other thread may
+// run Python). Queues live for the
 // process: their threads start with the first work, block in a wait at exit and are never
 // joined; a forked child starts its own.
 // Switched by torchport/backends/sim/queues.py.
@@ -249,6 +250,7 @@ class Queue {
       PyGILState_Release(g);
     }
     job.stack.clear();  // the CPU tensors over device memory, before the ticket completes
+    job.outs.clear();
     std::lock_guard<std::mutex> l(m_);
     completed_ = job.number;
     done_.notify_all();
