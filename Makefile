@@ -272,6 +272,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/models.py --python-floor
 	$(BIN)/python benchmarks/models.py --allocator
 	$(BIN)/python benchmarks/autograd_threads.py
+	$(BIN)/python benchmarks/models.py --compile --only small
+	$(BIN)/python benchmarks/models.py --compile --inference
 	$(BIN)/python benchmarks/optimizer_step.py
 	$(BIN)/python benchmarks/async_overlap.py
 	TORCHPORT_SIM_ASYNC=1 $(BIN)/python benchmarks/async_waits.py

@@ -22,7 +22,11 @@ backward AOTAutograd compiles too, and ``torch.compile(optimizer.step)``; the lo
 ``zero_grad`` and the ``.item()`` stay eager), with the ratios of compiled sim to eager sim,
 eager CPU and compiled CPU, and each compiled side's first and second call (the compiles:
 forward and backward, then the optimizer step again once its state exists), with
-inductor's caches off so that both sides compile from nothing.
+inductor's caches off so that both sides compile from nothing. A fifth side, the compiled
+sim step with autograd's device thread off, gives the engine's hand-off to that thread
+(PyTorch's share of a device's step, as on CUDA) as a line of its own, and the rest of the
+step against compiled CPU. ``--compile --inference`` times forward passes under
+``no_grad`` (eval mode, the predictions read back to the host) instead of training steps.
 
 ``--allocator`` prints, instead of times, each case's allocations a step that missed the
 caching allocator's exact-size reuse (its slow path) after warm-up, and the memory it then
@@ -42,8 +46,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import torchport.sim  # noqa: F401
 from torchport.backend import active_backend
+from torchport.tools.run import load_backend
+
+DEVICE = "sim"  # the device the sides labelled "sim" run on (``--backend`` picks another)
 
 
 @dataclass
@@ -149,7 +155,7 @@ def time_case(case: Case, steps: int, repeat: int, python_floor: bool = False,
     seconds per training step and the median of its ratios to the CPU over back-to-back
     runs. The runs alternate their order, so that a noisy neighbour or a clock change hits
     both sides of a ratio alike."""
-    fns = {d: make_step(case, d) for d in ("sim", "cpu")}
+    fns = {"sim": make_step(case, DEVICE), "cpu": make_step(case, "cpu")}
     if python_floor:
         fns["floor"] = make_step(case, "cpu", python_floor=True)
     views = active_backend().view_kernels
@@ -183,21 +189,47 @@ def time_case(case: Case, steps: int, repeat: int, python_floor: bool = False,
         [a / c for a, c in zip(r, runs["cpu"], strict=True)])) for d, r in runs.items()}
 
 
-COMPILE_SIDES = ("cpu", "sim", "ccpu", "csim")
+def make_inference(case: Case, device: str, compiled: bool = False) -> Callable[[], torch.Tensor]:
+    """One inference call of ``case``'s model on ``device``: the model in eval mode, its
+    forward under ``torch.no_grad()`` (compiled with ``torch.compile`` if asked), and its
+    predictions (the output's argmax) read back to the host, as a serving loop reads them."""
+    torch.manual_seed(0)
+    model = case.make_model().to(device).eval()
+    x = case.make_batch()[0].to(device)
+    forward = torch.compile(model) if compiled else model
+
+    def infer() -> torch.Tensor:
+        with torch.no_grad():
+            return forward(x).argmax(-1).cpu()
+
+    return infer
 
 
-def time_compiled_case(case: Case, steps: int, repeat: int
+TRAIN_SIDES = ("cpu", "sim", "ccpu", "csim", "csim-t0")
+INFER_SIDES = ("cpu", "sim", "ccpu", "csim")
+
+
+def time_compiled_case(case: Case, steps: int, repeat: int, inference: bool = False
                        ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-    """(median seconds per step of each side of ``COMPILE_SIDES``, the median ratios of
-    back-to-back runs ``csim/sim``, ``csim/cpu``, ``csim/ccpu``, ``ccpu/cpu``, and the
-    seconds of the first and second calls of ``ccpu`` and ``csim``). Inductor's caches are
-    off while the compiled sides compile, so neither reuses the other's kernels."""
+    """(median seconds per step of each side, the median ratios of back-to-back runs, and
+    the seconds of the first and second calls of ``ccpu`` and ``csim``).
+
+    Sides: ``cpu``/``sim`` eager, ``ccpu``/``csim`` compiled; training adds ``csim-t0``, the
+    compiled sim step with autograd's device thread off (its backward in the calling
+    thread, as the engine runs the CPU's), so that ``csim - csim-t0`` is the engine's
+    hand-off to its device thread, PyTorch's share of the step (two context switches, as on
+    CUDA). ``inference``: one forward under ``no_grad`` and its output read back, instead of
+    a training step. Inductor's caches are off while the compiled sides compile, so neither
+    reuses the other's kernels."""
     import torch._dynamo
 
     torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # never time eager silently
-    fns = {d: make_step(case, d[-3:], compiled=len(d) == 4) for d in COMPILE_SIDES}
+    sides = INFER_SIDES if inference else TRAIN_SIDES
+    make = make_inference if inference else make_step
+    fns = {d: make(case, "cpu" if "cpu" in d else DEVICE, compiled=d not in ("cpu", "sim"))
+           for d in sides if d != "csim-t0"}
     compile_s: dict[str, float] = {}
     with torch.compiler.config.patch(force_disable_caches=True):
         for d in ("ccpu", "csim"):
@@ -205,37 +237,57 @@ def time_compiled_case(case: Case, steps: int, repeat: int
                 t0 = time.perf_counter()
                 fns[d]()
                 compile_s[f"{d} {k}"] = time.perf_counter() - t0
-    runs: dict[str, list[float]] = {d: [] for d in fns}
-    for d in fns:
+    if "csim-t0" in sides:
+        fns["csim-t0"] = fns["csim"]  # the same compiled step, backward in this thread
+    runs: dict[str, list[float]] = {d: [] for d in sides}
+    for d in sides:
         for _ in range(3):
             fns[d]()
     for i in range(repeat):
-        for d in (COMPILE_SIDES if i % 2 == 0 else COMPILE_SIDES[::-1]):
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                fns[d]()
-            runs[d].append((time.perf_counter() - t0) / steps)
+        for d in (sides if i % 2 == 0 else sides[::-1]):
+            torch.autograd.set_multithreading_enabled(d != "csim-t0")
+            try:
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    fns[d]()
+                runs[d].append((time.perf_counter() - t0) / steps)
+            finally:
+                torch.autograd.set_multithreading_enabled(True)
     medians = {d: statistics.median(r) for d, r in runs.items()}
+    pairs = [("csim", "sim"), ("csim", "cpu"), ("csim", "ccpu"), ("ccpu", "cpu")]
+    if not inference:
+        pairs.append(("csim-t0", "ccpu"))
     ratios = {f"{a}/{b}": statistics.median([p / q for p, q in zip(runs[a], runs[b],
                                                                    strict=True)])
-              for a, b in (("csim", "sim"), ("csim", "cpu"), ("csim", "ccpu"), ("ccpu", "cpu"))}
+              for a, b in pairs}
+    if not inference:
+        ratios["handoff"] = statistics.median(
+            [a - b for a, b in zip(runs["csim"], runs["csim-t0"], strict=True)])
     torch._dynamo.reset()
     return medians, ratios, compile_s
 
 
-def print_compiled(steps: int, repeat: int, only: str | None) -> None:
-    print(f"{'model':<20}{'batch':>6}{'cpu ms':>9}{'sim ms':>9}{'c-cpu ms':>10}{'c-sim ms':>10}"
-          f"{'csim/sim':>10}{'csim/cpu':>10}{'csim/ccpu':>10}{'ccpu/cpu':>10}"
-          f"{'compile cpu s':>15}{'compile sim s':>15}")
+def print_compiled(steps: int, repeat: int, only: str | None, inference: bool = False) -> None:
+    """One line per case: ms per step of each side, the ratios, and the compile times.
+    Training lines end with the engine's hand-off (``handoff ms``: compiled sim with
+    autograd's device thread minus without) and the compiled sim step without it against
+    compiled CPU (``t0/ccpu``): compiled training is at compiled CPU plus the hand-off when
+    that ratio is at 1."""
+    sides = INFER_SIDES if inference else TRAIN_SIDES
+    keys = ["csim/sim", "csim/cpu", "csim/ccpu", "ccpu/cpu"]
+    print(f"{'model':<20}{'batch':>6}"
+          + "".join(f"{d + ' ms':>{max(9, len(d) + 4)}}" for d in sides)
+          + "".join(f"{k:>10}" for k in keys)
+          + ("" if inference else f"{'handoff ms':>11}{'t0/ccpu':>9}")
+          + f"{'compile cpu s':>15}{'compile sim s':>15}")
     for case in CASES:
         if only and only not in case.name:
             continue
-        m, r, c = time_compiled_case(case, steps, repeat)
+        m, r, c = time_compiled_case(case, steps, repeat, inference)
         print(f"{case.name:<20}{case.batch:>6}"
-              + "".join(f"{m[d] * 1e3:>{w}.2f}" for d, w in zip(COMPILE_SIDES, (9, 9, 10, 10),
-                                                                 strict=True))
-              + "".join(f"{r[k]:>10.2f}" for k in ("csim/sim", "csim/cpu", "csim/ccpu",
-                                                   "ccpu/cpu"))
+              + "".join(f"{m[d] * 1e3:>{max(9, len(d) + 4)}.2f}" for d in sides)
+              + "".join(f"{r[k]:>10.2f}" for k in keys)
+              + ("" if inference else f"{r['handoff'] * 1e3:>11.2f}{r['csim-t0/ccpu']:>9.2f}")
               + f"{c['ccpu 1st']:>8.1f}+{c['ccpu 2nd']:<6.1f}{c['csim 1st']:>8.1f}+"
                 f"{c['csim 2nd']:<6.1f}", flush=True)
 
@@ -244,16 +296,17 @@ def slow_allocations(case: Case, steps: int) -> tuple[float, int]:
     """(allocations a step through the allocator's slow path, bytes reserved) for the sim
     step of ``case``, after five warm-up steps, starting from an empty cache."""
     gc.collect()
-    torch.sim.empty_cache()
+    module = getattr(torch, DEVICE)
+    module.empty_cache()
     alloc = active_backend().allocators[0]
-    step = make_step(case, "sim")
+    step = make_step(case, DEVICE)
     for _ in range(5):
         step()
     if hasattr(alloc, "slow_mallocs"):  # the C++ allocator counts them
         before = alloc.slow_mallocs
         for _ in range(steps):
             step()
-        return (alloc.slow_mallocs - before) / steps, torch.sim.memory_reserved()
+        return (alloc.slow_mallocs - before) / steps, module.memory_reserved()
     calls = 0
     slow = alloc._malloc
 
@@ -267,7 +320,7 @@ def slow_allocations(case: Case, steps: int) -> tuple[float, int]:
             step()
     finally:
         del alloc._malloc
-    return calls / steps, torch.sim.memory_reserved()
+    return calls / steps, module.memory_reserved()
 
 
 def print_allocations(steps: int, only: str | None) -> None:
@@ -292,19 +345,29 @@ def main() -> None:
                    help="print slow-path allocations per step instead of times")
     p.add_argument("--compile", action="store_true",
                    help="time eager and torch.compile'd steps on CPU and sim (and the compiles)")
+    p.add_argument("--inference", action="store_true",
+                   help="with --compile: forward passes under no_grad instead of training steps")
+    p.add_argument("-b", "--backend", default="sim",
+                   help="the device's backend, as torchport run's -b: sim, reference (kernel-"
+                        "light, device-only memory), bare_sim (the sim with no kernels), a module")
     args = p.parse_args()
+    global DEVICE
+    backend = load_backend(args.backend)
+    DEVICE = backend.name
+    memory = "host-addressable" if backend.runtime.host_addressable else "device-only"
     if args.compile:
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
-              f"{args.repeat} runs x {args.steps} steps; compile: first call + second call")
-        print_compiled(args.steps, args.repeat, args.only)
+              f"{args.repeat} runs x {args.steps} steps; compile: first call + second call; "
+              f"the 'sim' columns: device {DEVICE}, {memory} memory")
+        print_compiled(args.steps, args.repeat, args.only, args.inference)
         return
     if args.allocator:
         print_allocations(args.steps, args.only)
         return
     torch.set_num_threads(torch.get_num_threads())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
-          f"{args.repeat} runs x {args.steps} steps; sim memory "
-          f"{'strict' if torchport.sim.runtime.strict else 'host-addressable'}")
+          f"{args.repeat} runs x {args.steps} steps; the 'sim' columns: device {DEVICE}, "
+          f"{memory} memory")
     extra = (f"{'floor ms':>10}{'floor':>8}" if args.python_floor else "") + (
         f"{'pyviews ms':>12}{'pyviews':>9}" if args.python_views else "")
     print(f"{'model':<20}{'batch':>7}{'sim ms':>10}{'cpu ms':>10}{'ratio':>8}{'target':>8}"

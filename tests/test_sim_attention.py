@@ -4,10 +4,14 @@ differently)."""
 
 from __future__ import annotations
 
+import copy
+import warnings
+
 import pytest
 import torch
 
 import torchport.sim  # noqa: F401
+from torchport.ops import FallbackWarning
 
 pytestmark = pytest.mark.strict
 
@@ -104,3 +108,36 @@ def test_with_the_library_pytorchs_own_attention_makes_the_cpus_choice() -> None
     assert called == []
     assert type(out.grad_fn).__name__ == "ScaledDotProductFlashAttentionForCpuBackward0"
     assert torch.equal(out.detach().cpu(), F.scaled_dot_product_attention(q, q, q, is_causal=True))
+
+
+@pytest.mark.parametrize("layer", ["encoder", "mha", "mha-masked"])
+def test_the_inference_fast_paths_of_attention_layers_run_natively_as_on_the_cpu(
+        layer: str) -> None:
+    """``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` in eval mode under
+    ``no_grad`` take PyTorch's fused fast path on the device (``_transformer_encoder_layer_fwd``,
+    ``_native_multi_head_attention``, as on CUDA): the sim computes it with the CPU's
+    kernels, with no fallback warning, bit for bit."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 16)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[0, 5:] = True
+    m = (torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, batch_first=True)
+         if layer == "encoder" else torch.nn.MultiheadAttention(16, 4, batch_first=True)).eval()
+
+    def run(mod: torch.nn.Module, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        if layer == "encoder":
+            return mod(t, src_key_padding_mask=p)
+        return mod(t, t, t, key_padding_mask=p if layer == "mha-masked" else None)[0]
+
+    ms = copy.deepcopy(m).to("sim")
+    with torch.no_grad():
+        want = run(m, x, pad)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FallbackWarning)
+            with torchport.ops.record() as rec:
+                got = run(ms, x.to("sim"), pad.to("sim"))
+    fast = ("_transformer_encoder_layer_fwd" if layer == "encoder"
+            else "_native_multi_head_attention")
+    assert rec.path_of(fast) == "native", rec.table()
+    assert got.device.type == "sim"
+    assert torch.equal(got.cpu(), want)

@@ -51,6 +51,10 @@ MODEL_OPS = [
     "native_batch_norm_backward", "_native_batch_norm_legit",
     "_native_batch_norm_legit_no_training", "native_group_norm", "native_group_norm_backward",
     "_fused_rms_norm",
+    # the inference fast paths of nn.TransformerEncoderLayer and nn.MultiheadAttention
+    # (eval mode, no grad), which PyTorch takes on the device as on CUDA
+    "_transformer_encoder_layer_fwd", "_native_multi_head_attention",
+    "_transform_bias_rescale_qkv", "_masked_softmax", "_masked_softmax_backward",
     # embedding, indexing, shape
     "embedding", "embedding_dense_backward", "index_select", "index", "index_fill", "index_put",
     "index_put_", "_index_put_impl_", "index_add", "index_copy", "gather", "scatter",
