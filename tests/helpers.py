@@ -414,6 +414,25 @@ CPP_HOST_OPS_IDLE = ("the C++ host-op kernels do not compute (strict sim, asynch
                      "they queue, TORCHPORT_NATIVE=0, no compiler)")
 
 
+def cpp_fallback_serves() -> bool:
+    """Does C++'s boxed fallback serve the overloads the Python fallback learnt: with the
+    host-op kernels on memory at the device address, or through the runtime's copies on
+    device-only memory (``native_staged.cpp``: the strict sim)?"""
+    from torchport.ops import fallback
+
+    reg = fallback._DENSE
+    return cpp_host_ops_compute() or bool(reg is not None and reg.in_cpp)
+
+
+def runtime_frame(name: str) -> bool:
+    """Is ``name`` (a frame's qualified name) the active runtime's own code: its copies, and
+    the caching allocator's calls of its malloc, which C++ calls as it would a vendor's?"""
+    from torchport.backend import active_backend
+
+    return name.startswith(type(active_backend().runtime).__name__ + ".") \
+        or name == "_copy_bytes"
+
+
 def cpp_host_ops_compute() -> bool:
     """Do the active backend's C++ host-op kernels compute the calls (an asynchronous
     sim's queue them: tests/test_async.py)?"""

@@ -284,7 +284,8 @@ def main(argv: list[str]) -> int:
     cases = _cases(g)
     if "--op-db" in argv:
         cases.update(_op_db_cases(dev))
-    sweep(cases, dev, _compare, before=lambda: g.manual_seed(0), cpu_may_refuse=True)
+    # two rounds: the second runs the paths the first learnt (C++'s fallback serves them)
+    sweep(cases, dev, _compare, rounds=2, before=lambda: g.manual_seed(0), cpu_may_refuse=True)
     return 0
 
 

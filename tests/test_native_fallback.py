@@ -2,8 +2,9 @@
 Python fallback has run an overload on the CPU (no decomposition, not forced), C++'s boxed
 fallback serves its later calls with a host-op kernel, equal to the CPU bit for bit; forced
 fallback, op statistics, tools intercepting ops and ``TORCHPORT_FALLBACK=0`` keep the Python
-fallback; calls C++ does not serve are handed to it. The C++-only tests skip where the
-library does not compute (strict sim, asynchronous sim, TORCHPORT_NATIVE=0)."""
+fallback; calls C++ does not serve are handed to it. On device-only memory (the strict sim)
+the same fallback serves them through the runtime's copies (native_staged.cpp). The C++-only
+tests skip where the library does not serve (the asynchronous sim, TORCHPORT_NATIVE=0)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from tests.helpers import (
     CPP_HOST_OPS_IDLE,
     check_python,
     child_env,
+    cpp_fallback_serves,
     cpp_host_ops_compute,
     python_host_kernels,
+    runtime_frame,
     torchport_frames,
 )
 from torchport.backend import active_backend
@@ -30,7 +33,10 @@ pytestmark = pytest.mark.modes
 _B = active_backend()
 _K = _B.host_op_kernels
 _COMPUTES = cpp_host_ops_compute()
+_SERVES = cpp_fallback_serves()
+_STAGED = _SERVES and not _COMPUTES  # device-only memory: through the runtime's copies
 needs_cpp = pytest.mark.skipif(not _COMPUTES, reason=CPP_HOST_OPS_IDLE)
+serves = pytest.mark.skipif(not _SERVES, reason=CPP_HOST_OPS_IDLE)
 
 
 class calls:
@@ -63,13 +69,18 @@ _FALLBACK = [
 ]
 
 
+# the Python fallback's own functions (device-only memory: C++ calls only the runtime's)
+_PYTHON_FALLBACK = {"make_fallback.<locals>.fallback", "next_path", "run_on_host",
+                    "_run_on_host", "HostCall.run", "run_cpu"}
+
+
 def _warm(fn: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fn(_x(5).to("sim"), _x(6).to("sim"))
 
 
-@needs_cpp
+@serves
 @pytest.mark.parametrize("name,fn", _FALLBACK, ids=[n for n, _ in _FALLBACK])
 def test_a_warm_fallback_call_is_served_in_cpp_as_the_cpu_computes(name, fn) -> None:
     _warm(fn)  # the first call: the Python fallback, which learns the path
@@ -81,10 +92,14 @@ def test_a_warm_fallback_call_is_served_in_cpp_as_the_cpu_computes(name, fn) -> 
     assert got.device.type == "sim" and got.dtype == want.dtype and got.shape == want.shape
     assert torch.equal(got.cpu(), want)
     assert c.served >= 1 and c.handed == 0 and c.to_python == 0, (c.served, c.handed)
-    assert frames == [], frames  # no Python of torchport's at all
+    if _STAGED:  # device-only memory: the runtime's copies; no Python fallback
+        assert not [f for f in frames if f in _PYTHON_FALLBACK], frames
+        assert any(runtime_frame(f) for f in frames), frames
+    else:
+        assert frames == [], frames  # no Python of torchport's at all
 
 
-@needs_cpp
+@serves
 def test_the_learnt_path_keeps_forced_fallback_statistics_and_refusal() -> None:
     a, b = _x(1).to("sim"), _x(2).to("sim")
     _warm(lambda a, b: torch.hypot(a, b))
@@ -120,7 +135,7 @@ def test_the_learnt_path_keeps_forced_fallback_statistics_and_refusal() -> None:
     assert c.served == 1 and c.handed == 0 and c.to_python == 0
 
 
-@needs_cpp
+@serves
 def test_a_tool_intercepting_ops_sees_the_learnt_calls() -> None:
     from torchport.ops import hooks
 
@@ -143,7 +158,7 @@ def test_a_tool_intercepting_ops_sees_the_learnt_calls() -> None:
     assert c.served == 1
 
 
-@needs_cpp
+@serves
 @pytest.mark.parametrize("name,fn,error", [
     ("a CPU operand with dimensions",
      lambda a, b: torch.hypot(a, b.cpu()), RuntimeError),
@@ -173,7 +188,8 @@ def test_calls_cpp_does_not_serve_are_the_python_fallbacks(name, fn, error) -> N
         assert torch.equal(native[1], python[1])
     else:
         assert native[1] == python[1]
-    if name in ("another device", "an out= on the CPU"):  # (the others raise above it)
+    # (the others raise above it; on device-only memory so does another device)
+    if name == "an out= on the CPU" or (name == "another device" and not _STAGED):
         assert c.handed >= 1, (c.served, c.handed)
 
 
@@ -205,7 +221,7 @@ def test_first_calls_warn_and_the_settings_hold_in_a_new_process() -> None:
                   torch.equal(r.cpu(), torch.hypot(a.cpu(), b.cpu())))
     """
     out = check_python(code, env=child_env(TORCHPORT_FALLBACK_WARN="1")).split()
-    served = "1" if _COMPUTES else "0"
+    served = "1" if _SERVES else "0"
     assert out == ["1", served, "True"], out
     out = check_python(code, env=child_env(TORCHPORT_FORCE_FALLBACK_OPS="hypot.*")).split()
     assert out == ["0", "0", "True"], out  # (forced ops do not warn)
@@ -303,3 +319,53 @@ def test_a_lazy_bit_the_cpu_kernel_sets_is_stored_as_its_values(out, left, adjoi
     assert torch.equal(got.cpu().resolve_conj(), want.resolve_conj())
     if _COMPUTES:
         assert c.served >= 1 and c.handed == 0 and c.to_python == 0, (c.served, c.handed)
+
+
+# calls whose written bytes must be exactly the CPU's: strided in-place writes into a larger
+# storage, out= into a slice, out= the CPU kernel resizes (from empty, and from a wrong size)
+_WRITES = [
+    ("in place, strided view", lambda d, a, b: d.__setitem__(0, 0) or d[:, ::2].hypot_(a[:, ::2])),
+    ("in place, transposed", lambda d, a, b: d.t().nextafter_(b)),
+    ("out= a slice", lambda d, a, b: torch.hypot(a[2:5], b[2:5], out=d[1:4])),
+    ("out= empty", lambda d, a, b: torch.hypot(a, b, out=d.new_empty(0))),
+    ("out= resized", lambda d, a, b: torch.nextafter(a, b, out=d.new_empty(3, 2))),
+    ("in place, an input twice", lambda d, a, b: d.hypot_(d)),
+]
+
+
+@serves
+@pytest.mark.parametrize("name,fn", _WRITES, ids=[n for n, _ in _WRITES])
+def test_a_warm_fallback_call_writes_what_the_cpu_writes(name, fn) -> None:
+    """Every byte of the written storage, those between a view's elements and around it
+    included, and the returned tensor's layout, as the CPU's (on device-only memory: the
+    spans copied back are exactly the written tensors')."""
+    def run(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+        d, a, b = (t.to(device) for t in (_x(3), _x(4), _x(5)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            r = fn(d, a, b)
+        return d, r
+    run("sim")  # learnt
+    with calls() as c:
+        d, r = run("sim")
+    want_d, want_r = run("cpu")
+    assert torch.equal(d.cpu(), want_d)
+    assert (r.shape, r.stride(), r.storage_offset()) == \
+        (want_r.shape, want_r.stride(), want_r.storage_offset())
+    assert torch.equal(r.cpu(), want_r)
+    assert c.served >= 1 and c.to_python == 0, (c.served, c.handed)
+
+
+@serves
+def test_a_fallback_call_on_a_side_stream_is_the_python_fallbacks() -> None:
+    """(On device-only memory C++ orders its copies after the default stream only.)"""
+    a, b = _x(1).to("sim"), _x(2).to("sim")
+    _warm(lambda a, b: torch.hypot(a, b))
+    s = torch.sim.Stream()
+    s.wait_stream(torch.sim.current_stream())
+    with torch.sim.stream(s), calls() as c:
+        got = torch.hypot(a, b)
+    torch.sim.current_stream().wait_stream(s)
+    assert torch.equal(got.cpu(), torch.hypot(a.cpu(), b.cpu()))
+    if _STAGED:
+        assert c.served == 0 and c.handed >= 1

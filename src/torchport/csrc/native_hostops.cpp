@@ -104,14 +104,17 @@ void call_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 class HostOp final : public c10::OperatorKernel {
  public:
   HostOp(PyObject* python, bool functional, bool cpu_tensors, bool to_copy, bool composite,
-         bool device_checked, bool fallback = false)
+         bool device_checked, bool fallback = false, uint64_t written = 0,
+         bool stageable = false)
       : python_(python),
         functional_(functional),
         cpu_tensors_(cpu_tensors),
         to_copy_(to_copy),
         composite_(composite),
         device_checked_(device_checked),
-        fallback_(fallback) {
+        fallback_(fallback),
+        written_(written),
+        stageable_(stageable) {
     Py_INCREF(python_);  // kept for the process, as the Python registration keeps it
   }
 
@@ -138,7 +141,7 @@ class HostOp final : public c10::OperatorKernel {
     if ((index >= 0 && d != index) || d < 0 || d >= visible ||
         t.layout() != c10::Layout::Strided || t.is_conj() || t.is_neg() ||
         t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
-        (functional_ && index < 0 && !results_in_blocks &&
+        (functional_ && index < 0 && !results_in_blocks && !torchport::staging_on() &&
          static_cast<uint64_t>(t.numel()) * t.itemsize() > functional_input_max))
       return false;
     index = d;
@@ -150,6 +153,9 @@ class HostOp final : public c10::OperatorKernel {
       return random(op) ? python(op, stack) : queued(op, stack);
     if (to_copy_) return to_copy(op, stack);
     if (composite_) return composite(op, stack);
+    // device-only memory: the learnt fallback's calls through the runtime's copies
+    const bool staged = fallback_ && torchport::staging_on();
+    if (staged && !stageable_) return python(op, stack);
     const auto& schema = op.schema();
     const size_t nargs = schema.arguments().size();
     const size_t first = stack->size() - nargs;
@@ -189,6 +195,25 @@ class HostOp final : public c10::OperatorKernel {
     // kernel orders it so where a side stream is current.
     if (host && torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0)
       return python(op, stack);
+    // (a staged call's copies are ordered after the default stream's work only)
+    if (staged && torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0)
+      return python(op, stack);
+    std::optional<torchport::Staged> staging;
+    if (staged) {
+      staging.emplace(index);
+      for (size_t i = 0; i < nargs; ++i) {
+        const c10::IValue& v = (*stack)[first + i];
+        if (v.isTensor()) {
+          staging->add(v.toTensor());
+        } else if (v.isTensorList()) {
+          for (const at::Tensor& t : v.toTensorList()) staging->add(t);
+        } else if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
+          for (const c10::IValue& e : v.toListRef())
+            if (e.isTensor()) staging->add(e.toTensor());
+        }
+      }
+      staging->fetch();
+    }
 
     // 2. CPU tensors over the device tensors' memory: one per tensor, one storage per storage.
     // device -> CPU; holding the device tensors: an argument only the stack held (a
@@ -216,25 +241,27 @@ class HostOp final : public c10::OperatorKernel {
     }
     // the CPU kernel may grow the storages of an op writing its arguments (an out= it
     // resizes): into blocks of the device, which the device storages then take
-    const bool grow = !functional_ && !host && results_in_blocks;
+    const bool grow = !functional_ && !host && results_in_blocks && !staged;
+    auto to_cpu = [&](const at::Tensor& t) {
+      return staged ? staging->cpu(t) : cpu_alias(t, tensors, storages, grow);
+    };
     for (size_t i = 0; i < nargs; ++i) {
       c10::IValue& v = (*stack)[first + i];
       if (v.isTensor()) {
         const at::Tensor& t = v.toTensor();
-        if (t.defined() && t.device().type() == kDevice)
-          v = c10::IValue(cpu_alias(t, tensors, storages, grow));
+        if (t.defined() && t.device().type() == kDevice) v = c10::IValue(to_cpu(t));
       } else if (v.isTensorList()) {
         c10::List<at::Tensor> mapped;
         mapped.reserve(v.toTensorList().size());
         for (const at::Tensor& t : v.toTensorList())
-          mapped.push_back(t.defined() ? cpu_alias(t, tensors, storages, grow) : t);
+          mapped.push_back(t.defined() ? to_cpu(t) : t);
         v = c10::IValue(std::move(mapped));
       } else if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
         c10::impl::GenericList mapped(v.toList().elementType());
         mapped.reserve(v.toList().size());
         for (const c10::IValue& e : v.toListRef())
           mapped.push_back(e.isTensor() && e.toTensor().defined()
-                               ? c10::IValue(cpu_alias(e.toTensor(), tensors, storages, grow))
+                               ? c10::IValue(to_cpu(e.toTensor()))
                                : e);
         v = c10::IValue(std::move(mapped));
       }
@@ -244,7 +271,7 @@ class HostOp final : public c10::OperatorKernel {
     // allocates the host's). Where it raises, the device tensors are as they were: a block
     // it grew a storage into returns as the CPU storage dies.
     try {
-      torchport::HostResultsIn results(host || !results_in_blocks ? -1 : index);
+      torchport::HostResultsIn results(host || !results_in_blocks || staged ? -1 : index);
       op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
     } catch (const c10::Error& e) {
       // an out= argument to grow where the CPU storages cannot grow: nothing computed yet,
@@ -255,6 +282,7 @@ class HostOp final : public c10::OperatorKernel {
       return python(op, stack);
     }
 
+    if (staged) return staged_results(schema, stack, originals, *staging);
     // 4. Storages the CPU kernel grew, then written arguments whose layout it changed (an
     // out= it resized).
     if (grow)
@@ -279,7 +307,7 @@ class HostOp final : public c10::OperatorKernel {
         if (cpu.sizes() != dev.sizes() || cpu.strides() != dev.strides() ||
             cpu.storage_offset() != dev.storage_offset())
           impl->set_sizes_and_strides(cpu.sizes(), cpu.strides(), cpu.storage_offset());
-        if (cpu.is_conj() || cpu.is_neg()) store_lazy_bits(cpu);
+        if (cpu.is_conj() || cpu.is_neg()) torchport::store_lazy_bits(cpu);
       }
     }
 
@@ -357,6 +385,37 @@ class HostOp final : public c10::OperatorKernel {
     served.fetch_add(1, std::memory_order_relaxed);
   }
 
+  // A staged call's written arguments copied back (its schema's and the hidden ones the
+  // Python fallback taught), then its results on the device.
+  void staged_results(const c10::FunctionSchema& schema, torch::jit::Stack* stack,
+                      const c10::SmallVectorImpl<c10::IValue>& originals,
+                      torchport::Staged& staging) {
+    for (size_t i = 0; i < originals.size(); ++i) {
+      const c10::AliasInfo* info = schema.arguments()[i].alias_info();
+      if (!((info != nullptr && info->isWrite()) || (i < 64 && (written_ >> i) & 1))) continue;
+      const c10::IValue& v = originals[i];
+      if (v.isTensor()) {
+        staging.store(v.toTensor());
+      } else if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorList()) staging.store(t);
+      }
+    }
+    const size_t nret = schema.returns().size();
+    for (size_t r = stack->size() - nret; r < stack->size(); ++r) {
+      c10::IValue& v = (*stack)[r];
+      if (v.isTensor()) {
+        if (v.toTensor().defined()) v = c10::IValue(staging.on_device(v.toTensor()));
+      } else if (v.isTensorList()) {
+        c10::List<at::Tensor> results;
+        results.reserve(v.toTensorList().size());
+        for (const at::Tensor& t : v.toTensorList())
+          results.push_back(t.defined() ? staging.on_device(t) : t);
+        v = c10::IValue(std::move(results));
+      }
+    }
+    served.fetch_add(1, std::memory_order_relaxed);
+  }
+
   // Is the argument a random op's generator (Generator?)?
   static bool is_generator(const c10::Argument& a) {
     const c10::TypePtr& t = a.real_type();
@@ -406,19 +465,6 @@ class HostOp final : public c10::OperatorKernel {
     }
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
     served.fetch_add(1, std::memory_order_relaxed);
-  }
-
-  // The CPU kernel set a lazy bit on its written argument's CPU tensor (linalg_lu_solve.out
-  // with left=False conjugates its out=): its memory holds the values before the bit, and
-  // the device tensor (which has none: one with a bit takes the Python kernel) must hold the
-  // values the bit means, as the Python kernels store them.
-  static void store_lazy_bits(const at::Tensor& cpu) {
-    at::Tensor raw = at::detail::make_tensor<c10::TensorImpl>(
-        c10::Storage(cpu.storage()), c10::DispatchKeySet(c10::DispatchKey::CPU), cpu.dtype());
-    raw.unsafeGetTensorImpl()->set_sizes_and_strides(cpu.sizes(), cpu.strides(),
-                                                     cpu.storage_offset());
-    if (cpu.is_conj()) raw.conj_physical_();
-    if (cpu.is_neg()) raw.neg_();
   }
 
   // Is `cpu` a CPU tensor the caller passed (the host side of a copy, returned as it is)?
@@ -534,6 +580,8 @@ class HostOp final : public c10::OperatorKernel {
   bool composite_;
   bool device_checked_;  // CUDA's registration compares its tensors' devices, CPU scalars too
   bool fallback_;        // a learnt overload of the CPU fallback
+  uint64_t written_;     // (learnt) the arguments it writes, by index, its schema's or not
+  bool stageable_;       // (learnt) served through the runtime's copies on device-only memory
   torchport::QueuedCalls queued_;
   std::atomic<int8_t> random_{-1};  // random(op), once known
 };
@@ -601,6 +649,19 @@ at::Tensor cpu_alias(const at::Tensor& t,
   cpu.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
   tensors.emplace_back(t, cpu);
   return cpu;
+}
+
+// The CPU kernel set a lazy bit on its written argument's CPU tensor (linalg_lu_solve.out
+// with left=False conjugates its out=): its memory holds the values before the bit, and
+// the device tensor (which has none: one with a bit takes the Python kernel) must hold the
+// values the bit means, as the Python kernels store them.
+void store_lazy_bits(const at::Tensor& cpu) {
+  at::Tensor raw = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(cpu.storage()), c10::DispatchKeySet(c10::DispatchKey::CPU), cpu.dtype());
+  raw.unsafeGetTensorImpl()->set_sizes_and_strides(cpu.sizes(), cpu.strides(),
+                                                   cpu.storage_offset());
+  if (cpu.is_conj()) raw.conj_physical_();
+  if (cpu.is_neg()) raw.neg_();
 }
 
 [[noreturn]] void raise_python() {
@@ -887,17 +948,32 @@ extern "C" void torchport_fallback_uninstall() {
 
 // The Python fallback has learnt that overload `name`.`overload` takes the CPU fallback and
 // that its schema is one the host-op kernels serve (`functional`: it writes no argument,
-// `device_checked`: CUDA's registration compares its tensors' devices): 1; 0 where no such
-// op is registered. Called through ctypes.PyDLL (with the GIL).
+// `device_checked`: CUDA's registration compares its tensors' devices; `written`: the
+// arguments it writes, bit i for argument i, those its schema does not mark too;
+// `stageable`: its calls may run through the runtime's copies on device-only memory,
+// native_staged.cpp): 1; 0 where no such op is registered. Called through ctypes.PyDLL
+// (with the GIL).
 extern "C" int torchport_fallback_learn(const char* name, const char* overload, int functional,
-                                        int device_checked) {
+                                        int device_checked, uint64_t written, int stageable) {
   auto op = c10::Dispatcher::singleton().findSchema({name, overload});
   if (!op) return 0;
   auto kernel = std::make_shared<HostOp>(Py_None, functional != 0, false, false, false,
-                                         device_checked != 0, /*fallback=*/true);
+                                         device_checked != 0, /*fallback=*/true, written,
+                                         stageable != 0);
   std::lock_guard<std::mutex> lock(learning);
   learnt.insert_or_assign(&op->schema(), Learnt{op->operator_name(), std::move(kernel)});
   return 1;
+}
+
+// The learnt overloads on device-only memory, served through the runtime's copies
+// (native_staged.cpp: `d2h`, `h2d`, `result`, `refuse`, `phys`, one runtime index per
+// visible device), or no longer (`d2h` None): 1; 0 with a Python error. Called through
+// ctypes.PyDLL (with the GIL).
+extern "C" int torchport_fallback_staged(PyObject* d2h, PyObject* h2d, PyObject* result,
+                                         PyObject* refuse, PyObject* phys) {
+  std::lock_guard<std::mutex> lock(registering);
+  if (d2h != Py_None && PyList_Check(phys)) visible = static_cast<int>(PyList_GET_SIZE(phys));
+  return torchport::staging_configure(d2h, h2d, result, refuse, phys);
 }
 
 // Serve the learnt overloads in C++ (1) or hand every call to the Python fallback (0).

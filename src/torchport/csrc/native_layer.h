@@ -114,6 +114,47 @@ at::Tensor cpu_alias(const at::Tensor& t,
                      c10::SmallVectorImpl<std::pair<at::Tensor, at::Tensor>>& tensors,
                      c10::SmallVectorImpl<std::pair<c10::StorageImpl*, c10::Storage>>& storages,
                      bool grow = false);
+// native_hostops.cpp: a written argument's CPU tensor with a lazy conjugate or negative bit
+// the CPU kernel set: its memory made to hold the values the bit means.
+void store_lazy_bits(const at::Tensor& cpu);
+// native_staged.cpp: the learnt fallback's calls on device-only memory, through the
+// runtime's copies (configured by torchport_fallback_staged).
+bool staging_on();
+// Serve through `d2h` and `h2d` (the runtime's copy methods; `result`: a result not copied,
+// as a device tensor; `refuse`: the dtypes the device refuses; `phys`: the runtime's index
+// of each device), or no longer (`d2h` None): 1; 0 with a Python error. Holds the GIL.
+int staging_configure(PyObject* d2h, PyObject* h2d, PyObject* result, PyObject* refuse,
+                      PyObject* phys);
+struct Copies;
+// One call's host copies of the bytes its device tensors span: `add` each device tensor the
+// call passes, `fetch` (copies them to the host), then `cpu` maps each to a CPU tensor over
+// its copy (tensors and storages the call shares stay shared), `store` copies a written one
+// back, and `on_device` makes a result the device's (an argument, a view of an argument's
+// memory, or a new block filled by a copy).
+class Staged {
+ public:
+  explicit Staged(int index);
+  void add(const at::Tensor& t);
+  void fetch();
+  at::Tensor cpu(const at::Tensor& t);
+  void store(const at::Tensor& dev);
+  at::Tensor on_device(const at::Tensor& cpu);
+
+ private:
+  struct Span {
+    c10::StorageImpl* dev;
+    uint64_t lo, hi, base;  // the bytes the call's tensors span; the copy starts at `base`
+    c10::Storage cpu;       // (a CPU kernel may grow it: an out= it resizes)
+  };
+  struct Mapped {
+    at::Tensor dev, cpu;
+    size_t span;
+  };
+  int index_;
+  const Copies* copies_;
+  c10::SmallVector<Span, 6> spans_;
+  c10::SmallVector<Mapped, 6> tensors_;
+};
 // native_hostops.cpp: `fn(*prefix, *args, **kwargs)` (`prefix` a tuple, or null) for the op's
 // arguments on `stack` as a Python kernel receives them (dtype, layout and memory-format
 // objects; kwarg-only ones by name); its results replace them. Takes the GIL.

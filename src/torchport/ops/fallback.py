@@ -30,8 +30,11 @@ on the CPU once, with no decomposition for it, warned about and not forced, whos
 the host-op kernels serve, is then served in C++ (the CPU kernel on CPU tensors over the
 device memory, 1-3 us over the CPU's call); every other call reaches the Python fallback
 as before. Forcing, op statistics, tools and ``TORCHPORT_FALLBACK=0`` put the Python
-registration back or make it decide again. On device-only memory (a vendor runtime in
-Python) and on asynchronous runtimes the Python fallback serves every call.
+registration back or make it decide again. On device-only memory (the host reaches it only
+through the runtime's copies) the same C++ fallback serves those overloads through the
+runtime's ``copy_d2h``/``copy_h2d`` (``native_staged.cpp``: the copies plus a few us) while
+the default stream is current; on asynchronous runtimes with the sim's C++ queues the
+Python fallback serves every call.
 """
 
 from __future__ import annotations

@@ -26,8 +26,10 @@ The same kernels serve the CPU fallback's warm calls where they compute (the mem
 device address, synchronous): the device's boxed fallback is then C++'s, which runs an
 overload the Python fallback has learnt to take the CPU (:func:`learn_fallback`) as a
 host op and calls the Python fallback for the rest (:mod:`torchport.ops.fallback`). On
-device-only memory (a vendor runtime in Python) the Python fallback serves every call: its
-copies between the host and the device are the runtime's Python calls anyway.
+device-only memory (a discrete device, whose runtime the host reaches only through its
+copies) the same C++ fallback serves the learnt overloads through the runtime's copy
+methods (:meth:`HostOpKernels.staged`, ``native_staged.cpp``) while the default stream is
+current.
 """
 
 from __future__ import annotations
@@ -153,6 +155,23 @@ class HostOpKernels:
         rt = self.backend.runtime
         return not rt.asynchronous and self.backend.host_address_is_device_address
 
+    def staged(self) -> bool:
+        """Does the host reach device memory only through the runtime's copies, without C++
+        queues, with the C++ device guard and caching allocator? Then the fallback's learnt
+        calls run in C++ through those copies (``native_staged.cpp``)."""
+        b = self.backend
+        if b.runtime.host_addressable or b._guard_device is None or self.queues() is not None \
+                or any(getattr(a, "new_tensor", None) is None for a in b.allocators):
+            return False
+        configure = native.python_function(
+            "torchport_fallback_staged", [ctypes.py_object] * 5, ctypes.c_int)
+        if configure is None:
+            return False
+        rt = b.runtime
+        configure(rt.copy_d2h, rt.copy_h2d, _result_function(b), b.refused_dtypes(),
+                  [b.phys(i) for i in range(b.device_count())])
+        return True
+
     def queues(self) -> list[int] | None:
         """The C++ queues of the devices' default streams, where the runtime is
         asynchronous, has them (the sim's ``native_queue``), and the host reads device
@@ -246,6 +265,8 @@ class HostOpKernels:
             self._registered = keep_past_exit(torch.library.Library("aten", "IMPL"))
             for name, (kernel, *_) in self.python.items():
                 self._registered.impl(name, kernel, "PrivateUse1")
+        if from_cpp and not self._held and self.staged():
+            fallback.serve_learnt(True)
 
 
 def _queued(handles: list[int] | None) -> None:
@@ -332,12 +353,15 @@ def learn_fallback(op: torch._ops.OpOverload) -> bool:
     :func:`servable`); the calls it does not serve still reach the Python fallback."""
     learn = native.python_function(
         "torchport_fallback_learn", [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
-                                     ctypes.c_int], ctypes.c_int)
+                                     ctypes.c_int, ctypes.c_uint64, ctypes.c_int], ctypes.c_int)
     if learn is None:
         return False
     plan = plan_for(op)
+    written = [plan.arg_names.index(n) for n in plan.written_args]
+    stageable = all(i < 64 for i in written)  # (C++ takes them as a 64-bit mask)
     return bool(learn(op._schema.name.encode(), op._schema.overload_name.encode(),
-                      int(not plan.written_args), int(bool(cuda_checked_args(plan)))))
+                      int(not plan.written_args), int(bool(cuda_checked_args(plan))),
+                      sum(1 << i for i in written if i < 64), int(stageable)))
 
 
 def forget_fallback() -> None:
