@@ -4,6 +4,7 @@ the same arguments from C++ and through ctypes. CPU PyTorch is the oracle."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -115,6 +116,44 @@ def test_calls_cpp_leaves_to_python_behave_as_before(logaddexp_calls):
     for _ in range(2):
         with pytest.raises(RuntimeError, match="broadcast"):
             torch.logaddexp(torch.randn(3, device="sim"), torch.randn(4, device="sim"))
+
+
+@pytest.mark.parametrize("python", [False, True], ids=["cpp", "python"])
+@pytest.mark.parametrize("form", ["functional", "out"])
+def test_a_0dim_cpu_operand_of_a_device_checked_op_raises_cudas_error(logaddexp_calls, python,
+                                                                      form):
+    """``logaddexp``'s CUDA registration compares its tensors' devices (device_check
+    ExactSame): a 0-dim CPU operand raises CUDA's device error before a vendor's kernel runs,
+    as on an op without one (the kernel is never given a CPU tensor it did not ask for)."""
+    x = torch.randn(4, device="sim")
+    kw = {"out": torch.empty(4, device="sim")} if form == "out" else {}
+    logaddexp_calls.clear()
+    with contextlib.ExitStack() as stack:
+        if python:
+            stack.enter_context(native_vendor.python_only())
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+                torch.logaddexp(x, torch.tensor(1.0), **kw)
+    assert logaddexp_calls == []
+
+
+def test_a_plain_kernel_of_a_device_checked_op_gets_no_cpu_operand():
+    """The same for a plain kernel (``kernel("logaddexp2")``): CUDA's error, not the call."""
+    calls: list[int] = []
+    ks = ops.KernelSet("test-vendor-plain")
+
+    @ks.kernel("logaddexp2", dtypes=[torch.float32])
+    def logaddexp2(self, other):
+        calls.append(1)
+        return torch.empty_like(self)
+
+    _B.add_kernels(ks)
+    x = torch.randn(4, device="sim")
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.logaddexp2(x, torch.tensor(1.0))
+    assert calls == []
+    torch.logaddexp2(x, x)
+    assert calls == [1]
 
 
 @needs_cpp

@@ -393,24 +393,31 @@ def _tensors(v: Any) -> list[Tensor]:
     return []
 
 
-def foreign(backend: DeviceBackend, args: tuple, kwargs: dict,
+def foreign(backend: DeviceBackend, op: OpOverload, args: tuple, kwargs: dict,
             written: list[Any]) -> str | None:
     """Why the call breaks the kernel contract on devices, or None: every tensor a vendor's
     kernel gets is on the call's device, but for a 0-dim CPU tensor it only reads (a
     wrapped Python number). Such a call (an ``out=`` on the CPU or on another device of
     the backend, a CPU input of several elements, inputs on two devices) is not the
     kernel's: the next path raises CUDA's device error, or computes where CUDA does (a
-    vendor's kernel would read a host or another device's address as its own)."""
+    vendor's kernel would read a host or another device's address as its own). A 0-dim CPU
+    operand of an op whose CUDA registration compares its tensors' devices raises CUDA's
+    error here, before the kernel (:func:`~torchport.ops.plan.check_common_device`)."""
     out_ids = {id(t) for w in written for t in _tensors(w)}
     common: torch.device | None = None
+    cpu_scalar = False
     for t in [*_tensors(list(args)), *_tensors(list(kwargs.values()))]:
         if t.device.type == backend.name:
             if common is None:
                 common = t.device
             elif t.device != common:
                 return f"tensors on {common} and {t.device}"
-        elif not (t.device.type == "cpu" and t.dim() == 0 and id(t) not in out_ids):
+        elif t.device.type == "cpu" and t.dim() == 0 and id(t) not in out_ids:
+            cpu_scalar = True
+        else:
             return f"a tensor on {t.device}" + (" to write" if id(t) in out_ids else "")
+    if cpu_scalar and common is not None:
+        check_common_device(plan_for(op), args, kwargs)
     return None
 
 
@@ -430,7 +437,7 @@ def out_kernel(backend: DeviceBackend, out_op: OpOverload, fn: Callable[..., Any
     names = out_names(out_op)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        why = foreign(backend, args, kwargs, [kwargs.get(n) for n in names])
+        why = foreign(backend, out_op, args, kwargs, [kwargs.get(n) for n in names])
         if why:
             raise Decline(f"{out_op}: {why}")
         check_overlap(out_op, args, kwargs, [kwargs[n] for n in names],
@@ -454,7 +461,7 @@ def functional_kernel(backend: DeviceBackend, op: OpOverload, out_op: OpOverload
     names = out_names(out_op)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        why = foreign(backend, args, kwargs, [])
+        why = foreign(backend, op, args, kwargs, [])
         if why:
             raise Decline(f"{op}: {why}")
         specs = _kernel_specs(op, args, kwargs)
@@ -476,7 +483,7 @@ def inplace_kernel(backend: DeviceBackend, op: OpOverload, out_op: OpOverload,
     (name,) = out_names(out_op)
 
     def kernel(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        why = foreign(backend, (self, *args), kwargs, [self])
+        why = foreign(backend, op, (self, *args), kwargs, [self])
         if why:
             raise Decline(f"{op}: {why}")
         check_overlap(op, (self, *args), kwargs, [self], [*args, *kwargs.values()])
@@ -548,6 +555,21 @@ def checked_writes(op: OpOverload, fn: Callable[..., Any]) -> Callable[..., Any]
         else:
             check_overlap(op, a, k, [k[n] for n in names if n in k],
                           [*a, *(v for n, v in k.items() if n not in names)])
+        return fn(*a, **k)
+    return kernel
+
+
+def checked_devices(op: OpOverload, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A vendor's plain kernel behind CUDA's device check: a CPU operand of an op whose
+    CUDA registration compares its tensors' devices (a 0-dim one too) raises CUDA's error
+    before the kernel runs, as for the derived overloads (:func:`foreign`)."""
+    plan = plan_for(op)
+
+    def kernel(*a: Any, **k: Any) -> Any:
+        for v in (*a, *k.values()):
+            if isinstance(v, Tensor) and v.device.type == "cpu":
+                check_common_device(plan, a, k)
+                break
         return fn(*a, **k)
     return kernel
 

@@ -303,8 +303,8 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                 # (the C++ caller hands the vendor's kernel no tensor with a bit)
                 inner = derive.resolved_bits(op if out_op is None else out_op, vendor) \
                     if _resolves_bits(op, d) else vendor
-                fn = derive.checked_writes(op, inner) if make is None else \
-                    _DERIVED[make](backend, op, out_op, inner)
+                fn = derive.checked_devices(op, derive.checked_writes(op, inner)) \
+                    if make is None else _DERIVED[make](backend, op, out_op, inner)
                 if oname == "fill_.Scalar" and make is None:  # zero_ may call it
                     fills.append((d, fn if d.dtypes is None else _dtype_checked(op, fn, d.dtypes)))
                 if d.dtypes is not None:
