@@ -327,6 +327,8 @@ _WRITES = [
     ("in place, strided view", lambda d, a, b: d.__setitem__(0, 0) or d[:, ::2].hypot_(a[:, ::2])),
     ("in place, transposed", lambda d, a, b: d.t().nextafter_(b)),
     ("out= a slice", lambda d, a, b: torch.hypot(a[2:5], b[2:5], out=d[1:4])),
+    ("out= strided", lambda d, a, b: torch.hypot(a[:, 1::2], b[:, ::2], out=d[:, ::2])),
+    ("out= an input", lambda d, a, b: torch.hypot(d, b, out=d)),
     ("out= empty", lambda d, a, b: torch.hypot(a, b, out=d.new_empty(0))),
     ("out= resized", lambda d, a, b: torch.nextafter(a, b, out=d.new_empty(3, 2))),
     ("in place, an input twice", lambda d, a, b: d.hypot_(d)),

@@ -203,8 +203,10 @@ class HostOp final : public c10::OperatorKernel {
       staging.emplace(index);
       for (size_t i = 0; i < nargs; ++i) {
         const c10::IValue& v = (*stack)[first + i];
-        if (v.isTensor()) {
-          staging->add(v.toTensor());
+        const c10::Argument& a = schema.arguments()[i];
+        if (v.isTensor()) {  // an out= (written, keyword-only, not written unannounced)
+          staging->add(v.toTensor(), a.kwarg_only() && a.alias_info() != nullptr &&
+                                         a.alias_info()->isWrite());
         } else if (v.isTensorList()) {
           for (const at::Tensor& t : v.toTensorList()) staging->add(t);
         } else if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {

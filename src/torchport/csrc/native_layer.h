@@ -134,7 +134,7 @@ struct Copies;
 class Staged {
  public:
   explicit Staged(int index);
-  void add(const at::Tensor& t);
+  void add(const at::Tensor& t, bool overwritten = false);  // (an out= the kernel writes)
   void fetch();
   at::Tensor cpu(const at::Tensor& t);
   void store(const at::Tensor& dev);
@@ -145,6 +145,7 @@ class Staged {
     c10::StorageImpl* dev;
     uint64_t lo, hi, base;  // the bytes the call's tensors span; the copy starts at `base`
     c10::Storage cpu;       // (a CPU kernel may grow it: an out= it resizes)
+    bool read;              // fetched (not only dense out= tensors the kernel overwrites)
   };
   struct Mapped {
     at::Tensor dev, cpu;

@@ -42,7 +42,7 @@ namespace {
 
 using torchport::Copies;
 std::mutex configuring;
-Copies* copies = nullptr;  // set once per configuration, kept (calls may hold the old one)
+std::atomic<Copies*> copies{nullptr};  // set per configuration, kept (calls may hold the old)
 std::atomic<bool> staging{false};
 
 uint64_t address(const c10::StorageImpl* st) {
@@ -75,23 +75,23 @@ namespace torchport {
 
 bool staging_on() { return staging.load(std::memory_order_acquire); }
 
-Staged::Staged(int index) : index_(index) {
-  std::lock_guard<std::mutex> lock(configuring);
-  copies_ = copies;
-}
+Staged::Staged(int index) : index_(index), copies_(copies.load(std::memory_order_acquire)) {}
 
-void Staged::add(const at::Tensor& t) {
+void Staged::add(const at::Tensor& t, bool overwritten) {
   if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1 || t.numel() == 0)
     return;
   c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
   auto [lo, hi] = span(t);
+  // an out= whose span is its elements, which the kernel writes: nothing of it to read
+  const bool read = !(overwritten && t.is_non_overlapping_and_dense());
   for (Span& s : spans_) {
     if (s.dev != st) continue;
     s.lo = std::min(s.lo, lo);
     s.hi = std::max(s.hi, hi);
+    s.read = s.read || read;
     return;
   }
-  spans_.push_back(Span{st, lo, hi, 0, c10::Storage()});
+  spans_.push_back(Span{st, lo, hi, 0, c10::Storage(), read});
 }
 
 // A CPU storage of `n` bytes the CPU kernel may grow (an out= it resizes), as a CPU tensor's.
@@ -108,9 +108,10 @@ void Staged::fetch() {
     s.base = s.lo & ~uint64_t{63};
     const uint64_t n = s.hi - s.base;
     s.cpu = host_storage(n);
-    copy(copies_->d2h, copies_->phys[index_],
-         reinterpret_cast<uint64_t>(s.cpu.unsafeGetStorageImpl()->data_ptr().get()),
-         address(s.dev) + s.base, n);
+    if (s.read)
+      copy(copies_->d2h, copies_->phys[index_],
+           reinterpret_cast<uint64_t>(s.cpu.unsafeGetStorageImpl()->data_ptr().get()),
+           address(s.dev) + s.base, n);
   }
 }
 
@@ -124,7 +125,8 @@ at::Tensor Staged::cpu(const at::Tensor& t) {
   for (size_t i = 0; i < spans_.size(); ++i)
     if (spans_[i].dev == st && spans_[i].cpu && at >= spans_[i].base) k = i;
   if (k == spans_.size()) {  // no elements, and no span of its storage to sit in: its own
-    spans_.push_back(Span{t.storage().unsafeGetStorageImpl(), at, at, at, host_storage(0)});
+    spans_.push_back(
+        Span{t.storage().unsafeGetStorageImpl(), at, at, at, host_storage(0), false});
   }
   const Span& s = spans_[k];
   at::Tensor cpu = at::detail::make_tensor<c10::TensorImpl>(
@@ -244,7 +246,7 @@ int staging_configure(PyObject* d2h, PyObject* h2d, PyObject* result, PyObject* 
   made->result = result;
   {
     std::lock_guard<std::mutex> lock(configuring);
-    copies = made;
+    copies.store(made, std::memory_order_release);
   }
   staging.store(true, std::memory_order_release);
   return 1;
