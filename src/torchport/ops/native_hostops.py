@@ -117,6 +117,7 @@ class HostOpKernels:
         self._kept_registered: torch.library.Library | None = None
         self.native = False
         self._held = 0  # python_only() depth
+        self._staged: bool | None = None  # staged(), once configured
 
     def add(self, name: str, op: torch._ops.OpOverload, kernel: Callable[..., Any], *,
             cpu_tensors: bool = False, composite: bool = False) -> None:
@@ -159,7 +160,10 @@ class HostOpKernels:
         """Does the host reach device memory only through the runtime's copies, without C++
         queues, with the C++ device guard and caching allocator? Then the fallback's learnt
         calls run in C++ through those copies (``native_staged.cpp``)."""
+        if self._staged is not None:
+            return self._staged
         b = self.backend
+        self._staged = False
         if b.runtime.host_addressable or b._guard_device is None or self.queues() is not None \
                 or any(getattr(a, "new_tensor", None) is None for a in b.allocators):
             return False
@@ -170,6 +174,7 @@ class HostOpKernels:
         rt = b.runtime
         configure(rt.copy_d2h, rt.copy_h2d, _result_function(b), b.refused_dtypes(),
                   [b.phys(i) for i in range(b.device_count())])
+        self._staged = True
         return True
 
     def queues(self) -> list[int] | None:
