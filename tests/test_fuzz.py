@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import torchport.sim  # noqa: F401
+from tests.helpers import run_python
 from torchport.tools.fuzz import known, prelude
 from torchport.tools.fuzz.cli import fuzz
 from torchport.tools.fuzz.generator import Program, Step, generate
@@ -43,6 +44,15 @@ def test_the_generator_is_deterministic_for_a_seed() -> None:
     assert a.source() == b.source() and len(a.steps) >= 5
     assert generate(7, 4).source() != a.source()
     assert generate(8, 3).source() != a.source()
+
+
+def test_drawing_a_program_never_runs_a_cpu_kernel_that_crashes() -> None:
+    """The generator runs each step on the CPU as it draws it: seed 3's program 72 draws
+    ``pdist`` of an empty input with its gradient, whose CPU backward segfaults (PyTorch's
+    ``_pdist_backward``); such a backward is not drawn (steps_layouts.NO_EMPTY_BACKWARD)."""
+    r = run_python("from torchport.tools.fuzz import generator; generator.generate(3, 72); "
+                   "print('drawn')", timeout=300)
+    assert r.returncode == 0 and "drawn" in r.stdout, (r.returncode, r.stderr[-2000:])
 
 
 def test_the_generator_covers_the_op_families() -> None:

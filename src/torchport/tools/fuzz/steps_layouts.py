@@ -172,6 +172,10 @@ SEQ_OPS: tuple[tuple[str, str, bool, tuple[str, ...]], ...] = (
 # in float32 over a contiguous one, as CUDA's and the sim's do always): their sequences
 # draw such inputs contiguous (docs/fuzzing.md, known.TOLERATED)
 HALF_STRIDED_ACCUMULATION = ("nansum",)
+# ops whose CPU backward crashes the process on an input without elements (PyTorch's
+# `_pdist_backward` CPU kernel segfaults on one; the generator runs every step on the CPU
+# as it draws it): their sequences draw no backward of such a call
+NO_EMPTY_BACKWARD = ("pdist",)
 SEQ_DTYPES = (torch.float32, torch.float32, torch.float64, torch.float16, torch.bfloat16,
               torch.int64, torch.int32, torch.uint8, torch.int8, torch.bool, torch.complex64)
 SEQ_SHAPES = ((3, 4), (4,), (), (2, 3), (1, 5), (0, 3), (2, 2, 2), (5, 1))
@@ -307,7 +311,9 @@ class LayoutSteps(Draw):
             where = {n: "dev"} if layout != "cpu0dim" else {}
             suffix = "@" + str(dtype).removeprefix("torch.")
             ok = self.emit(Step(f"{tag}{suffix}", code, [n], exact=exact, on=where))
-            if ok and layout == "requires_grad":  # and the backward of the call
+            empty = any(d == 0 for d in shape)
+            if ok and layout == "requires_grad" and not (empty and name in NO_EMPTY_BACKWARD):
+                # and the backward of the call
                 g = self.name("g")
                 self.emit(Step(f"{tag}:grad{suffix}", [
                     f"r = {n} if isinstance({n}, torch.Tensor) else {n}[0]",
