@@ -524,20 +524,7 @@ class HostOp final : public c10::OperatorKernel {
       if (nbytes) std::memcpy(out.data_ptr(), cpu.data_ptr(), nbytes);
       return out;
     }
-    pybind11::gil_scoped_acquire gil;
-    PyObject* t = THPVariable_Wrap(cpu);
-    if (!t) torchport::raise_python();
-    PyObject* got = PyObject_CallFunction(python_result, "Oi", t, index);
-    Py_DECREF(t);
-    if (!got) torchport::raise_python();
-    if (!THPVariable_Check(got)) {
-      Py_DECREF(got);
-      PyErr_SetString(PyExc_TypeError, "torchport: a host result function returned no tensor");
-      torchport::raise_python();
-    }
-    at::Tensor dev = THPVariable_Unpack(got);
-    Py_DECREF(got);
-    return dev;
+    return torchport::result_on_device(python_result, cpu, index);
   }
 
   static void restore(torch::jit::Stack* stack, size_t first,
@@ -664,6 +651,23 @@ void store_lazy_bits(const at::Tensor& cpu) {
                                                    cpu.storage_offset());
   if (cpu.is_conj()) raw.conj_physical_();
   if (cpu.is_neg()) raw.neg_();
+}
+
+at::Tensor result_on_device(PyObject* result, const at::Tensor& cpu, int index) {
+  pybind11::gil_scoped_acquire gil;
+  PyObject* t = THPVariable_Wrap(cpu);
+  if (!t) raise_python();
+  PyObject* got = PyObject_CallFunction(result, "Oi", t, index);
+  Py_DECREF(t);
+  if (!got) raise_python();
+  if (!THPVariable_Check(got)) {
+    Py_DECREF(got);
+    PyErr_SetString(PyExc_TypeError, "torchport: a host result function returned no tensor");
+    raise_python();
+  }
+  at::Tensor dev = THPVariable_Unpack(got);
+  Py_DECREF(got);
+  return dev;
 }
 
 [[noreturn]] void raise_python() {

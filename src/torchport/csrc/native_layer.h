@@ -114,6 +114,10 @@ at::Tensor cpu_alias(const at::Tensor& t,
                      c10::SmallVectorImpl<std::pair<at::Tensor, at::Tensor>>& tensors,
                      c10::SmallVectorImpl<std::pair<c10::StorageImpl*, c10::Storage>>& storages,
                      bool grow = false);
+// native_hostops.cpp: a CPU result as a device tensor by the Python `result(cpu, index)`
+// function of the host-op kernels (a large one adopted, another dtype converted). Takes the
+// GIL.
+at::Tensor result_on_device(PyObject* result, const at::Tensor& cpu, int index);
 // native_hostops.cpp: a written argument's CPU tensor with a lazy conjugate or negative bit
 // the CPU kernel set: its memory made to hold the values the bit means.
 void store_lazy_bits(const at::Tensor& cpu);

@@ -17,7 +17,6 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/TensorImpl.h>
-#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
@@ -200,20 +199,7 @@ at::Tensor Staged::on_device(const at::Tensor& cpu) {
            reinterpret_cast<uint64_t>(cpu.data_ptr()), nbytes);
     return out;
   }
-  pybind11::gil_scoped_acquire gil;  // anything else: converted as the Python fallback does
-  PyObject* t = THPVariable_Wrap(cpu);
-  if (!t) raise_python();
-  PyObject* got = PyObject_CallFunction(copies_->result, "Oi", t, index_);
-  Py_DECREF(t);
-  if (!got) raise_python();
-  if (!THPVariable_Check(got)) {
-    Py_DECREF(got);
-    PyErr_SetString(PyExc_TypeError, "torchport: a host result function returned no tensor");
-    raise_python();
-  }
-  at::Tensor dev = THPVariable_Unpack(got);
-  Py_DECREF(got);
-  return dev;
+  return result_on_device(copies_->result, cpu, index_);  // converted as in Python
 }
 
 }  // namespace torchport
