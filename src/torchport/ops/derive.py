@@ -26,7 +26,13 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from torchport.memory.tensors import storage_nbytes
 from torchport.ops.declarations import Decline
-from torchport.ops.plan import DeviceMismatchError, check_common_device, named_arguments, plan_for
+from torchport.ops.plan import (
+    DeviceMismatchError,
+    check_common_device,
+    cuda_checked_args,
+    named_arguments,
+    plan_for,
+)
 from torchport.ops.quiet import is_python_resize_warning, resize_warnings, silently
 
 if TYPE_CHECKING:
@@ -562,8 +568,11 @@ def checked_writes(op: OpOverload, fn: Callable[..., Any]) -> Callable[..., Any]
 def checked_devices(op: OpOverload, fn: Callable[..., Any]) -> Callable[..., Any]:
     """A vendor's plain kernel behind CUDA's device check: a CPU operand of an op whose
     CUDA registration compares its tensors' devices (a 0-dim one too) raises CUDA's error
-    before the kernel runs, as for the derived overloads (:func:`foreign`)."""
+    before the kernel runs, as for the derived overloads (:func:`foreign`); ``fn`` itself for
+    the other ops (decided once, at registration: no check on their calls)."""
     plan = plan_for(op)
+    if not cuda_checked_args(plan):
+        return fn
 
     def kernel(*a: Any, **k: Any) -> Any:
         for v in (*a, *k.values()):
