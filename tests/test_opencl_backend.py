@@ -234,6 +234,23 @@ def test_elementwise_broadcasting_type_promotion_and_scalars(ocl):  # noqa: F811
             raise AssertionError("no ZeroDivisionError")
         same(torch.div(i.to("ocl"), torch.tensor([0, 2, 0]).to("ocl"), rounding_mode=mode),
              torch.tensor([0, -9 // 2 if mode == "floor" else -4, 0]))
+        # an empty quotient: the CPU's kernel never runs, so nothing to refuse
+        same(torch.div(i[:0].to("ocl"), 0, rounding_mode=mode), i[:0])
+    same(torch.tril_indices(21, 0, device="ocl"), torch.tril_indices(21, 0))
+    # a kernel's meta kernel (a Python reference) words its errors otherwise than ATen: the
+    # CPU's error, class and words
+    for call in (lambda d: torch.amin(torch.ones(3, 4, device=d), 0,
+                                      out=torch.empty(4, dtype=torch.int32, device=d)),
+                 lambda d: torch.ones(2, 2, device=d).masked_fill(torch.ones((), dtype=torch.bool,
+                                                                             device=d), 1j),
+                 lambda d: torch.add(torch.ones(3, device=d), torch.ones(4, device=d))):
+        errors = []
+        for d in ("cpu", "ocl"):
+            try:
+                call(d)
+            except Exception as e:
+                errors.append((type(e), str(e)))
+        assert len(errors) == 2 and errors[0] == errors[1], errors
     """)
 
 
@@ -867,6 +884,9 @@ def test_overlapping_outputs_raise_as_on_the_cpu(ocl):  # noqa: F811
         "neg, out shifted": lambda a, m, i: torch.neg(a[:-1], out=a[1:]),
         "masked_fill_ by a shifted mask": lambda a, m, i: (b := (m > 0).view(-1))[1:].masked_fill_(
             b[:-1], False),
+        # ops on the CPU fallback: one host copy per device storage, its overlap seen
+        "cat, out one of its inputs' rows": lambda a, m, i: torch.cat((m, m[:2]), out=m[2:]),
+        "take, out over its index": lambda a, m, i: torch.take(a, i[1:], out=i[:-1]),
     }
     fine = {
         "add_ of itself": lambda a, m, i: a.add_(a),

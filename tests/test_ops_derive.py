@@ -235,3 +235,26 @@ def test_output_specs_key_floats_by_type_where_the_op_reads_a_tensor(monkeypatch
     for end, n in ((4.5, 5), (6.5, 7)):
         ((shape, _, _),) = derive.output_specs(A.arange.out, (end,), {"out": out})
         assert shape == (n,)
+
+
+def test_a_meta_kernels_error_is_raised_in_the_kernels_words(hypot_calls):
+    # hypot's meta kernel is a Python reference, whose broadcast error is worded otherwise
+    # than ATen's: the call takes the next path, whose CPU kernel raises the CPU's error
+    calls, _ = hypot_calls
+    a, b = torch.randn(3), torch.randn(4)
+    with pytest.raises(RuntimeError) as cpu:
+        torch.hypot(a, b)
+    assert "must match the size of tensor b" in str(cpu.value)
+    calls.clear()
+    for call in (lambda x, y: torch.hypot(x, y),
+                 lambda x, y: torch.hypot(x, y, out=torch.empty(3, device="sim"))):
+        with pytest.raises(RuntimeError) as dev:
+            call(a.to("sim"), b.to("sim"))
+        assert str(dev.value) == str(cpu.value)
+    assert calls == []
+    old = ops.set_fallback_enabled(False)
+    try:  # no CPU kernel to ask: the meta kernel's own error, not "the fallback is off"
+        with pytest.raises(RuntimeError, match="Attempting to broadcast a dimension"):
+            torch.hypot(a.to("sim"), b.to("sim"))
+    finally:
+        ops.set_fallback_enabled(old)

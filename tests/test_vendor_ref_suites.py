@@ -6,8 +6,11 @@ they found, kept as tests.
   tensors on two devices take the next path, which raises CUDA's device error (the fuzzer's
   ``out:cpu*`` steps: ``ref`` raised ``ValueError`` from the kernel's address lookup, and
   resized the CPU ``out`` first; tensors on ``ref:0`` and ``ref:1`` were accepted).
-* A Python meta kernel's ``ValueError`` (``sub(int, int, alpha=0.5)``) is not the kernel's
-  verdict: the next path raises the CPU's ``RuntimeError`` (the fuzzer's ``seq:sub-alpha``).
+* A Python meta kernel's error is not the kernel's verdict: the next path raises the CPU's
+  error, class and words (``sub(int, int, alpha=0.5)``'s ``ValueError``, the fuzzer's
+  ``seq:sub-alpha``; ``mm``'s shape check).
+* An ``out=`` over an input's elements raises the CPU's overlap error (PyTorch's
+  ``test_errors_cat``/``test_errors_take``: the fallback copied each argument alone).
 * A few fuzz programs on ``ref``, compared within tolerance (``--backend``); the
   ``make test-vendor`` run draws hundreds.
 
@@ -83,6 +86,23 @@ for call in (lambda: torch.sub(i, i, alpha=0.5), lambda: i.clone().add_(i, alpha
         assert "alpha must not be a floating point number" in str(e), str(e)
     else:
         raise AssertionError("a float alpha with integer tensors: no error")
+# an out= over an input's elements: the fallback's CPU kernel sees the overlap (one host copy
+# per device storage) and raises, and the inputs keep their values; mm's meta kernel words a
+# shape error otherwise than ATen: the CPU's words
+y, z, ind = torch.randn(4, 6, device="ref"), torch.randn(4, 6, device="ref"), \
+    torch.tensor([2, 1, 0], device="ref")
+for call, kept in ((lambda: torch.cat((y, z), out=z[:2, :]), z),
+                   (lambda: torch.take(ind.clone(), ind[1:], out=ind[:-1]), ind),
+                   (lambda: torch.mm(y, z), y)):
+    before = kept.cpu()
+    try:
+        call()
+    except RuntimeError as e:
+        assert "refer to a single memory location" in str(e) or \
+            "mat1 and mat2 shapes cannot be multiplied" in str(e), str(e)
+    else:
+        raise AssertionError("no error (the CPU raises)")
+    assert torch.equal(kept.cpu(), before)
 print("ok")
 """
 

@@ -326,13 +326,19 @@ def storage_ptr(t: torch.Tensor) -> int:
 
 
 # ---- host views and staging ------------------------------------------------------
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
     """(first byte, byte count) of the storage range a tensor can touch."""
     n = storage_nbytes(t.shape, t.stride(), t.element_size())
     start = t.storage_offset() * t.element_size()
     if t.dtype in qtensors.SUB_BYTE:  # packed values: the storage holds fewer bytes
         n = min(n, t.untyped_storage().nbytes() - start)
     return start, n
+
+
+def host_storage(address: int, nbytes: int) -> torch.UntypedStorage:
+    """A CPU storage over the ``nbytes`` of host memory at ``address`` (no copy, no
+    deleter, not resizable): the caller keeps the memory alive."""
+    return _construct_storage(address, _CPU, nbytes)
 
 
 def host_view(backend: DeviceBackend, t: torch.Tensor) -> torch.Tensor:
@@ -342,20 +348,26 @@ def host_view(backend: DeviceBackend, t: torch.Tensor) -> torch.Tensor:
         if t.is_quantized:
             return qtensors.over_storage(t, torch.UntypedStorage(0), 0, t.shape, t.stride())
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-    nbytes = sum(_byte_span(t))
-    cpu_storage = _construct_storage(backend.runtime.host_address(ptr), _CPU, nbytes)
+    nbytes = sum(byte_span(t))
+    cpu_storage = host_storage(backend.runtime.host_address(ptr), nbytes)
     if t.is_quantized:  # the same integers, read with the same quantization parameters
         return qtensors.over_storage(t, cpu_storage, t.storage_offset(), t.shape, t.stride())
     return torch.empty(0, dtype=t.dtype).set_(cpu_storage, t.storage_offset(), t.shape, t.stride())
 
 
-def read_to_host(backend: DeviceBackend, t: torch.Tensor, stream=None) -> torch.Tensor:
-    """A CPU copy of device tensor ``t`` (same shape and strides), via the runtime."""
-    start, n = _byte_span(t)
+def read_bytes(backend: DeviceBackend, index: int, ptr: int, n: int, stream=None) -> torch.Tensor:
+    """A CPU ``uint8`` copy of the ``n`` device bytes at ``ptr`` on device ``index`` (at
+    least one byte long), via the runtime."""
     buf = torch.empty(max(n, 1), dtype=torch.uint8)
     if n:
-        src = storage_ptr(t) + start
-        backend.runtime.copy_d2h(backend.phys(t.device.index), buf.data_ptr(), src, n, stream)
+        backend.runtime.copy_d2h(backend.phys(index), buf.data_ptr(), ptr, n, stream)
+    return buf
+
+
+def read_to_host(backend: DeviceBackend, t: torch.Tensor, stream=None) -> torch.Tensor:
+    """A CPU copy of device tensor ``t`` (same shape and strides), via the runtime."""
+    start, n = byte_span(t)
+    buf = read_bytes(backend, t.device.index, storage_ptr(t) + start, n, stream)
     if t.dtype.itemsize > 1 and n % t.dtype.itemsize:
         raise RuntimeError(f"misaligned storage span of {n} bytes for {t.dtype}")
     if t.is_quantized:
@@ -370,7 +382,7 @@ def write_from_host(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor
     if dst.numel() == 0:
         return
     rt, idx = backend.runtime, backend.phys(dst.device.index)
-    start, n = _byte_span(dst)
+    start, n = byte_span(dst)
     dptr = storage_ptr(dst) + start
     if is_dense_row_major(dst):
         staged = src.to(dst.dtype).contiguous()
@@ -389,7 +401,7 @@ def write_from_host(backend: DeviceBackend, dst: torch.Tensor, src: torch.Tensor
 def store_span(backend: DeviceBackend, dst: torch.Tensor, span: torch.Tensor) -> None:
     """Write back a :func:`read_to_host` copy of ``dst`` (changed on the host): the bytes
     of its whole storage span, those between strided elements included."""
-    start, n = _byte_span(dst)
+    start, n = byte_span(dst)
     if n:
         backend.runtime.copy_h2d(backend.phys(dst.device.index), storage_ptr(dst) + start,
                                  span.untyped_storage().data_ptr(), n, None)
@@ -397,7 +409,7 @@ def store_span(backend: DeviceBackend, dst: torch.Tensor, span: torch.Tensor) ->
 
 def is_dense_row_major(t: torch.Tensor) -> bool:
     """Contiguous, and its bytes are exactly its storage span's."""
-    return t.is_contiguous() and (t.numel() * t.element_size()) == _byte_span(t)[1]
+    return t.is_contiguous() and (t.numel() * t.element_size()) == byte_span(t)[1]
 
 
 def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:

@@ -428,13 +428,20 @@ def foreign(backend: DeviceBackend, op: OpOverload, args: tuple, kwargs: dict,
 
 
 def _kernel_specs(op: OpOverload, args: tuple, kwargs: dict, quiet: bool = False) -> list[Spec]:
-    """:func:`output_specs` for a derived kernel. A Python meta kernel (``torch._refs``)
-    rejects some arguments with ``ValueError`` or ``TypeError`` where the CPU's and CUDA's
-    kernels raise ``RuntimeError`` (a float ``alpha`` with integer tensors): such a call takes
-    the next path, whose CPU kernel raises the CPU's error."""
+    """:func:`output_specs` for a derived kernel. A meta kernel that rejects the call is
+    often a Python reference (``torch._refs``), whose errors are not the kernels' own: a
+    float ``alpha`` with integer tensors is its ``ValueError`` where the CPU and CUDA raise
+    ``RuntimeError``, shapes that do not broadcast are "Attempting to broadcast a
+    dimension..." where they say "The size of tensor a (3) must match...". Such a call
+    takes the next path, whose CPU kernel raises the kernel's error, error class and words
+    (the call costs a fallback's copies, once, as it fails). With the fallback off, the
+    meta kernel's error is raised as it is: the next path would only say it is off."""
     try:
         return output_specs(op, args, kwargs, quiet=quiet)
-    except (ValueError, TypeError) as e:
+    except Exception as e:
+        from torchport.ops import fallback
+        if type(e).__module__.startswith("torchport") or not fallback._ENABLED:
+            raise
         raise Decline(f"{op}: its meta kernel raises {type(e).__name__}: {e}") from e
 
 

@@ -393,6 +393,10 @@ def _run_decomposition(backend: DeviceBackend, op: Any, d: Callable[..., Any], a
         derive.check_outs_not_inputs_to_resize(op, args, kwargs)
     if plan.out_args:
         names = derive.out_names(op)
+        outs = [kwargs[n] for n in names if isinstance(kwargs.get(n), torch.Tensor)]
+        # the kernel's overlap checks: the pieces would write an out= over its own inputs
+        derive.check_overlap(op, args, kwargs, outs,
+                             [*args, *(v for k, v in kwargs.items() if k not in names)])
         for name, (shape, stride, _) in zip(names, derive.output_specs(op, args, kwargs),
                                             strict=False):
             out = kwargs.get(name)

@@ -241,7 +241,7 @@ class HostCall:
     writes land directly); otherwise written arguments are copied back."""
 
     __slots__ = ("backend", "op", "plan", "index", "to_cpu", "zero_copy", "views", "seen",
-                 "bounded", "copies")
+                 "bounded", "shared", "copies")
 
     def __init__(self, backend: DeviceBackend, op: Any, plan: OpPlan, index: int | None,
                  to_cpu: Callable[[Tensor], Tensor], zero_copy: bool) -> None:
@@ -258,6 +258,10 @@ class HostCall:
         # device storage address -> the CPU storage of exactly its bytes, for the storages
         # of out= arguments: every argument on one sees it (the CPU's overlap checks)
         self.bounded: dict[int, tuple[torch.UntypedStorage, int]] | None = None
+        # device-only memory: device storage address -> (one host copy of the bytes its
+        # arguments span, the byte of the storage that copy starts at), for the storages
+        # two argument tensors share: the CPU kernel sees their overlap as the device has it
+        self.shared: dict[int, tuple[torch.UntypedStorage, int]] | None = None
         self.copies: set[int] = set()  # device tensors whose CPU tensors are copies
 
     def _map(self, v: Any) -> Any:
@@ -276,11 +280,17 @@ class HostCall:
             else:
                 b = self.bounded.get(v.untyped_storage().data_ptr()) if self.bounded \
                     else None
-                if b is None:
-                    c = self.to_cpu(v)
-                else:
+                s = self.shared.get(tensors.storage_ptr(v)) if self.shared and not \
+                    v.is_quantized else None
+                if b is not None:
                     c = torch.empty(0, dtype=v.dtype).set_(b[0], v.storage_offset(), v.shape,
                                                            v.stride())
+                elif s is not None:
+                    c = torch.empty(0, dtype=v.dtype).set_(
+                        s[0], (v.storage_offset() * v.element_size() - s[1]) // v.element_size(),
+                        v.shape, v.stride())
+                else:
+                    c = self.to_cpu(v)
                 # Raw-memory views drop the lazy conjugate/negative bits: put them back.
                 if v.is_conj():
                     c = c.conj()
@@ -300,6 +310,8 @@ class HostCall:
     def run(self, args: tuple, kwargs: dict) -> Any:
         if self.plan.out_args and self.zero_copy:
             self._bound_outs(args, kwargs)
+        elif not self.zero_copy and self.to_cpu == self.backend.to_host:
+            self._stage_shared(args, kwargs)
         cargs, ckw = self._map_all(args, kwargs)
         try:
             result = self._call(args, kwargs, cargs, ckw)
@@ -340,16 +352,41 @@ class HostCall:
                 dev = t.untyped_storage()
                 if dev.data_ptr() in bounded:
                     continue
-                cpu = self.to_cpu(t)
-                whole = cpu.untyped_storage()
-                start = cpu.data_ptr() - t.storage_offset() * t.element_size() \
-                    - whole.data_ptr()
+                # the host address of the storage's first byte, whatever part of it
+                # the view reaches: every argument on it gets this one CPU storage
+                at = self.to_cpu(t).data_ptr() - t.storage_offset() * t.element_size()
                 n = dev.nbytes()
-                if 0 <= start and start + n <= whole.nbytes():
-                    at = whole.data_ptr() + start
-                    st = native.growable_host_storage(at, n)
-                    bounded[dev.data_ptr()] = (whole[start:start + n] if st is None else st, at)
+                st = native.growable_host_storage(at, n)
+                bounded[dev.data_ptr()] = (tensors.host_storage(at, n) if st is None else st,
+                                           at)
         self.bounded = bounded or None
+
+    def _stage_shared(self, args: tuple, kwargs: dict) -> None:
+        """Device-only memory: the tensors of the call that share a device storage (an
+        ``out=`` over an input's elements, two views of one buffer) get one host copy of
+        the bytes they span, from a 64-byte boundary, instead of one copy each, so the CPU
+        kernel sees them overlap as they do on the device: its overlap checks raise as on
+        CUDA, and an in-place write is seen by the other views. Tensors of a storage of
+        their own are copied alone, as before."""
+        groups: dict[int, list[Tensor]] = {}
+        for t in _iter_tensors(args, kwargs):
+            if t.device.type == self.backend.name and t.layout == torch.strided \
+                    and t.numel() and not t.is_quantized:
+                group = groups.setdefault(tensors.storage_ptr(t), [])
+                if all(t is not u for u in group):
+                    group.append(t)
+        shared: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for ptr, group in groups.items():
+            if len(group) < 2:
+                continue
+            spans = [tensors.byte_span(t) for t in group]
+            base = min(start for start, _ in spans) // 64 * 64
+            end = max(start + n for start, n in spans)
+            index = group[0].device.index
+            self.backend.host_sync(index)
+            buf = tensors.read_bytes(self.backend, index, ptr + base, end - base)
+            shared[ptr] = (buf.untyped_storage(), base)
+        self.shared = shared or None
 
     def _note_copies(self) -> None:
         """The device tensors whose CPU tensors' storage is no longer their memory (the CPU

@@ -214,8 +214,9 @@ def register(ks: KernelSet, k: Context) -> None:
             raise Decline("div with a rounding mode of bool")  # the CPU's error
         if not isfloat(common):
             args = as_common(common, [self, other])
-            if not isinstance(args[1], torch.Tensor) and args[1] == 0:
-                raise RuntimeError("ZeroDivisionError")  # the CPU's check of a host divisor
+            if not isinstance(args[1], torch.Tensor) and args[1] == 0 and out.numel():
+                # the CPU's check of a host divisor, in its kernel: an empty result has none
+                raise RuntimeError("ZeroDivisionError")
             # a zero divisor on the device gives 0, as CUDA's kernel checks nothing; -1
             # negates (dividing the most negative value by it traps on a CPU)
             q = "(a1 == -1 ? -a0 : a0 / a1)"
