@@ -665,7 +665,20 @@ def test_dropout_mask_is_reproducible_from_the_device_generator(ocl):  # noqa: F
     same(torch.ops.aten.native_dropout_backward(g.to("ocl"), mask, 1 / 0.7),
          torch.ops.aten.native_dropout_backward(g, mask.cpu(), 1 / 0.7))
     same(torch.native_dropout(dx, 0.3, False)[0], x)           # eval: the identity
+    gb, mb = torch.rand(5, 5) > 0.5, torch.rand(5, 5) > 0.5       # a bool gradient: float32
+    same(torch.ops.aten.native_dropout_backward(gb.to("ocl"), mb.to("ocl"), 2.0),
+         torch.ops.aten.native_dropout_backward(gb, mb, 2.0))
     native_only(lambda: torch.nn.functional.dropout(dx, 0.2))
+    # in-place dropout is PyTorch's bernoulli_ then mul_: the same elements kept, from the
+    # same generator state, as the functional one (op_db's variant consistency)
+    torch.ocl.manual_seed(5)
+    functional = torch.nn.functional.dropout(dx, 0.3, True)
+    torch.ocl.manual_seed(5)
+    in_place = torch.nn.functional.dropout(dx.clone(), 0.3, True, inplace=True)
+    same(in_place, functional.cpu())
+    native_only(lambda: dx.clone().t().bernoulli_(0.25))
+    b = torch.empty(100, 100, device="ocl").bernoulli_(0.25).cpu()
+    assert set(b.unique().tolist()) == {0.0, 1.0} and abs(b.mean().item() - 0.25) < 0.03
     """)
 
 

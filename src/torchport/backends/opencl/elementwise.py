@@ -323,12 +323,27 @@ def register(ks: KernelSet, k: Context) -> None:
             return out0, out1
         p1m = 1.0 - p
         scale = 0.0 if p1m == 0 else 1.0 / p1m
-        backend = torchport.current_backend()
-        gen = backend.generators[input.device.index]  # per device as torch.ocl numbers them
-        key = int(torch.empty((), dtype=torch.int64).random_(generator=gen))
-        L.elementwise(out1, [], "k", torch.bool,
-                      [(torch.float32, p1m), (torch.int64, key & 0xFFFFFFFF),
-                       (torch.int64, key >> 32)],
-                      pre="uchar k = philox_uniform(i, (uint)s1, (uint)s2) < s0;")
+        keep(out1, p1m)
         return L.elementwise(out0, [input, out1], "(a0 * (a1 ? 1 : 0)) * s0",
                              [input.dtype, torch.bool], [(input.dtype, scale)]), out1
+
+    def keep(out: torch.Tensor, p: float) -> torch.Tensor:
+        """``out[i] = 1`` where the first word of Philox4x32-10 at counter ``(i, 0)`` under a
+        key drawn from the device's generator, as a 24-bit uniform, is below ``p``; else 0."""
+        gen = torchport.current_backend().generators[out.device.index]  # as torch.ocl numbers them
+        key = int(torch.empty((), dtype=torch.int64).random_(generator=gen))
+        return L.elementwise(out, [], "k", out.dtype,
+                             [(torch.float32, p), (torch.int64, key & 0xFFFFFFFF),
+                              (torch.int64, key >> 32)],
+                             pre="uchar k = philox_uniform(i, (uint)s1, (uint)s2) < s0;")
+
+    @ks.kernel("bernoulli_.float", dtypes=floats)
+    def bernoulli_(self, p=0.5, *, generator=None):
+        """The draws of :func:`native_dropout`'s mask: in-place dropout
+        (``F.dropout(x, inplace=True)``, PyTorch's ``bernoulli_`` then ``mul_``) keeps the
+        elements the functional one keeps, from the same generator state."""
+        if generator is not None:
+            raise Decline("bernoulli_ with a generator argument: the fallback draws from it")
+        if not 0 <= p <= 1:
+            raise Decline("a probability out of [0, 1]: the CPU's error")
+        return keep(self, p) if self.numel() else self

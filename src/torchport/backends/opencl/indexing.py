@@ -107,8 +107,10 @@ def register(ks: KernelSet, k: Context) -> None:
 
     @ks.out_kernel("native_dropout_backward.out", dtypes=floats + [torch.bool])
     def native_dropout_backward(grad_output, mask, scale, *, out):
+        # a bool gradient times the float scale is a float32 result, as on the CPU
+        ct = out.dtype if grad_output.dtype == torch.bool else grad_output.dtype
         return L.elementwise(out, [grad_output, mask], "(a0 * (a1 ? 1 : 0)) * s0",
-                             [grad_output.dtype, torch.bool], [(grad_output.dtype, scale)])
+                             [ct, torch.bool], [(ct, scale)])
 
     # ---- nll_loss: the target indexes the classes ----
     nll_floats = [d for d in (torch.float32, torch.float64) if d in dtypes]
