@@ -104,7 +104,8 @@ _TINY = '''
     import torch
     from torch.testing._internal.common_device_type import (
         dtypes, instantiate_device_type_tests, onlyCPU)
-    from torch.testing._internal.common_utils import TestCase, run_tests
+    from torch.testing._internal.common_utils import (  # the label: newer than torch 2.13
+        HardwareClassification, TestCase, run_tests)
 
 
     class TestTiny(TestCase):

@@ -170,6 +170,9 @@ def _run_file(file: Path, base: Path, work: Path, backend: str, device: str,
               f"on {device}: {n['pass']} pass, {n['fail']} fail, {n['error'] + n['crash']} "
               f"error, {n['skip'] + n['xfail']} skip, {n['missing']} missing; "
               f"{len(out['device_only'])} {device}-only", flush=True)
+        for label, err in out.get("process_errors", {}).items():
+            print(f"{file.name}: the {label} run failed, {err.splitlines()[0]} (its log: "
+                  f"{work / f'{stem}.{label}.log'})", flush=True)
     return out
 
 

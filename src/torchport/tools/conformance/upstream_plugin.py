@@ -67,20 +67,12 @@ def _expecttest_stand_in() -> None:
     sys.modules["expecttest"] = m
 
 
-def _setup() -> str:
-    """Register the device under test (if not the CPU); its type's name."""
-    device = os.environ.get(DEVICE_VARIABLE, "cpu")
-    _expecttest_stand_in()
-    if device == "cpu":
-        os.environ["PYTORCH_TESTING_DEVICE_ONLY_FOR"] = "cpu"
-        return "cpu"
-    from torchport.tools.run import load_backend
-
-    name = load_backend(device).name
-    os.environ["PYTORCH_TESTING_DEVICE_ONLY_FOR"] = "privateuse1"
+def _hardware_classification_stand_in() -> None:
+    """``common_utils.HardwareClassification``, a label test files newer than the installed
+    PyTorch import: both runs, the CPU's too, must collect the same tests."""
     import torch.testing._internal.common_utils as cu
 
-    if not hasattr(cu, "HardwareClassification"):  # a label newer test files set
+    if not hasattr(cu, "HardwareClassification"):
         import enum
 
         class HardwareClassification(enum.Enum):
@@ -89,6 +81,21 @@ def _setup() -> str:
             CPU = "cpu"
 
         cu.HardwareClassification = HardwareClassification  # type: ignore[attr-defined]
+
+
+def _setup() -> str:
+    """Register the device under test (if not the CPU); its type's name."""
+    device = os.environ.get(DEVICE_VARIABLE, "cpu")
+    _expecttest_stand_in()
+    if device == "cpu":
+        os.environ["PYTORCH_TESTING_DEVICE_ONLY_FOR"] = "cpu"
+        name = "cpu"
+    else:
+        from torchport.tools.run import load_backend
+
+        name = load_backend(device).name  # before torch.testing._internal builds its bases
+        os.environ["PYTORCH_TESTING_DEVICE_ONLY_FOR"] = "privateuse1"
+    _hardware_classification_stand_in()
     return name
 
 
