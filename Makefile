@@ -127,9 +127,17 @@ test-torch: $(TORCH_VENV)/.installed
 
 # The OpenCL backend's whole suite on PoCL (make test runs its representative subset: device
 # memory, copies, a model training, fallback, streams, errors; this adds the kernel sweeps,
-# the transformer block and the conformance subset: a few minutes on 2 cores).
+# the transformer block and the conformance subset: a few minutes on 2 cores), then PyTorch's
+# device-generic test files of ../shared/upstream/ on ocl where that folder exists (about an
+# hour and a half).
 test-opencl: $(STAMP)
-	$(BIN)/python -m pytest -q -m opencl tests
+	rc=0; \
+	$(BIN)/python -m pytest -q -m opencl tests || rc=1; \
+	if [ -f ../shared/upstream/run_upstream.sh ]; then \
+		OMP_NUM_THREADS=1 UPSTREAM_FILE_TIMEOUT=5400 UPSTREAM_DEVICE_UNDER_TEST=ocl \
+			UPSTREAM_BACKEND=torchport.opencl bash ../shared/upstream/run_upstream.sh || rc=1; \
+	fi; \
+	exit $$rc
 
 # torch.compile on the sim, all of it (make test runs it without the Hugging Face model's
 # compiled training, minutes of compiling on 2 cores).
@@ -165,7 +173,8 @@ test-vendor: $(STAMP)
 		echo "$$out" | tail -1; ! echo "$$out" | grep MISMATCH || rc=1; \
 	done; \
 	if [ -f ../shared/upstream/run_upstream.sh ]; then \
-		UPSTREAM_DEVICE_UNDER_TEST=ref UPSTREAM_BACKEND=torchport.backends.reference \
+		OMP_NUM_THREADS=1 UPSTREAM_FILE_TIMEOUT=5400 UPSTREAM_DEVICE_UNDER_TEST=ref \
+			UPSTREAM_BACKEND=torchport.backends.reference \
 			bash ../shared/upstream/run_upstream.sh || rc=1; \
 	fi; \
 	exit $$rc
