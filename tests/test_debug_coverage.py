@@ -328,17 +328,21 @@ def test_composites_are_listed() -> None:
 
 
 def test_composite_without_a_device_kernel_is_visible(tmp_path: Path) -> None:
-    """A backend without a ``native_layer_norm`` kernel: PyTorch's composite computes it from
-    other ops; coverage names it (and the op its pieces fell back on)."""
+    """A backend without a ``flip`` kernel: PyTorch's composite computes ``rot90`` from
+    other ops; coverage names it (and the op its pieces fell back on). ``native_layer_norm``,
+    which the CPU and CUDA compute with kernels of their own, is no composite on a device
+    either: without a kernel it takes the CPU's."""
     walk = Path(__file__).resolve().parents[1] / "examples" / "vendor_walkthrough"
     script = tmp_path / "ln.py"
     script.write_text("import torch\nx = torch.randn(4, 8, device='walk')\n"
-                      "torch.nn.functional.layer_norm(x, (8,)).sum().item()\n")
+                      "torch.nn.functional.layer_norm(x, (8,)).sum().item()\n"
+                      "torch.rot90(x).sum().item()\n")
     out = tmp_path / "cov.json"
     proc = subprocess.run([sys.executable, "-m", "torchport.tools.debug.cli_coverage", "-b",
                            "backend", "--json", str(out), "-q", str(script)], cwd=walk,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     paths = {o["name"]: o["path"] for o in json.loads(out.read_text())["ops"]}
-    assert paths["native_layer_norm"] == "composite", paths
+    assert paths["rot90"] == "composite" and paths["flip"] == "fallback", paths
+    assert paths["native_layer_norm"] == "fallback", paths
     assert paths["empty.memory_format"] == "torchport", paths

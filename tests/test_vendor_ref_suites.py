@@ -116,6 +116,48 @@ def test_vendor_kernels_get_tensors_of_the_call_device_only() -> None:
     assert out.strip().endswith("ok")
 
 
+OWN_KERNEL_OPS = """
+import torch, torchport
+import torchport.backends.reference  # noqa: F401
+from torchport.ops import plan
+torchport.ops.set_fallback_warn(False)
+assert {"native_layer_norm", "native_group_norm", "addr"} <= set(plan.composite_elsewhere())
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    x, w, b = torch.randn(2, 6, 5).to(dtype), torch.randn(6).to(dtype), torch.randn(6).to(dtype)
+    calls = {
+        "group_norm": lambda d: torch.nn.functional.group_norm(
+            x.to(d), 3, w.to(d), b.to(d)),
+        "native_group_norm": lambda d: torch.ops.aten.native_group_norm(
+            x.to(d), w.to(d), b.to(d), 2, 6, 5, 3, 1e-5),
+        "layer_norm": lambda d: torch.nn.functional.layer_norm(x.to(d), (5,)),
+        "layer_norm of one element": lambda d: torch.nn.functional.layer_norm(
+            x[:1, :1, :1].to(d) * 100, (1,)),
+    }
+    with torchport.ops.record(composites=True) as rec:
+        for name, call in calls.items():
+            want, got = call("cpu"), call("ref")
+            for w_, g in zip(want if isinstance(want, tuple) else (want,),
+                             got if isinstance(got, tuple) else (got,), strict=True):
+                assert g.dtype == w_.dtype and torch.equal(g.cpu(), w_), (name, dtype)
+    paths = {n: rec.path_of(n) for n in rec.ops}
+    assert "composite" not in (paths.get("native_group_norm"), paths.get("native_layer_norm")), paths
+print("ok")
+"""
+
+
+def test_ops_with_their_own_cpu_and_cuda_kernels_compute_as_those() -> None:
+    """``native_group_norm``/``native_layer_norm`` have CPU and CUDA kernels that accumulate
+    in float32; other devices got PyTorch's composite, computing in the input's dtype
+    (float16 group norm 0.006 off, a float32 layer norm of one element 1e-4). Without a
+    kernel of its own the device now takes the CPU's, bit for bit."""
+    out = check_python(textwrap.dedent(OWN_KERNEL_OPS), timeout=300,
+                       env=child_env(drop=("TORCHPORT_SIM_STRICT", "TORCHPORT_SIM_ASYNC",
+                                           "TORCHPORT_AUTOLOAD"), importable=True,
+                                     OMP_NUM_THREADS="1"))
+    assert out.strip().endswith("ok")
+
+
 @pytest.mark.slow
 def test_fuzz_programs_on_ref() -> None:
     """A handful of fuzz programs on ``ref`` against the CPU, within tolerance: no

@@ -26,6 +26,14 @@ serve it:
   attention a PrivateUse1 backend may route SDPA to; here computed by PyTorch's math
   path on the device, returning what the op's meta kernel promises.
 
+And the other way round: ops with CPU and CUDA kernels of their own that every other
+device computes with a ``CompositeExplicitAutograd`` kernel (``native_layer_norm``,
+``native_group_norm``, ``addr``: :func:`torchport.ops.plan.composite_elsewhere`). Those
+composites compute in the input's dtype, where the CPU's and CUDA's kernels accumulate in
+float32 (a float16 group norm off by 0.006, a float32 layer norm of one element by 1e-4):
+here the device takes torchport's next path instead, PyTorch's decomposition (which computes
+in float32) when its pieces have device kernels, else the CPU kernel.
+
 Installed for every backend after its own kernel sets: a vendor's declaration of
 one of these ops wins. The kernels compute with ATen ops on device tensors, so they
 take the device's own kernels where it has them.
@@ -38,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchport.ops import fallback
+from torchport.ops import fallback, plan
 from torchport.ops.declarations import Decline, KernelSet
 from torchport.ops.fused_rnn import (
     fused_gru_cell,
@@ -174,9 +182,20 @@ def _autograd_on() -> Any:
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
+def _own_kernel_elsewhere(*args: Any, **kwargs: Any) -> Any:
+    raise Decline("CPU and CUDA compute it with a kernel of their own, not the composite "
+                  "other devices get: the decomposition or the CPU kernel")
+
+
 def make_kernel_set(backend: DeviceBackend) -> KernelSet:
     """The route kernels for ``backend`` (installed after its own kernel sets)."""
     ks = KernelSet("device-routes")
+    for name in plan.composite_elsewhere():
+        if "." not in name:
+            name += ".default"
+        base, _, overload = name.partition(".")
+        if hasattr(getattr(torch.ops.aten, base, None), overload):  # an op of this torch
+            ks.kernel(name)(_own_kernel_elsewhere)
     ks.kernel("_thnn_fused_lstm_cell.default")(fused_lstm_cell)
     ks.kernel("_thnn_fused_lstm_cell_backward_impl.default")(fused_lstm_cell_backward_impl)
     ks.kernel("_thnn_fused_gru_cell.default")(fused_gru_cell)

@@ -96,6 +96,14 @@ def _native_functions() -> dict[str, tuple[bool, str | None, frozenset[str]]]:
     return facts
 
 
+def composite_elsewhere() -> list[str]:
+    """Overloads (``"native_layer_norm"``, ``"addr.out"``) with CPU and CUDA kernels of their
+    own whose other devices get a ``CompositeExplicitAutograd`` kernel instead, from the
+    yaml torchgen ships: a computation CUDA never runs."""
+    return sorted(name for name, (_, _, keys) in _native_functions().items()
+                  if {"CPU", "CUDA", "CompositeExplicitAutograd"} <= keys)
+
+
 _checked: dict[str, tuple[str, ...]] = {}
 
 
