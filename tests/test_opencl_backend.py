@@ -876,6 +876,52 @@ def test_every_index_kernel_reports_bad_indices_as_the_cpu_refuses_them(ocl):  #
     """)
 
 
+def test_what_the_cpu_refuses_or_wraps_the_device_does_too(ocl):  # noqa: F811
+    """What the fuzzer found on ocl: a bool subtraction with a Python bool and ``abs`` of bool
+    computed where the CPU raises; a fill value out of the dtype's range raised Python's
+    OverflowError (the CPU: its RuntimeError, nothing written); an integer scalar operand out
+    of range raised where the CPU wraps it (``where(c, uint8, -5)`` takes 251); a sum into a
+    complex dtype raised KeyError; building some kernels warned pyopencl's compiler output."""
+    ocl.run("""
+    import warnings
+    cases = {
+        "bool - True": lambda d: torch.tensor([True, False], device=d) - True,
+        "True - bool": lambda d: True - torch.tensor([True, False], device=d),
+        "abs of bool": lambda d: torch.tensor([True, False], device=d).abs(),
+        "fill_ int8 1000": lambda d: torch.zeros(2, dtype=torch.int8, device=d).fill_(1000),
+        "fill_ int8 1e10": lambda d: torch.zeros(2, dtype=torch.int8, device=d).fill_(1e10),
+        "fill_ half 1e5": lambda d: torch.zeros(2, dtype=torch.half, device=d).fill_(1e5),
+        "fill_ half inf": lambda d: torch.zeros(2, dtype=torch.half, device=d).fill_(float("inf")),
+        "where uint8 -5": lambda d: torch.where(torch.tensor([True, False], device=d),
+                                                torch.ones(2, dtype=torch.uint8, device=d), -5),
+        "where int8 300": lambda d: torch.where(torch.tensor([True, False], device=d),
+                                                torch.ones(2, dtype=torch.int8, device=d), 300),
+        "sum into complex": lambda d: torch.ones(3, dtype=torch.uint8, device=d).sum(
+            dtype=torch.complex64),
+        "floor_divide uint8": lambda d: torch.floor_divide(
+            torch.tensor([4, 5], dtype=torch.uint8, device=d), 2),
+    }
+    for name, f in cases.items():
+        got = []
+        for d in ("cpu", "ocl"):
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                try:
+                    r = f(d).cpu()
+                except Exception as e:
+                    r = (type(e), str(e))
+            said = [str(w.message) for w in said if w.category.__name__ != "FallbackWarning"]
+            got.append((r, said))
+        (want, wwarn), (have, hwarn) = got
+        assert wwarn == hwarn, (name, wwarn, hwarn)
+        if isinstance(want, tuple):
+            assert have == want, (name, have, want)
+        else:
+            same_dtype = isinstance(have, torch.Tensor) and have.dtype == want.dtype
+            assert same_dtype and torch.equal(have, want), (name, have, want)
+    """)
+
+
 def test_overlapping_outputs_raise_as_on_the_cpu(ocl):  # noqa: F811
     """The CPU's memory-overlap errors for out=/in-place calls of the device's kernels (an
     out= kernel's derived overloads, a plain in-place kernel, the copies), the same type

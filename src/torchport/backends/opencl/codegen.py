@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -103,7 +104,7 @@ class Programs:
                 head += _PHILOX
             if "report_index(" in source:
                 head += REPORT_INDEX
-            program = cl.Program(self.runtime.contexts[index], head + source).build(_OPTIONS)
+            program = build(self.runtime.contexts[index], head + source)
             k = program.all_kernels()[0]
             dtypes = scalar_arg_dtypes(source)
             if dtypes is not None and len(dtypes) == k.num_args:
@@ -182,9 +183,25 @@ def _ctype(dtype: torch.dtype) -> str:
     return "float" if dtype == torch.float16 else _CL[dtype]
 
 
+def build(context: cl.Context, source: str, options: Sequence[str] | None = None) -> cl.Program:
+    """``source`` compiled for ``context``. The driver's diagnostics of a build that
+    succeeded (pyopencl's ``CompilerWarning``: "Non-empty compiler output encountered") are
+    the backend's, not the user's: they are not warned; a failed build still raises."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cl.CompilerWarning)
+        return cl.Program(context, source).build(_OPTIONS if options is None else options)
+
+
 def _scalar(dtype: torch.dtype, value: Any) -> Any:
     if dtype == torch.bool:  # any number is a truth value (scalar_tensor(-5, dtype=bool))
         return np.uint8(bool(value))
+    if not dtype.is_floating_point and isinstance(value, int):
+        # an integer out of the type's range wraps, as the CPU's conversion of a scalar
+        # operand does (where(c, uint8, -5) takes 251)
+        bits = torch.iinfo(dtype).bits
+        value &= (1 << bits) - 1
+        if torch.iinfo(dtype).min < 0 and value >= 1 << (bits - 1):
+            value -= 1 << bits
     return _NP[torch.float32 if dtype == torch.float16 else dtype](value)
 
 

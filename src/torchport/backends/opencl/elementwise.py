@@ -3,6 +3,7 @@ fills and copies, and dropout (a Philox counter-based generator on the device)."
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +26,8 @@ def register(ks: KernelSet, k: Context) -> None:
         @ks.out_kernel(name, dtypes=dtypes)
         def kernel(self, other, *, out, alpha=1):
             ct = promote(kind, self, other)
+            if name == "sub.out" and ct == torch.bool:
+                raise Decline("bool subtraction: the CPU's error")
             scalars = [(ct, alpha)] if alpha != 1 else []
             e = expr(ct) if alpha == 1 else expr(ct).replace("a1", "(s0 * a1)")
             return L.elementwise(out, [self, other], e, ct, scalars)
@@ -248,7 +251,8 @@ def register(ks: KernelSet, k: Context) -> None:
             return L.elementwise(out, [self], expr(ct), ct)
 
     unary("neg.out", lambda ct: "-a0", only=tuple(dtypes - {torch.bool}))
-    unary("abs.out", lambda ct: "fabs(a0)" if isfloat(ct) else "(a0 < 0 ? -a0 : a0)")
+    unary("abs.out", lambda ct: "fabs(a0)" if isfloat(ct) else "(a0 < 0 ? -a0 : a0)",
+          only=tuple(dtypes - {torch.bool}))  # the CPU's and CUDA's abs refuse bool
     for fn in ("exp", "log", "sqrt", "tanh", "sin", "cos", "log1p", "expm1"):
         unary(f"{fn}.out", lambda ct, f=fn: f"{f}(a0)", PROMOTE.INT_TO_FLOAT)
     unary("rsqrt.out", lambda ct: "1 / sqrt(a0)", PROMOTE.INT_TO_FLOAT)
@@ -285,7 +289,24 @@ def register(ks: KernelSet, k: Context) -> None:
     @ks.kernel("fill_.Scalar", dtypes=dtypes)
     def fill_scalar(self, value):
         ct = self.dtype
+        if not fits(value, ct):
+            raise Decline("a fill value out of the dtype's range: the CPU's error")
         return L.elementwise(self, [], "s0", ct, [(ct, value)])
+
+    def fits(value: Any, dtype: torch.dtype) -> bool:
+        """Does ``value`` convert to ``dtype`` without overflow (the CPU's checked
+        conversion of a fill value)?"""
+        if dtype == torch.bool:
+            return not isinstance(value, complex)
+        if isinstance(value, complex):
+            return False
+        if dtype.is_floating_point:
+            v = float(value)
+            return math.isnan(v) or math.isinf(v) or abs(v) <= torch.finfo(dtype).max
+        info = torch.iinfo(dtype)
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        return info.min <= value <= info.max
 
     @ks.kernel("fill_.Tensor", dtypes=dtypes)
     def fill_tensor(self, value):

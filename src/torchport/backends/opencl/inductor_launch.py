@@ -18,6 +18,7 @@ import pyopencl as cl
 import torch
 
 import torchport
+from torchport.backends.opencl.codegen import build
 from torchport.backends.opencl.runtime import REPORT_INDEX
 
 _NP = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32,
@@ -57,7 +58,7 @@ class OpenCLProgram:
             head = _HELPERS + (REPORT_INDEX if self.checks else "")
             if rt.fp64[index]:
                 head = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n" + head
-            program = cl.Program(rt.contexts[index], head + self.source).build(_OPTIONS)
+            program = build(rt.contexts[index], head + self.source, _OPTIONS)
             k = self.kernels[index] = program.all_kernels()[0]
         return k
 

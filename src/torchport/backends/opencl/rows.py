@@ -44,6 +44,8 @@ def register(ks: KernelSet, k: Context) -> None:
 
     @ks.out_kernel("sum.IntList_out", dtypes=dtypes)
     def sum_out(self, dim, keepdim=False, *, dtype=None, out):
+        if out.dtype.is_complex:
+            raise Decline("a sum into a complex dtype: the CPU's")
         at = acc_type(out.dtype)
         reduce(self, dim, keepdim, [out],
                f"{at} acc = 0; for (long j = 0; j < m; j++) acc += ({at})IN0(j);\n  "

@@ -58,6 +58,10 @@ BACKEND_EXPLAINED: tuple[tuple[str, tuple[str, ...], tuple[str, ...], str], ...]
      "a normalisation layer's bias gradient under a loss of its normalised output is zero in "
      "exact arithmetic, so both sides hold rounding noise, which Adam divides by its own "
      "magnitude: the first step moves the bias by about lr either way"),
+    ("own-generator-draws", ("rng:dropout*", "rng:bernoulli*"), (),
+     "a backend that draws dropout masks with a generator of its own (OpenCL's Philox "
+     "kernels, as CUDA's) keeps other elements than the CPU from the same seed; the "
+     "conformance runner checks such draws by their properties (PROPERTIES)"),
     ("failed-op-writes", ("*",), ("index:index_add_*", "index:index_copy_*", "index:scatter*",
                                   "index:index_put*"),
      "an indexing op that raised on an out-of-range index: the CPU's kernel writes the "
