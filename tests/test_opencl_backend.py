@@ -900,6 +900,11 @@ def test_what_the_cpu_refuses_or_wraps_the_device_does_too(ocl):  # noqa: F811
             dtype=torch.complex64),
         "floor_divide uint8": lambda d: torch.floor_divide(
             torch.tensor([4, 5], dtype=torch.uint8, device=d), 2),
+        "neg int8, out float32": lambda d: torch.neg(torch.ones(3, dtype=torch.int8, device=d),
+                                                     out=torch.empty(3, device=d)),
+        "int32 mul_ float32": lambda d: torch.ones(3, dtype=torch.int32, device=d).mul_(
+            torch.full((3,), 1.5, device=d)),
+        "bool mul_ 2": lambda d: torch.ones(3, dtype=torch.bool, device=d).mul_(2),
     }
     for name, f in cases.items():
         got = []

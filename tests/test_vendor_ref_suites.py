@@ -103,6 +103,21 @@ for call, kept in ((lambda: torch.cat((y, z), out=z[:2, :]), z),
     else:
         raise AssertionError("no error (the CPU raises)")
     assert torch.equal(kept.cpu(), before)
+# an in-place kernel whose result type does not cast to self's dtype (the derived in-place
+# overload asked only the in-place meta kernel, which does not check it): the CPU's error,
+# self unchanged; twice, the second call meeting what the first planned
+for make, other in ((lambda: torch.ones(3, dtype=torch.int32, device="ref"),
+                     torch.full((3,), 1.5, device="ref")),
+                    (lambda: torch.ones(3, dtype=torch.bool, device="ref"), 2)):
+    for _ in range(2):
+        x = make()
+        try:
+            x.mul_(other)
+        except RuntimeError as e:
+            assert "can't be cast to the desired output type" in str(e), str(e)
+        else:
+            raise AssertionError("an in-place result type that does not cast: no error")
+        assert torch.equal(x.cpu(), make().cpu())
 print("ok")
 """
 

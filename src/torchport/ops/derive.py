@@ -490,6 +490,35 @@ def functional_kernel(backend: DeviceBackend, op: OpOverload, out_op: OpOverload
     return kernel
 
 
+def _functional_of(op: OpOverload) -> OpOverload | None:
+    """``mul.Tensor`` for ``mul_.Tensor``: the overload an in-place op computes the result
+    of (``None`` where there is none)."""
+    base = op._schema.name.removeprefix("aten::").removesuffix("_")
+    packet = getattr(torch.ops.aten, base, None)
+    return getattr(packet, op._overloadname, None) if packet is not None else None
+
+
+def check_result_castable(op: OpOverload, self: Tensor, args: tuple, kwargs: dict) -> None:
+    """TensorIterator's rule for an in-place op: the computation's result type must cast to
+    ``self``'s dtype (``int_tensor.mul_(float_tensor)``, ``bool_tensor.mul_(2)`` raise on the
+    CPU and CUDA; the in-place op's meta kernel does not say)."""
+    functional = _functional_of(op)
+    if functional is None:
+        return
+    try:
+        ((_, _, result),) = output_specs(functional, (self, *args), kwargs, quiet=True)
+    except Exception:  # the in-place op's own checks speak for such a call
+        return
+    if not torch.can_cast(result, self.dtype):
+        raise RuntimeError(f"result type {_type_name(result)} can't be cast to the desired "
+                           f"output type {_type_name(self.dtype)}")
+
+
+def _type_name(dtype: torch.dtype) -> str:
+    """ATen's name of ``dtype`` (``Long`` for int64), as its messages give it."""
+    return torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")
+
+
 def inplace_kernel(backend: DeviceBackend, op: OpOverload, out_op: OpOverload,
                    fn: Callable[..., Any]) -> Callable[..., Any]:
     """In-place ``op``: ``out=self`` once the meta kernel agrees on ``self``'s shape."""
@@ -505,6 +534,7 @@ def inplace_kernel(backend: DeviceBackend, op: OpOverload, out_op: OpOverload,
         if shape != tuple(self.shape):
             raise RuntimeError(f"{op}: output with shape {list(self.shape)} doesn't match the "
                                f"broadcast shape {list(shape)}")
+        check_result_castable(op, self, args, kwargs)
         try:
             fn(self, *args, **kwargs, **{name: self})
         except DeviceMismatchError:
@@ -546,6 +576,7 @@ def planner(kind: str, op: OpOverload, out_op: OpOverload,
             return None
         check_overlap(op, (self, *args), kwargs, [self], [*args, *kwargs.values()])
         ((shape, _, _),) = output_specs(op, (self, *args), kwargs, quiet=True)
+        check_result_castable(op, self, args, kwargs)
         return [] if shape == tuple(self.shape) else None
 
     return {"out": out, "functional": functional, "inplace": inplace}[kind]
