@@ -25,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from torchport.memory.tensors import storage_nbytes
+from torchport.ops import switch
 from torchport.ops.declarations import Decline
 from torchport.ops.plan import (
     DeviceMismatchError,
@@ -439,8 +440,7 @@ def _kernel_specs(op: OpOverload, args: tuple, kwargs: dict, quiet: bool = False
     try:
         return output_specs(op, args, kwargs, quiet=quiet)
     except Exception as e:
-        from torchport.ops import fallback
-        if type(e).__module__.startswith("torchport") or not fallback._ENABLED:
+        if type(e).__module__.startswith("torchport") or not switch.FALLBACK_ENABLED:
             raise
         raise Decline(f"{op}: its meta kernel raises {type(e).__name__}: {e}") from e
 

@@ -54,7 +54,7 @@ import torch
 from torchport.core import native, settings
 from torchport.core.libraries import keep_past_exit
 from torchport.memory import tensors
-from torchport.ops import derive, hooks, hostexec, paths, stats, teardown
+from torchport.ops import derive, hooks, hostexec, paths, stats, switch, teardown
 from torchport.ops.declarations import Decline
 from torchport.ops.plan import plan_for
 
@@ -83,6 +83,7 @@ _PATTERNS: list[re.Pattern[str]] = []
 _ROUTES: dict[str, Route] = {}  # overload name -> route of a native kernel
 _FORCED_CACHE: dict[str, bool] = {}
 _ENABLED: bool = settings.get("TORCHPORT_FALLBACK")
+switch.FALLBACK_ENABLED = _ENABLED
 _WARN: bool = settings.get("TORCHPORT_FALLBACK_WARN")
 
 
@@ -218,6 +219,7 @@ def set_fallback_enabled(enabled: bool) -> bool:
     """Allow (True) or forbid (False) the CPU fallback; returns the old setting."""
     global _ENABLED
     old, _ENABLED = _ENABLED, bool(enabled)
+    switch.FALLBACK_ENABLED = _ENABLED
     if old != _ENABLED:
         _forget_learnt()  # its calls must reach the Python check again
     return old

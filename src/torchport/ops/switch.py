@@ -19,6 +19,11 @@ T = TypeVar("T")
 #: tensors laid out as ``specs`` say; ``None``: in place). ``None`` otherwise.
 QUEUED_TEACH: Callable[..., None] | None = None
 
+#: Whether the CPU fallback serves ops without a kernel (``TORCHPORT_FALLBACK``,
+#: ``ops.set_fallback_enabled``; ``ops/fallback.py`` keeps it): a derived kernel's meta-kernel
+#: error hands the call to the CPU kernel for its words only while it does.
+FALLBACK_ENABLED: bool = True
+
 
 class Registry(Generic[T]):
     """Members in the order they joined; ``active`` says whether there are any."""

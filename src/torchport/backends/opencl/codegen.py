@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import re
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,7 @@ import pyopencl as cl
 import torch
 
 import torchport
-from torchport.backends.opencl.runtime import REPORT_INDEX, OpenCLRuntime
+from torchport.backends.opencl.runtime import REPORT_INDEX, OpenCLRuntime, build_program
 from torchport.core import settings
 from torchport.ops import Decline
 
@@ -104,7 +103,7 @@ class Programs:
                 head += _PHILOX
             if "report_index(" in source:
                 head += REPORT_INDEX
-            program = build(self.runtime.contexts[index], head + source)
+            program = build_program(self.runtime.contexts[index], head + source, _OPTIONS)
             k = program.all_kernels()[0]
             dtypes = scalar_arg_dtypes(source)
             if dtypes is not None and len(dtypes) == k.num_args:
@@ -181,15 +180,6 @@ def _store(dtype: torch.dtype, ptr: str, index: str, value: str) -> str:
 def _ctype(dtype: torch.dtype) -> str:
     """The C type a value of ``dtype`` is computed in (half: in float, as PyTorch's opmath)."""
     return "float" if dtype == torch.float16 else _CL[dtype]
-
-
-def build(context: cl.Context, source: str, options: Sequence[str] | None = None) -> cl.Program:
-    """``source`` compiled for ``context``. The driver's diagnostics of a build that
-    succeeded (pyopencl's ``CompilerWarning``: "Non-empty compiler output encountered") are
-    the backend's, not the user's: they are not warned; a failed build still raises."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", cl.CompilerWarning)
-        return cl.Program(context, source).build(_OPTIONS if options is None else options)
 
 
 def _scalar(dtype: torch.dtype, value: Any) -> Any:

@@ -18,8 +18,7 @@ import pyopencl as cl
 import torch
 
 import torchport
-from torchport.backends.opencl.codegen import build
-from torchport.backends.opencl.runtime import REPORT_INDEX
+from torchport.backends.opencl.runtime import REPORT_INDEX, build_program
 
 _NP = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32,
        torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.uint8}
@@ -58,7 +57,7 @@ class OpenCLProgram:
             head = _HELPERS + (REPORT_INDEX if self.checks else "")
             if rt.fp64[index]:
                 head = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n" + head
-            program = build(rt.contexts[index], head + self.source, _OPTIONS)
+            program = build_program(rt.contexts[index], head + self.source, _OPTIONS)
             k = self.kernels[index] = program.all_kernels()[0]
         return k
 

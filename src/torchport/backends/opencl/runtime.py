@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import threading
+import warnings
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,15 @@ class Marker:
     def __init__(self, index: int, enable_timing: bool) -> None:
         self.index, self.enable_timing = index, enable_timing
         self.marker: cl.Event | None = None
+
+
+def build_program(context: cl.Context, source: str, options: list[str]) -> cl.Program:
+    """``source`` compiled for ``context``. The driver's diagnostics of a build that
+    succeeded (pyopencl's ``CompilerWarning``: "Non-empty compiler output encountered") are
+    the backend's, not the user's: they are not warned; a failed build still raises."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cl.CompilerWarning)
+        return cl.Program(context, source).build(options)
 
 
 def select_devices() -> list[cl.Device]:
