@@ -498,17 +498,38 @@ def _functional_of(op: OpOverload) -> OpOverload | None:
     return getattr(packet, op._overloadname, None) if packet is not None else None
 
 
+# (in-place op, its arguments' dtype signature) -> the functional overload's result dtype
+_RESULT_TYPES: dict[tuple, torch.dtype] = {}
+
+
+def _dtype_sig(v: Any) -> Any:
+    """What of an argument decides a result's dtype: a tensor's dtype and whether it is
+    0-dim (then it promotes as a scalar), a number's type, a dtype itself."""
+    if isinstance(v, Tensor):
+        return (v.dtype, v.dim() == 0)
+    if isinstance(v, torch.dtype):
+        return v
+    return type(v)
+
+
 def check_result_castable(op: OpOverload, self: Tensor, args: tuple, kwargs: dict) -> None:
     """TensorIterator's rule for an in-place op: the computation's result type must cast to
     ``self``'s dtype (``int_tensor.mul_(float_tensor)``, ``bool_tensor.mul_(2)`` raise on the
     CPU and CUDA; the in-place op's meta kernel does not say)."""
-    functional = _functional_of(op)
-    if functional is None:
-        return
-    try:
-        ((_, _, result),) = output_specs(functional, (self, *args), kwargs, quiet=True)
-    except Exception:  # the in-place op's own checks speak for such a call
-        return
+    key = (op, _dtype_sig(self), *map(_dtype_sig, args),
+           *((k, _dtype_sig(v)) for k, v in kwargs.items()))
+    result = _RESULT_TYPES.get(key)
+    if result is None:
+        functional = _functional_of(op)
+        if functional is None:
+            return
+        try:
+            ((_, _, result),) = output_specs(functional, (self, *args), kwargs, quiet=True)
+        except Exception:  # the in-place op's own checks speak for such a call
+            return
+        if len(_RESULT_TYPES) > 4096:
+            _RESULT_TYPES.clear()
+        _RESULT_TYPES[key] = result
     if not torch.can_cast(result, self.dtype):
         raise RuntimeError(f"result type {_type_name(result)} can't be cast to the desired "
                            f"output type {_type_name(self.dtype)}")
