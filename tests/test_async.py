@@ -565,6 +565,63 @@ def test_a_failure_of_a_call_queued_from_cpp_is_reported_at_the_next_sync():
     assert out.strip() == "ok"
 
 
+@needs_cpp
+def test_the_hosts_calls_run_from_cpp_after_the_queued_work():
+    """Copies between the host and the device, ``Tensor.item``, an op with a 0-dim CPU
+    operand and the CPU fallback's learnt calls are computed by the host after the stream's
+    queued work, as their Python kernels compute them: from C++, no Python kernel or
+    fallback called, each waiting for the work queued behind a gate, bit for bit the CPU's.
+    A queued failure is still reported by the first of them; the device stays usable."""
+    out = run("""
+        import warnings
+        from torchport.ops import native_hostops as nh
+        warnings.simplefilter("ignore")
+        a, b, s = torch.randn(8, 8), torch.randn(8, 8), torch.tensor(2.5)
+        da = a.to("sim")
+        host = torch.empty(8, 8)
+        cases = [  # each on y = da * 3 then y.mul_(2.0) queued behind the gate
+            lambda y: y.cpu(),
+            lambda y: torch.tensor(y[1, 2].item()),
+            lambda y: host.copy_(y).clone(),
+            lambda y: y.copy_(b).cpu(),                        # written after the queued write
+            lambda y: y.to("cpu", torch.float64),
+            lambda y: (y * s).cpu(),
+            lambda y: torch.hypot(y, y).cpu(),
+            lambda y: torch.hypot(y, y, out=y).cpu(),
+        ]
+        for call in cases:  # the first calls: the fallback learns, layouts are taught
+            call((da * 3).mul_(2.0))
+        torch.sim.synchronize()
+        for k, call in enumerate(cases):
+            want = call((a * 3).mul_(2.0))
+            y = da * 3
+            torch.sim.synchronize()
+            close_gate()
+            y.mul_(2.0)                                        # queued behind the gate
+            timer = threading.Timer(0.2, gate.set)
+            timer.start()
+            served, handed, _ = nh.counts()
+            to_python = nh.fallback_counts()[1]
+            got = call(y)
+            assert gate.is_set(), k
+            assert torch.equal(got, want), (k, got, want)
+            assert nh.counts()[1] == handed and nh.fallback_counts()[1] == to_python, k
+            assert nh.counts()[0] > served, k
+            timer.join()
+        x = torch.randn(5, device="sim")
+        xc = x.cpu()
+        good, bad = torch.tensor([0, 4], device="sim"), torch.tensor([0, 7], device="sim")
+        x.index_select(0, good)
+        for call in (lambda t: t.cpu(), lambda t: torch.hypot(t, t).cpu(),
+                     lambda t: (t * s).cpu()):
+            x.index_select(0, bad)                             # fails on the worker
+            raises_at_the_call(lambda: call(x), "out of range")
+            assert torch.equal(call(x), call(xc))              # the device still works
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
 @pytest.mark.skipif(STRICT, reason="device-only memory: a conversion is the host's")
 def test_copies_within_a_device_are_queued():
     """``copy_`` between two tensors of one device, and ``Tensor.to`` a dtype on the device

@@ -34,7 +34,7 @@ _B = active_backend()
 _K = _B.host_op_kernels
 _COMPUTES = cpp_host_ops_compute()
 _SERVES = cpp_fallback_serves()
-_STAGED = _SERVES and not _COMPUTES  # device-only memory: through the runtime's copies
+_STAGED = _SERVES and not _B.runtime.host_addressable  # through the runtime's copies
 needs_cpp = pytest.mark.skipif(not _COMPUTES, reason=CPP_HOST_OPS_IDLE)
 serves = pytest.mark.skipif(not _SERVES, reason=CPP_HOST_OPS_IDLE)
 

@@ -149,8 +149,12 @@ class HostOp final : public c10::OperatorKernel {
   }
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
-    if (torchport::queued_mode())  // (a random op draws at the call: its Python kernel)
-      return random(op) ? python(op, stack) : queued(op, stack);
+    if (torchport::queued_mode()) {  // (a random op draws at the call: its Python kernel)
+      if (random(op)) return python(op, stack);
+      const bool core = to_copy_ || cpu_tensors_ || fallback_;
+      if (!core && queued(op, stack)) return;
+      if (core && !host_turn(op, *stack, false)) return python(op, stack);
+    }
     if (to_copy_) return to_copy(op, stack);
     if (composite_) return composite(op, stack);
     // device-only memory: the learnt fallback's calls through the runtime's copies
@@ -527,6 +531,52 @@ class HostOp final : public c10::OperatorKernel {
     return torchport::result_on_device(python_result, cpu, index);
   }
 
+  // Queued mode, for the copies, Tensor.item and the learnt CPU fallback's calls: may the
+  // host run the call now, as a synchronous runtime's? Those with the host (a CPU tensor, a
+  // copy to or from it, a number read back) and the fallback's are run by their Python
+  // kernels on the host after the current stream's queued work: here the same, once that
+  // work has run. A copy within the device is queued by its Python kernel: here only where
+  // nothing is queued. A side stream current, a non-blocking copy and a failure a
+  // synchronising call must report take the Python kernel.
+  // `with_host`: only a call with the host, else none.
+  bool host_turn(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
+                 bool with_host) const {
+    const auto& schema = op.schema();
+    const auto& arguments = schema.arguments();
+    const size_t first = stack.size() - arguments.size();
+    int index = -1;
+    bool host = fallback_;
+    auto see = [&](const at::Tensor& t) {
+      if (!t.defined()) return;
+      if (t.device().type() != kDevice)
+        host = true;
+      else if (index < 0)
+        index = t.device().index();
+    };
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      const c10::IValue& v = stack[first + i];
+      if (v.isTensor()) {
+        see(v.toTensor());
+      } else if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorList()) see(t);
+      } else if (v.isList()) {
+        for (const c10::IValue& e : v.toListRef())
+          if (e.isTensor()) see(e.toTensor());
+      } else if (v.isDevice()) {  // _to_copy's
+        const c10::Device d = v.toDevice();
+        if (d.type() != kDevice)
+          host = true;
+        else if (index < 0)
+          index = d.has_index() ? d.index() : torchport::guard_current_device();
+      } else if (v.isBool() && v.toBool() && arguments[i].name() == "non_blocking") {
+        return false;
+      }
+    }
+    for (const c10::Argument& r : schema.returns())
+      if (r.type()->kind() != c10::TypeKind::TensorType) host = true;
+    return index >= 0 && (host || !with_host) && torchport::queued_host_turn(index, host);
+  }
+
   static void restore(torch::jit::Stack* stack, size_t first,
                       const c10::SmallVectorImpl<c10::IValue>& originals) {
     stack->resize(first);
@@ -534,24 +584,27 @@ class HostOp final : public c10::OperatorKernel {
   }
 
   // An asynchronous runtime with C++ queues: the call queued as the Python kernel taught it
-  // for this layout (native_queued_ops.cpp), or the Python kernel, which may teach it. Nothing
-  // is computed now here: the host computes only after the queued work, which the Python
-  // kernels wait for.
-  void queued(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-    if (!to_copy_ && !composite_ && !cpu_tensors_) {
+  // for this layout (native_queued_ops.cpp), or the Python kernel, which may teach it; true.
+  // False: the host's turn to compute the call now, as a synchronous runtime's -- one with a
+  // CPU tensor (a 0-dim operand), which no layout key stands for and the Python kernel runs
+  // on the host after the current stream's queued work (host_turn waited for it).
+  bool queued(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+    if (!composite_) {
       std::string key;
       if (torchport::queued_serve(op, stack, queued_, key)) {
         served.fetch_add(1, std::memory_order_relaxed);
-        return;
+        return true;
       }
       if (!key.empty()) {
         torchport::QueuedTeaching teaching(op);
         python(op, stack);
         teaching.keep(queued_, std::move(key));
-        return;
+        return true;
       }
+      if (host_turn(op, *stack, true)) return false;
     }
     python(op, stack);
+    return true;
   }
 
   // The op's Python kernel (the Python fallback for a learnt one) on the arguments on the
@@ -599,7 +652,7 @@ class LearntFallback final : public c10::OperatorKernel {
  public:
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
                   torch::jit::Stack* stack) {
-    if (fallback_serving.load(std::memory_order_acquire) && !torchport::queued_mode()) {
+    if (fallback_serving.load(std::memory_order_acquire)) {
       std::shared_ptr<HostOp> kernel = learnt_kernel(op);
       if (kernel) return (*kernel)(op, ks, stack);
     }

@@ -185,6 +185,10 @@ int64_t submit_op(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack sta
 // shape or dtype fails the queue).
 int64_t submit_copied(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack stack,
                       std::vector<at::Tensor> outs);
+// May the host read or write what the work queued on `q` so far uses? Its turn comes once
+// that work has run (`wait`: waits for it, without the GIL, Ctrl-C raising; else only where
+// it has) and no failure is kept for a synchronising call to report.
+bool host_turn(Queue* q, bool wait);
 }  // namespace queues
 
 // native_queued_ops.cpp: host-op kernels on an asynchronous runtime whose queues are C++'s.
@@ -218,6 +222,8 @@ bool layout_key(const c10::FunctionSchema& schema, const torch::jit::Stack& stac
                 c10::SmallVectorImpl<std::pair<const void*, const void*>>& tensors);
 // Is the runtime asynchronous with C++ queues (the host-op kernels then queue)?
 bool queued_mode();
+// queues::host_turn on device `index`'s default stream, while it is the current one.
+bool queued_host_turn(int index, bool wait);
 // Queue the call on `stack` as `calls` learned it: true, its results on the stack. False:
 // not served; `key` is then the layout key to learn under (empty: nothing to learn).
 bool queued_serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, QueuedCalls& calls,

@@ -203,6 +203,11 @@ bool layout_key(const c10::FunctionSchema& schema, const torch::jit::Stack& stac
 
 bool queued_mode() { return enabled.load(std::memory_order_relaxed); }
 
+bool queued_host_turn(int index, bool wait) {
+  queues::Queue* queue = serving_queue(index);
+  return queue != nullptr && queues::host_turn(queue, wait);
+}
+
 bool queued_serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, QueuedCalls& calls,
                   std::string& key) {
   const auto& schema = op.schema();

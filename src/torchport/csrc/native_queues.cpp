@@ -21,6 +21,8 @@
 #include <Python.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <atomic>
 #include <chrono>
@@ -32,6 +34,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -113,6 +116,10 @@ class Queue {
   int64_t completed() {
     std::lock_guard<std::mutex> l(m_);
     return completed_;
+  }
+  bool failed() {
+    std::lock_guard<std::mutex> l(m_);
+    return failed_;
   }
   void abandon() { abandoned_.store(true); }
   bool abandoned() const { return abandoned_.load(); }
@@ -340,6 +347,31 @@ int64_t marker(Queue* q) { return q->submit(Job{}, false); }
 
 bool done(Queue* q, int64_t ticket) { return q->wait(ticket, -1); }
 
+bool host_turn(Queue* q, bool wait) {
+  const int64_t target = q->submitted();
+  if (!q->wait(target, -1)) {
+    if (!wait) return false;
+    for (;;) {
+      // without the GIL (queued Python work needs it), in slices between which the main
+      // thread takes a Ctrl-C, as the Python wait does
+      const bool gil = Py_IsInitialized() && PyGILState_Check();
+      PyThreadState* saved = gil ? PyEval_SaveThread() : nullptr;
+      const bool ran = q->wait(target, 50);
+      if (saved) PyEval_RestoreThread(saved);
+      if (ran) break;
+      const PyGILState_STATE state = PyGILState_Ensure();
+      if (PyErr_CheckSignals() != 0) {
+        python_error e;
+        e.persist();
+        PyGILState_Release(state);
+        throw std::move(e);
+      }
+      PyGILState_Release(state);
+    }
+  }
+  return !q->failed();
+}
+
 int64_t submit_op(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack stack) {
   Job job;
   job.kind = Job::kOp;
@@ -378,6 +410,43 @@ int64_t torchport_queue_submit(void* q, PyObject* fn, const char* name, int boun
   job.fn = fn;
   job.name = name;
   return static_cast<Queue*>(q)->submit(std::move(job), bounded != 0);
+}
+
+// The CPU kernel of operator `name`.`overload` on Python's (args, kwargs) -- host views of
+// device memory -- queued on `q` as `label`, where it runs without the GIL as C++'s own launches do (a
+// Python kernel's launch of one ATen op needs no Python on the worker); its ticket, or 0 for
+// arguments the schema does not take as they are (a number in a tensor's place: the caller
+// queues a Python call instead). The GIL held.
+int64_t torchport_queue_submit_call(void* q, const char* name, const char* overload,
+                                    PyObject* args, PyObject* kwargs, const char* label) {
+  static std::mutex known_lock;
+  static std::unordered_map<std::string, c10::OperatorHandle> known;  // aten's: never removed
+  try {
+    std::string key = std::string(name) + "." + overload;
+    std::optional<c10::OperatorHandle> op;
+    {
+      std::lock_guard<std::mutex> l(known_lock);
+      auto it = known.find(key);
+      if (it != known.end()) op = it->second;
+    }
+    if (!op) {
+      op = c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
+      std::lock_guard<std::mutex> l(known_lock);
+      known.emplace(std::move(key), *op);
+    }
+    auto a = pybind11::reinterpret_borrow<pybind11::tuple>(args);
+    auto kw = pybind11::reinterpret_borrow<pybind11::kwargs>(kwargs);
+    Job job;
+    job.kind = Job::kOp;
+    job.op = *op;
+    job.stack = torch::jit::createStackForSchema(op->schema(), a, kw, std::nullopt);
+    job.name = label;  // the name its failure is reported under
+    return static_cast<Queue*>(q)->submit(std::move(job), /*bounded=*/true);
+  } catch (pybind11::error_already_set&) {
+  } catch (const std::exception&) {
+  }
+  PyErr_Clear();
+  return 0;
 }
 
 int64_t torchport_queue_marker(void* q) { return torchport::queues::marker(static_cast<Queue*>(q)); }

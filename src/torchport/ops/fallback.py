@@ -33,8 +33,9 @@ as before. Forcing, op statistics, tools and ``TORCHPORT_FALLBACK=0`` put the Py
 registration back or make it decide again. On device-only memory (the host reaches it only
 through the runtime's copies) the same C++ fallback serves those overloads through the
 runtime's ``copy_d2h``/``copy_h2d`` (``native_staged.cpp``: the copies plus a few us) while
-the default stream is current; on asynchronous runtimes with the sim's C++ queues the
-Python fallback serves every call.
+the default stream is current; on asynchronous runtimes with the sim's C++ queues C++
+serves them as on a synchronous one once the current stream's queued work has run (the
+Python fallback's order too).
 """
 
 from __future__ import annotations

@@ -15,8 +15,10 @@ layout), that change no tensor's metadata; random ones draw from the CPU generat
 device's generator holds (``native_generator.cpp``). And the factories whose CPU kernel is
 PyTorch's composite one (``full``, ``arange``, ``randn``), which C++ runs. On an
 asynchronous runtime with C++ queues (the sim's, :meth:`HostOpKernels.queues`) the same C++
-kernels compute nothing: they queue the calls the Python kernels taught them
-(``native_queued_ops.cpp``) and hand the rest to the Python kernels. As with the view and
+kernels queue the calls the Python kernels taught them (``native_queued_ops.cpp``) and hand
+the rest to the Python kernels; the copies with the host, ``Tensor.item`` and the learnt
+fallback calls, which the Python kernels run on the host after the current stream's queued
+work, they run the same way (waiting for that work in C++). As with the view and
 empty kernels, never both are registered: where the library is missing, the memory is not
 host memory at the device address, the runtime is asynchronous without C++ queues, and while
 ``fallback.SLOW`` is set (op statistics, forced fallback, tools intercepting ops), the
@@ -263,7 +265,7 @@ class HostOpKernels:
             if self._enable(self.python):
                 native.enabled("host-op kernels")
                 self.native = True
-                fallback.serve_learnt(self.direct())
+                fallback.serve_learnt(self.direct() or self.queues() is not None)
                 return
         self._drop_native()
         if self._registered is None:

@@ -136,6 +136,10 @@ class _Native:
             "torchport_queue_submit", [c.c_void_p, c.py_object, c.c_char_p, c.c_int], c.c_int64)
         self.take_error = native.python_function(
             "torchport_queue_take_error", [c.c_void_p], c.py_object)
+        self.submit_call = native.python_function(
+            "torchport_queue_submit_call",
+            [c.c_void_p, c.c_char_p, c.c_char_p, c.py_object, c.py_object, c.c_char_p],
+            c.c_int64)
 
 
 _native: _Native | None = None
@@ -195,6 +199,14 @@ class _NativeWorker:
 
     def submit(self, fn: Callable[[], Any], name: str, bounded: bool = False) -> int:
         return self.lib.submit(self.handle, fn, name.encode(), int(bounded))
+
+    def submit_op(self, op: Any, args: tuple, kwargs: dict, name: str) -> int:
+        """Queue ``op``'s CPU kernel (an ATen ``OpOverload``) on ``(args, kwargs)``: the
+        worker runs it without the GIL. Its ticket, or 0: arguments the schema does not
+        take as they are (a number in a tensor's place), not queued."""
+        schema = op._schema
+        return self.lib.submit_call(self.handle, schema.name.encode(),
+                                    schema.overload_name.encode(), args, kwargs, name.encode())
 
     def marker(self) -> int:
         """A ticket that completes when the work queued before it has run."""

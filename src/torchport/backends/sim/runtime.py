@@ -418,6 +418,20 @@ class SimRuntime(Runtime):
         self._dev(index)
         self._worker(index, stream).submit(fn, name, bounded=True)
 
+    def launch_op(self, index: int, stream: SimStream | None, op: Any, args: tuple,
+                  kwargs: dict, name: str = "") -> bool:
+        """Queue ATen operator ``op``'s CPU kernel on ``(args, kwargs)`` (host views of
+        device memory) on ``stream``, where the worker runs it without Python (C++
+        queues); ``False``: not queued so (synchronous, or Python queues), left to
+        :meth:`launch`, as are arguments its schema does not take as they are."""
+        if not self.asynchronous or self._inline:
+            return False
+        self._dev(index)
+        w = self._worker(index, stream)
+        if not isinstance(w, _NativeWorker):
+            return False
+        return w.submit_op(op, args, kwargs, name) > 0
+
     def create_stream(self, index: int, priority: int = 0) -> SimStream:
         self._dev(index)
         with self._lock:

@@ -23,7 +23,7 @@ import torch
 from torchport.memory import tensors
 from torchport.ops import fallback, hostexec, hostviews, stats
 from torchport.ops.hostkernels import outputs, trials
-from torchport.ops.hostkernels.into_device import device_side
+from torchport.ops.hostkernels.into_device import launch_call
 from torchport.ops.hostkernels.layouts import LayoutCache, layout_of
 from torchport.ops.hostkernels.mapping import Call
 from torchport.ops.plan import plan_for
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
 _copy = torch.ops.aten.copy_.default
+_MUL_OUT = torch.ops.aten.mul.out
+_MUL_SCALAR_ = torch.ops.aten.mul_.Scalar
 
 
 def _fresh_generator(state: Tensor) -> torch.Generator:
@@ -99,8 +101,8 @@ def fill_kernel(backend: DeviceBackend, op: torch._ops.OpOverload, views: hostvi
         drawn = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
         op._op(drawn, *args[1:], **kwargs, generator=gen)  # the numbers, in call order
         view = views.entry(t)[0]
-        rt.launch(backend.visible[index], backend.current_stream_handle(index),
-                  lambda: device_side(_copy, [view, drawn], {}), label)
+        launch_call(rt, backend.visible[index], backend.current_stream_handle(index), _copy,
+                    (view, drawn), {}, label)
         return t
 
     return stats.traced(kernel, "drawn", trace)
@@ -151,10 +153,9 @@ def launch_dropout(backend: DeviceBackend, views: hostviews.HostViews, specs: li
     xv, ov, mv = views.entry(x)[0], views.entry(outs[0])[0], views.entry(outs[1])[0]
     drawn, scale = _dropout_parts(xv, p, backend.generators[index])
 
-    def device() -> None:
-        _copy(ov, xv.mul(drawn).mul_(scale))
-        _copy(mv, drawn)
-
-    backend.runtime.launch(backend.visible[index], backend.current_stream_handle(index),
-                           lambda: device_side(device, [], {}), label)
+    # the CPU kernel's x * mask * scale, then the mask, each queued as an op of its own
+    rt, phys, stream = backend.runtime, backend.visible[index], backend.current_stream_handle(index)
+    launch_call(rt, phys, stream, _MUL_OUT, (xv, drawn), {"out": ov}, label)
+    launch_call(rt, phys, stream, _MUL_SCALAR_, (ov, scale), {}, label)
+    launch_call(rt, phys, stream, _copy, (mv, drawn), {}, label)
     return outs[0], outs[1]

@@ -9,7 +9,7 @@ import torch
 
 from torchport.ops import fallback, hostviews, quiet, stats
 from torchport.ops.hostkernels import outputs, trials
-from torchport.ops.hostkernels.into_device import device_side
+from torchport.ops.hostkernels.into_device import launch_call
 from torchport.ops.hostkernels.layouts import LayoutCache, layout_of
 from torchport.ops.hostkernels.mapping import CPU_KS, Call
 
@@ -189,8 +189,8 @@ def queued_factory(backend: DeviceBackend, op: torch._ops.OpOverload,
         r = outputs.new_output(backend, index, spec)
         if spec.nbytes:
             view = views.entry(r)[0]
-            rt.launch(backend.visible[index], backend.current_stream_handle(index),
-                      lambda: device_side(out_op, [*before, *args], {"out": view}), label)
+            launch_call(rt, backend.visible[index], backend.current_stream_handle(index),
+                        out_op, (*before, *args), {"out": view}, label)
         return r
 
     return kernel

@@ -3,7 +3,6 @@ or queued on the stream of an asynchronous runtime)."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -11,7 +10,7 @@ import torch
 
 from torchport.ops import fallback, hostviews, stats, switch
 from torchport.ops.hostkernels import schema, trials
-from torchport.ops.hostkernels.into_device import device_side
+from torchport.ops.hostkernels.into_device import launch_call
 from torchport.ops.hostkernels.layouts import LayoutCache, argument_key
 from torchport.ops.hostkernels.mapping import CPU_KS, Call, device_index, device_views, on_views
 from torchport.ops.plan import numbers_as_tensors, plan_for
@@ -124,14 +123,12 @@ def launching_inplace_kernel(backend: DeviceBackend, op: torch._ops.OpOverload,
     label = str(op)
     plan = plan_for(op)
     returns_self = bool(plan.return_alias)
-    boxed = op._handle.redispatch_boxed
     bits = schema.sees_view_bits(op)
     slots = plan.number_slots
     number_in_tensor_slot = schema.number_in_tensor_slot
     general = stats.noted(general, "general", trace)
     visible = backend.visible
     stream_of = backend.current_stream_handle
-    on_cpu = functools.partial(boxed, CPU_KS)
     # may C++ queue it itself (native_queued_ops.cpp returns the written argument, or nothing)?
     teachable = returns_self or not op._schema.returns
 
@@ -155,8 +152,7 @@ def launching_inplace_kernel(backend: DeviceBackend, op: torch._ops.OpOverload,
             cargs = numbers_as_tensors(plan, cargs)
         first = args[0]
         index = (first if isinstance(first, Tensor) else first[0]).device.index
-        rt.launch(visible[index], stream_of(index), lambda: device_side(on_cpu, cargs, kwargs),
-                  label)
+        launch_call(rt, visible[index], stream_of(index), op, cargs, kwargs, label)
         teach = switch.QUEUED_TEACH
         if teach is not None and teachable:  # C++ queues this layout from now on
             teach(op, None, None)

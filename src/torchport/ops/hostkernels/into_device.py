@@ -8,7 +8,7 @@ a CPU result that is then moved to the device (:mod:`.outputs`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,6 +55,19 @@ def device_side(out: Callable[..., Any], cargs: list, ckw: dict) -> None:
     ``torch.inference_mode()`` (inference tensors)."""
     with torch._C._InferenceMode(True):
         out(*cargs, **ckw)
+
+
+def launch_call(rt: Any, phys: int, stream: Any, op: Any, cargs: Sequence[Any], ckw: dict,
+                label: str) -> None:
+    """Queue ``op(*cargs, **ckw)`` (device work on host views) on ``stream``: an ATen
+    ``OpOverload`` goes to a runtime that queues its CPU kernel itself (``launch_op``: the
+    sim's C++ queues, whose worker then runs it without Python), anything else as a
+    closure (:func:`device_side`)."""
+    launch_op = getattr(rt, "launch_op", None)
+    if launch_op is not None and isinstance(op, torch._ops.OpOverload) \
+            and launch_op(phys, stream, op, tuple(cargs), ckw, label):
+        return
+    rt.launch(phys, stream, lambda: device_side(op, list(cargs), ckw), label)
 
 
 class IntoDevice:
@@ -254,8 +267,7 @@ class IntoDevice:
         cargs, ckw = host_arguments(self.views, args, kwargs)
         entry = self.views.entry
         ckw.update({n: entry(o, False)[0] for n, o in zip(self.out_names, outs, strict=True)})
-        out = self.out
-        rt.launch(phys, stream, lambda: device_side(out, cargs, ckw), label)
+        launch_call(rt, phys, stream, self.out, cargs, ckw, label)
         return outs[0] if self.single else tuple(outs)
 
     def launch_copy(self, index: int, specs: list, args: tuple, kwargs: dict, rt: Any,

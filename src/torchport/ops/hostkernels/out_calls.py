@@ -10,7 +10,7 @@ import torch
 from torchport.memory.tensors import storage_ptr
 from torchport.ops import derive, fallback, hostviews, stats
 from torchport.ops.hostkernels import trials
-from torchport.ops.hostkernels.into_device import device_side
+from torchport.ops.hostkernels.into_device import launch_call
 from torchport.ops.hostkernels.layouts import LayoutCache, layout_of
 from torchport.ops.hostkernels.mapping import Call, host_arguments, plain_device
 from torchport.ops.plan import plan_for
@@ -71,8 +71,8 @@ def out_call_kernel(backend: DeviceBackend, op: torch._ops.OpOverload,
             return general(args, kwargs)  # resized: the general path warns and grows it
         cargs, ckw = host_arguments(views, args, kwargs)
         index = device.index
-        rt.launch(backend.visible[index], backend.current_stream_handle(index),
-                  lambda: device_side(op._op, cargs, ckw), label)
+        launch_call(rt, backend.visible[index], backend.current_stream_handle(index), op,
+                    cargs, ckw, label)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     return stats.traced(kernel, "launch", trace)
