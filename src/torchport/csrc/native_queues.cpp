@@ -3,8 +3,10 @@
 // ran every launch as a Python closure on a Python thread: each queued op cost a hand-off of
 // the GIL each way, and the caller waited for the worker's Python as often as the worker for
 // the caller's. Here the worker is a C++ thread that takes the GIL only for work given as a
-// Python callable (copies, timing events, the Python kernels' launches); an op launched from
-// C++ (native_queued_ops.cpp), an event's marker and a wait for another stream run without it.
+// Python callable (copies, timing events, a Python kernel's launch of several ops); an op
+// launched from C++ (native_queued_ops.cpp) or from a Python kernel as one ATen op
+// (torchport_queue_submit_call), an event's marker and a wait for another stream run
+// without it. The host's own turn (host_turn) waits for a queue without the GIL.
 //
 // An idle worker watches its queue briefly before it sleeps (`spin`), so that a host issuing
 // tiny ops does not wake it for each. Tickets count submissions; a wait is for a ticket. The
