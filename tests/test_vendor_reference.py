@@ -308,11 +308,12 @@ def test_a_dead_stream_worker_is_reported_and_the_device_recovers(ref):
     e = torch.ref.Event()
     with torch.ref.stream(s):
         rt.faults.worker_dies_after = 0
-        e.record()                                   # never reached
+        z = a * 3                                    # the worker dies reaching it
+        e.record()                                   # so never reached
     torch.ref.current_stream().wait_event(e)
     raises(ref.RefDeviceError, "whose worker died", lambda: torch.ref.synchronize())
     raises(ref.RefDeviceError, f"the worker of ref:0 stream {s.stream_id} died", s.synchronize)
-    del a, b, y
+    del a, b, y, z
     torch.ref.synchronize()
     assert torch.ref.memory_allocated() == base
     """)

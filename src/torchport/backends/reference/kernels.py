@@ -71,16 +71,30 @@ def make_kernels(rt: RefRuntime) -> KernelSet:
         launch(out, work, name)
         return out
 
+    # the rule's result by what it reads of each argument (a tensor's dtype, whether it is
+    # 0-dim and on the host; a number's type): a Decline's message, or the dtype
+    rules: dict[tuple, torch.dtype | str] = {}
+
     def computation(args: list[Any], kind: ELEMENTWISE_TYPE_PROMOTION_KIND) -> torch.dtype:
         """PyTorch's computation dtype for ``args``, widened as CUDA's ``opmath``."""
+        key = (kind, *[(a.dtype, a.dim() == 0, a.device.type == "cpu")
+                       if isinstance(a, torch.Tensor) else type(a) for a in args])
+        got = rules.get(key)
+        if got is None:
+            got = rules[key] = rule(args, kind)
+        if isinstance(got, str):
+            raise Decline(got)
+        return got
+
+    def rule(args: list[Any], kind: ELEMENTWISE_TYPE_PROMOTION_KIND) -> torch.dtype | str:
         device = [a for a in args if isinstance(a, torch.Tensor) and a.device.type != "cpu"]
         for a in args:  # a CPU scalar tensor of a higher kind than the device tensors'
             if isinstance(a, torch.Tensor) and a.device.type == "cpu" and \
                     a.is_floating_point() and not any(d.is_floating_point() for d in device):
-                raise Decline("a float CPU scalar with integer device tensors")
+                return "a float CPU scalar with integer device tensors"
         dtype, _ = elementwise_dtypes(*args, type_promotion_kind=kind)
         if dtype not in NUMPY:
-            raise Decline(f"no numpy type for {dtype}")
+            return f"no numpy type for {dtype}"
         return torch.float32 if dtype == torch.float16 else dtype
 
     def binary(name: str, op: Callable[[Any, Any], Any], self: Any, other: Any,

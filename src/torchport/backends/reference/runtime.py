@@ -3,7 +3,8 @@
 Device memory is one numpy ``uint8`` array per block behind fake addresses
 (``host_addressable = False``: every byte the host sees moves through the copies). Each
 stream -- the default one included -- is an in-order queue run by its own worker thread;
-an event is a marker appended to a queue. The stream contract (``docs/vendor-guide.md``):
+an event is the last ticket of a queue when recorded (a timing event queues a marker, which
+stamps the time). The stream contract (``docs/vendor-guide.md``):
 
 * a copy or memset given ``stream=None`` first lets the device's default queue finish (and
   reports its failure), then copies: it is complete on return, as ``cudaMemcpy``;
@@ -40,6 +41,7 @@ from torchport.runtime import DeviceProperties, Runtime
 GiB = 1 << 30
 _ALIGN = 256
 _SPAN = 1 << 40  # address range of one device
+_VIEWS_KEPT = 4096  # numpy views of device memory kept for device work to reuse
 
 
 class RefDeviceError(torch.AcceleratorError):
@@ -206,7 +208,8 @@ class RefStream:
 
 class RefEvent:
     """An event: the marker last recorded on a queue (``stream`` and ``ticket``), and the
-    time the queue reached it (timing events)."""
+    time the queue reached it. Only a timing event queues a marker (which stamps the time);
+    another's ticket is the last work queued when it was recorded."""
 
     __slots__ = ("enable_timing", "index", "mark", "stream", "ticket", "time")
 
@@ -235,12 +238,15 @@ class RefRuntime(Runtime):
         self.streams: list[list[RefStream]] = [[RefStream(self, i, 0)] for i in range(devices)]
         self._next_sid = 1
         self._workers: set[threading.Thread] = set()
+        self._views: dict[tuple, np.ndarray] = {}  # view()'s, by their arguments
         self.faults = Faults()
         atexit.register(self._drain)
 
     # ---- faults -------------------------------------------------------------------------
     def _fire(self, name: str) -> bool:
         """Count one call against fault ``name``; does it fail?"""
+        if getattr(self.faults, name) is None:  # (set by tests between calls)
+            return False
         with self.lock:
             left = getattr(self.faults, name)
             if left is None:
@@ -299,6 +305,9 @@ class RefRuntime(Runtime):
                                    f"(or was freed already)")
             self.bases[index].remove(ptr)
             self.used[index] -= -(-block.nbytes // _ALIGN) * _ALIGN
+            end = ptr + block.nbytes
+            self._views = {k: v for k, v in self._views.items()
+                           if not (k[0] == index and ptr <= k[1] < end)}
 
     def mem_get_info(self, index: int) -> tuple[int, int]:
         self._device(index)
@@ -319,7 +328,20 @@ class RefRuntime(Runtime):
     def view(self, index: int, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
              dtype: np.dtype) -> np.ndarray:
         """A numpy view of device memory: element ``i`` of dimension ``d`` is ``strides[d]``
-        elements after ``ptr`` (for device work: kernels read and write through it)."""
+        elements after ``ptr`` (for device work: kernels read and write through it). Kept
+        until its block is freed (the caching allocator hands the same blocks out again)."""
+        key = (index, ptr, shape, strides, dtype)
+        got = self._views.get(key)
+        if got is None:
+            got = self._new_view(index, ptr, shape, strides, dtype)
+            with self.lock:
+                if len(self._views) >= _VIEWS_KEPT:
+                    self._views.clear()
+                self._views[key] = got
+        return got
+
+    def _new_view(self, index: int, ptr: int, shape: tuple[int, ...],
+                  strides: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
         if any(s == 0 for s in shape):
             return np.empty(shape, dtype)
@@ -437,6 +459,10 @@ class RefRuntime(Runtime):
 
     def record_event(self, index: int, event: RefEvent, stream: RefStream | None) -> None:
         q = self._q(index, stream)
+        if not event.enable_timing:  # the work queued so far: no marker of its own to run
+            with q.cv:
+                event.stream, event.ticket, event.time = q, q.submitted, None
+            return
         mark = object()
         event.time, event.mark = None, mark
 
