@@ -6,6 +6,11 @@ The per-op host cost is the performance frontier of a Python backend. Run:
 ``--cold`` times each call alone right after streaming through a buffer larger than
 the caches, as a training step's large kernels do between its small ops: the host code
 of an op (PyTorch's, and a Python backend's much larger share) then runs from memory.
+
+``-b`` times another backend's device in the "sim" columns (``reference``: kernel-light,
+device-only memory; ``bare_sim``; a module), as ``models.py -b``. On an asynchronous device a
+run's time is what the host took to issue its calls; ``--drain`` adds the wait for the work
+they queued (each run ends with a synchronisation), the device's throughput.
 """
 
 from __future__ import annotations
@@ -17,16 +22,17 @@ from collections.abc import Callable
 
 import torch
 
-import torchport.sim  # noqa: F401
+from torchport.tools.run import load_backend
 
 
 def bench_pair(dev: Callable[[], object], cpu: Callable[[], object], number: int,
-               repeat: int, flush: Callable[[], object] | None = None
-               ) -> tuple[float, float, float, float]:
+               repeat: int, flush: Callable[[], object] | None = None,
+               drain: Callable[[], object] | None = None) -> tuple[float, float, float, float]:
     """Medians over ``repeat`` runs of the mean time per call, in microseconds, of the
     device and the CPU case, and the medians of the ratio and of the difference of
     back-to-back run pairs. The pairs alternate their order, so that a noisy neighbour or
-    a clock change hits both sides alike. ``flush``: called before each run (``--cold``)."""
+    a clock change hits both sides alike. ``flush``: called before each run (``--cold``);
+    ``drain``: at the end of each device run, inside its time (``--drain``)."""
     for fn in (dev, cpu):
         for _ in range(200):
             fn()
@@ -39,6 +45,8 @@ def bench_pair(dev: Callable[[], object], cpu: Callable[[], object], number: int
             t0 = time.perf_counter()
             for _ in range(number):
                 fn()
+            if drain is not None and fn is dev:
+                drain()
             out.append((time.perf_counter() - t0) / number * 1e6)
     ratios = [d / c for d, c in zip(*runs, strict=True)]
     extras = [d - c for d, c in zip(*runs, strict=True)]
@@ -119,26 +127,35 @@ def main() -> None:
     p.add_argument("--cold", action="store_true",
                    help="time single calls after flushing the caches (--number pairs)")
     p.add_argument("--only", default="", help="comma-separated rows to time (all: empty)")
+    p.add_argument("-b", "--backend", default="sim",
+                   help="the device's backend, as torchport run's -b: sim, reference (kernel-"
+                        "light, device-only memory), bare_sim (the sim with no kernels), a module")
+    p.add_argument("--drain", action="store_true",
+                   help="each device run ends with a synchronisation, inside its time")
     args = p.parse_args()
-    sim, cpu = cases("sim"), cases("cpu")
+    backend = load_backend(args.backend)
+    drain = torch.accelerator.synchronize if args.drain else None
+    sim, cpu = cases(backend.name), cases("cpu")
     if args.only:
         keep = {n.strip() for n in args.only.split(",")}
         sim = {n: f for n, f in sim.items() if n in keep}
-    memory = "strict" if torchport.sim.runtime.strict else "host-addressable"
+    memory = f"device {backend.name}, " + ("host-addressable" if backend.runtime.host_addressable
+                                           else "device-only")
     if args.cold:
         src, dst = torch.randn(8 << 20), torch.empty(8 << 20)  # 32 MiB each
         print(f"torch {torch.__version__}; cold caches (a 32 MiB copy before each call); "
-              f"median of {args.number} call pairs; sim memory {memory}")
+              f"median of {args.number} call pairs; {memory} memory")
     else:
         print(f"torch {torch.__version__}; median of {args.repeat} runs x {args.number} "
-              f"calls; sim memory {memory}")
+              f"calls; {memory} memory" + ("; queued work drained" if drain else ""))
     print(f"{'op':<14}{'sim (us)':>10}{'cpu (us)':>10}{'ratio':>8}{'extra (us)':>12}")
     for name in sim:
         if args.cold:  # single calls, each after the flush
             ts, tc, ratio, extra = bench_pair(sim[name], cpu[name], 1, args.number,
                                               lambda: dst.copy_(src))
         else:
-            ts, tc, ratio, extra = bench_pair(sim[name], cpu[name], args.number, args.repeat)
+            ts, tc, ratio, extra = bench_pair(sim[name], cpu[name], args.number, args.repeat,
+                                              drain=drain)
         print(f"{name:<14}{ts:>10.2f}{tc:>10.2f}{ratio:>8.1f}{extra:>12.2f}")
 
 
