@@ -622,6 +622,34 @@ def test_the_hosts_calls_run_from_cpp_after_the_queued_work():
     assert out.strip() == "ok"
 
 
+@needs_cpp
+def test_ctrl_c_reaches_a_host_call_waiting_in_cpp_for_the_stream():
+    """A copy to the host and a learnt fallback call wait in C++ for a stream that never
+    finishes: a SIGINT raises KeyboardInterrupt there, as in the Python wait."""
+    out = run("""
+        import os, signal, time, warnings
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background job ignores it)
+        warnings.simplefilter("ignore")
+        x = torch.randn(8, device="sim")
+        torch.hypot(x, x).cpu()                                 # learnt
+        torch.sim.synchronize()
+        for call in (lambda: x.cpu(), lambda: torch.hypot(x, x)):
+            close_gate()
+            threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+            t = time.perf_counter()
+            try:
+                call()
+            except KeyboardInterrupt:
+                assert time.perf_counter() - t < 5
+            else:
+                raise AssertionError("no KeyboardInterrupt")
+            gate.set()
+            torch.sim.synchronize()
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
 @pytest.mark.skipif(STRICT, reason="device-only memory: a conversion is the host's")
 def test_copies_within_a_device_are_queued():
     """``copy_`` between two tensors of one device, and ``Tensor.to`` a dtype on the device
