@@ -178,8 +178,10 @@ bool read_dtype_set(PyObject* list, std::bitset<256>& out);
 namespace queues {
 void set_default_queue(int index, Queue* q);
 // `op`'s CPU kernel on `stack` queued on `q` (run in the caller where `q` runs inline),
-// waiting for room where the queue is full; its ticket.
-int64_t submit_op(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack stack);
+// waiting for room where the queue is full; its ticket. `name`: what a failure is reported
+// under (null: the op's).
+int64_t submit_op(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack stack,
+                  const char* name = nullptr);
 // Queue `op`'s functional CPU kernel on `stack`, its list of results then copied into `outs`
 // (CPU tensors over device memory, laid out as the results must be: a result of another
 // shape or dtype fails the queue).

@@ -374,12 +374,13 @@ bool host_turn(Queue* q, bool wait) {
   return !q->failed();
 }
 
-int64_t submit_op(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack stack) {
+int64_t submit_op(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack stack,
+                  const char* name) {
   Job job;
   job.kind = Job::kOp;
   job.op = op;
   job.stack = std::move(stack);
-  job.name = op.schema().name();
+  job.name = name != nullptr ? name : op.schema().name();
   return q->submit(std::move(job), /*bounded=*/true);
 }
 
@@ -438,12 +439,9 @@ int64_t torchport_queue_submit_call(void* q, const char* name, const char* overl
     }
     auto a = pybind11::reinterpret_borrow<pybind11::tuple>(args);
     auto kw = pybind11::reinterpret_borrow<pybind11::kwargs>(kwargs);
-    Job job;
-    job.kind = Job::kOp;
-    job.op = *op;
-    job.stack = torch::jit::createStackForSchema(op->schema(), a, kw, std::nullopt);
-    job.name = label;  // the name its failure is reported under
-    return static_cast<Queue*>(q)->submit(std::move(job), /*bounded=*/true);
+    return torchport::queues::submit_op(
+        static_cast<Queue*>(q), *op,
+        torch::jit::createStackForSchema(op->schema(), a, kw, std::nullopt), label);
   } catch (pybind11::error_already_set&) {
   } catch (const std::exception&) {
   }
