@@ -462,6 +462,40 @@ def test_cpp_queues_the_calls_the_python_kernels_taught_it():
 
 
 @needs_cpp
+def test_a_block_freed_behind_queued_work_waits_for_it_without_queueing_anything():
+    """A block freed while the default stream still has work that reads it goes back to the
+    allocator once that work ran: its event is the ticket of the queue's last job, so the
+    free submits nothing to the queue (each such free queued a marker job before); the block
+    is not handed out before the reads ran, and then it is."""
+    out = run("""
+        a = torch.arange(4096.0)
+        da = a.to("sim")
+        (da * 3).sum(); torch.sim.synchronize()              # taught to C++
+        w = rt._worker(0, None)
+        alloc = torchport.sim.BACKEND.allocator(0)
+        close_gate()
+        try:
+            y = da * 3
+            z = y.sum()                                      # reads y, behind the gate
+            ptr = y.data_ptr()
+            before = w.submitted
+            del y
+            queued = w.submitted - before                    # by the free: none
+            pending = any(b.ptr == ptr for b in alloc.pending_blocks())
+            fresh = torch.empty(4096, device="sim")          # not y's while the sum may read it
+        finally:
+            gate.set()
+        assert queued == 0 and pending and fresh.data_ptr() != ptr, (queued, pending)
+        assert z.item() == (a * 3).sum().item()
+        del fresh
+        again = [torch.empty(4096, device="sim") for _ in range(2)]
+        assert ptr in [t.data_ptr() for t in again]          # released once the reads ran
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+@needs_cpp
 def test_an_optimizers_foreach_updates_are_queued_from_cpp_whatever_their_step_sizes():
     """An optimizer's foreach step (AdamW's: per-tensor step sizes as lists of floats that
     change every step, ``_foreach_sqrt``'s list of new tensors) is learned by the Python

@@ -163,8 +163,8 @@ _INTERRUPTED_CALLBACK = """
 # first mode, make stress in all of them (the later ones are marked slow)
 _CALLBACK_CASES = [
     # a storage's deleter frees its block: the stream is queried, an event made and recorded
-    # (through the stream layer on a side stream; a default stream whose queue is C++'s
-    # takes a marker there, without Python)
+    # (through the stream layer on a side stream; on a default stream whose queue is C++'s
+    # the block keeps the queue's last ticket, without Python)
     ("query_stream", "side-steps", ("async",)),
     ("record_event", "side-steps", ("async", "strict-async")),
     ("malloc", "grow", ("sync", "async")),

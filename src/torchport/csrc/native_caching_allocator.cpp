@@ -258,8 +258,9 @@ void CachingAllocator::free_locked(uint64_t ptr) {
   release_block(b);
 }
 
-// An event on a default stream whose queue is C++'s is a marker's ticket there, encoded as a
-// negative id (the stream layer's are positive): no Python call to record, query or destroy it.
+// An event on a default stream whose queue is C++'s is the ticket of its last job, encoded as
+// a negative id (the stream layer's are positive): nothing queued for it, and no Python call to
+// record, query or destroy it.
 namespace {
 constexpr int kQueueBits = 6;  // logical device index (native_queues.cpp keeps 64)
 
@@ -286,7 +287,7 @@ bool stream_idle(int index, int64_t stream) {
 long long CachingAllocator::record(int index, int64_t stream) {
   if (stream == 0)
     if (torchport::queues::Queue* q = torchport::queues::default_queue(index))
-      return queued_event(index, torchport::queues::marker(q));
+      return queued_event(index, torchport::queues::last_ticket(q));
   long long eid = 0;
   stream_layer(kEventCreate, index, 0, 0, &eid);
   stream_layer(kEventRecord, eid, index, stream, nullptr);

@@ -61,11 +61,12 @@ class CallbackInterrupts {
 };
 // native_queues.cpp: the C++ queue of logical device `index`'s default stream, where the
 // runtime's stream queues are C++'s (null: none), for the allocator's stream-aware frees:
-// a marker's ticket stands for an event recorded there.
+// the ticket of the last job queued stands for an event recorded there (the jobs run in
+// order), with nothing queued for it.
 namespace queues {
 class Queue;
 Queue* default_queue(int index);
-int64_t marker(Queue* q);
+int64_t last_ticket(Queue* q);
 bool done(Queue* q, int64_t ticket);  // ticket 0: everything queued so far
 }  // namespace queues
 // native_generator.cpp

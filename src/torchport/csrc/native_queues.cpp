@@ -9,7 +9,8 @@
 // without it. The host's own turn (host_turn) waits for a queue without the GIL.
 //
 // An idle worker watches its queue briefly before it sleeps (`spin`), so that a host issuing
-// tiny ops does not wake it for each. Tickets count submissions; a wait is for a ticket. The
+// tiny ops does not wake it for each; the jobs wait in a ring the host grows, and a query of a
+// ticket takes no lock. Tickets count submissions; a wait is for a ticket. The
 // first failure is kept, with its op's name, until a synchronising call takes it (later work
 // still runs: the device stays usable); `abandon` drops what is queued (Ctrl-C, exit); `inline`
 // runs new work in the caller (after the interpreter started finalising, no other thread may
@@ -30,7 +31,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
+#include <algorithm>
 #include <exception>
 #include <mutex>
 #include <optional>
@@ -62,6 +63,15 @@ class Queue {
  public:
   explicit Queue(std::string label, int64_t bound, bool run_inline)
       : label_(std::move(label)), bound_(bound), inline_(run_inline) {
+#ifdef PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP
+    // The host and the worker each hold m_ for a few instructions per job: a thread that
+    // finds it taken spins briefly rather than sleeping in the kernel at once.
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+    pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ADAPTIVE_NP);
+    pthread_mutex_init(m_.native_handle(), &attr);
+    pthread_mutexattr_destroy(&attr);
+#endif
     std::lock_guard<std::mutex> l(registry);
     all.push_back(this);
   }
@@ -69,7 +79,8 @@ class Queue {
   int64_t submit(Job job, bool bounded) {
     std::unique_lock<std::mutex> l(m_);
     if (inline_) {
-      job.number = ++submitted_;
+      job.number = submitted_.load(std::memory_order_relaxed) + 1;
+      submitted_.store(job.number, std::memory_order_release);
       l.unlock();
       run(job);
       return job.number;
@@ -80,20 +91,24 @@ class Queue {
       worker.detach();
       started_ = true;
     }
-    if (bounded && submitted_ - completed_ >= bound_ && std::this_thread::get_id() != worker_) {
+    if (bounded && submitted_.load() - completed_.load() >= bound_ &&
+        std::this_thread::get_id() != worker_) {
       // waiting for room: without the GIL, which the worker may need for queued Python work
       const bool gil = Py_IsInitialized() && PyGILState_Check();
       PyThreadState* saved = gil ? PyEval_SaveThread() : nullptr;
-      done_.wait(l, [&] { return submitted_ - completed_ < bound_ || inline_; });
+      waiters_.fetch_add(1);
+      done_.wait(l, [&] { return submitted_.load() - completed_.load() < bound_ || inline_; });
+      waiters_.fetch_sub(1);
       if (saved) {
         l.unlock();
         PyEval_RestoreThread(saved);
         l.lock();
       }
     }
-    job.number = ++submitted_;
+    job.number = submitted_.load(std::memory_order_relaxed) + 1;
+    submitted_.store(job.number, std::memory_order_release);
     const int64_t ticket = job.number;
-    jobs_.push_back(std::move(job));
+    push(std::move(job));
     // written only when it changes: a spinning worker reads its cache line
     if (!queued_.load(std::memory_order_relaxed)) queued_.store(true, std::memory_order_release);
     const bool asleep = sleeping_;
@@ -103,26 +118,23 @@ class Queue {
   }
 
   // Has `ticket` (0: everything submitted so far) run? Waits up to `timeout_ms` (< 0: no wait).
+  // (A query takes no lock: the tickets are atomics, and the worker takes the lock to
+  // notify only while someone waits.)
   bool wait(int64_t ticket, int timeout_ms) {
+    const int64_t target = ticket > 0 ? ticket : submitted_.load(std::memory_order_acquire);
+    if (completed_.load(std::memory_order_acquire) >= target || timeout_ms < 0)
+      return completed_.load(std::memory_order_acquire) >= target;
     std::unique_lock<std::mutex> l(m_);
-    const int64_t target = ticket > 0 ? ticket : submitted_;
-    if (completed_ >= target || timeout_ms < 0) return completed_ >= target;
-    return done_.wait_for(l, std::chrono::milliseconds(timeout_ms),
-                          [&] { return completed_ >= target; });
+    waiters_.fetch_add(1);
+    const bool ran = done_.wait_for(l, std::chrono::milliseconds(timeout_ms),
+                                    [&] { return completed_.load() >= target; });
+    waiters_.fetch_sub(1);
+    return ran;
   }
 
-  int64_t submitted() {
-    std::lock_guard<std::mutex> l(m_);
-    return submitted_;
-  }
-  int64_t completed() {
-    std::lock_guard<std::mutex> l(m_);
-    return completed_;
-  }
-  bool failed() {
-    std::lock_guard<std::mutex> l(m_);
-    return failed_;
-  }
+  int64_t submitted() const { return submitted_.load(std::memory_order_acquire); }
+  int64_t completed() const { return completed_.load(std::memory_order_acquire); }
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
   void abandon() { abandoned_.store(true); }
   bool abandoned() const { return abandoned_.load(); }
   void run_inline() {
@@ -134,8 +146,8 @@ class Queue {
   // (name, exception) of the first failure not taken yet, or None; the GIL held.
   PyObject* take_error() {
     std::unique_lock<std::mutex> l(m_);
-    if (!failed_) Py_RETURN_NONE;
-    failed_ = false;
+    if (!failed_.load()) Py_RETURN_NONE;
+    failed_.store(false);
     PyObject* exc = error_;
     error_ = nullptr;
     std::string name = std::move(error_name_), message = std::move(error_message_);
@@ -161,10 +173,11 @@ class Queue {
   }
   static void after_fork_child() {
     for (Queue* q : all) {
-      q->jobs_.clear();
+      q->ring_.clear();
+      q->head_ = q->count_ = 0;
       q->queued_.store(false);
       q->sleeping_ = false;
-      q->completed_ = q->submitted_;
+      q->completed_.store(q->submitted_.load());
       q->started_ = false;
       new (&q->work_) std::condition_variable();
       new (&q->done_) std::condition_variable();
@@ -175,26 +188,44 @@ class Queue {
 
  private:
   void loop() {
+    Job job;
     for (;;) {
-      Job job;
       {
         std::unique_lock<std::mutex> l(m_);
-        if (jobs_.empty()) {
+        if (count_ == 0) {
           l.unlock();
           spin();
           l.lock();
         }
-        while (jobs_.empty()) {
+        while (count_ == 0) {
           sleeping_ = true;
           work_.wait(l);
           sleeping_ = false;
         }
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
-        if (jobs_.empty()) queued_.store(false, std::memory_order_relaxed);
+        job = pop();
+        if (count_ == 0) queued_.store(false, std::memory_order_relaxed);
       }
       run(job);
     }
+  }
+
+  // The jobs, a ring the host grows (the worker frees nothing of it: memory the host
+  // allocates and another thread frees costs both threads malloc's arena lock).
+  void push(Job&& job) {
+    if (count_ == ring_.size()) {
+      std::vector<Job> bigger(std::max<size_t>(64, 2 * ring_.size()));
+      for (size_t i = 0; i < count_; ++i) bigger[i] = std::move(ring_[(head_ + i) % ring_.size()]);
+      ring_.swap(bigger);
+      head_ = 0;
+    }
+    ring_[(head_ + count_) % ring_.size()] = std::move(job);
+    ++count_;
+  }
+  Job pop() {
+    Job job = std::move(ring_[head_]);
+    head_ = (head_ + 1) % ring_.size();
+    --count_;
+    return job;
   }
 
   // An idle worker watches its queue for kSpin before it sleeps: a host issuing tiny ops
@@ -260,9 +291,11 @@ class Queue {
     }
     job.stack.clear();  // the CPU tensors over device memory, before the ticket completes
     job.outs.clear();
-    std::lock_guard<std::mutex> l(m_);
-    completed_ = job.number;
-    done_.notify_all();
+    completed_.store(job.number);
+    if (waiters_.load() > 0) {
+      std::lock_guard<std::mutex> l(m_);
+      done_.notify_all();
+    }
   }
 
   // Keeps the first failure; `exc` (a new reference, or null) is taken.
@@ -295,12 +328,12 @@ class Queue {
   void fail(const std::string& name, PyObject* exc, const char* message,
             PyObject* type = PyExc_RuntimeError) {
     std::unique_lock<std::mutex> l(m_);
-    if (failed_) {
+    if (failed_.load()) {
       l.unlock();
       Py_XDECREF(exc);
       return;
     }
-    failed_ = true;
+    failed_.store(true);
     error_name_ = name;
     error_message_ = message;
     error_type_ = type;
@@ -312,14 +345,18 @@ class Queue {
   bool inline_;
   std::mutex m_;
   std::condition_variable work_, done_;
-  std::deque<Job> jobs_;
-  // jobs_ is not empty (read without m_ while spinning), on a cache line of its own
+  std::vector<Job> ring_;  // the queued jobs: count_ of them from head_
+  size_t head_ = 0, count_ = 0;
+  // a job is queued (read without m_ while spinning), on a cache line of its own
   alignas(64) std::atomic<bool> queued_{false};
   char queued_line_[63] = {};
   bool sleeping_ = false;  // the worker waits on work_
-  int64_t submitted_ = 0, completed_ = 0;
+  // Tickets: submitted_ written under m_, completed_ by the one thread that runs the jobs;
+  // both read without it. waiters_: threads waiting on done_.
+  std::atomic<int64_t> submitted_{0}, completed_{0};
+  std::atomic<int> waiters_{0};
   std::atomic<bool> abandoned_{false};
-  bool failed_ = false;
+  std::atomic<bool> failed_{false};
   std::string error_name_, error_message_;
   PyObject* error_ = nullptr;
   PyObject* error_type_ = PyExc_RuntimeError;
@@ -346,6 +383,8 @@ void set_default_queue(int index, Queue* q) {
 }
 
 int64_t marker(Queue* q) { return q->submit(Job{}, false); }
+
+int64_t last_ticket(Queue* q) { return q->submitted(); }
 
 bool done(Queue* q, int64_t ticket) { return q->wait(ticket, -1); }
 
@@ -478,7 +517,7 @@ PyObject* torchport_queue_take_error(void* q) { return static_cast<Queue*>(q)->t
 // Without Python's headers there are no C++ queues: the allocator asks the stream layer.
 namespace torchport::queues {
 Queue* default_queue(int) { return nullptr; }
-int64_t marker(Queue*) { return 0; }
+int64_t last_ticket(Queue*) { return 0; }
 bool done(Queue*, int64_t) { return true; }
 }  // namespace torchport::queues
 #endif
