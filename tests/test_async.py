@@ -496,6 +496,51 @@ def test_a_block_freed_behind_queued_work_waits_for_it_without_queueing_anything
 
 
 @needs_cpp
+def test_a_queued_call_reads_its_tensors_layouts_at_the_call_not_when_it_runs():
+    """A call queued from C++ computes on its tensors as they were laid out at the call: the
+    worker makes their CPU tensors when it runs, but from sizes, strides, offsets and memory
+    read at the call, so an in-place change of a tensor's layout or memory (``t_``,
+    ``as_strided_``, ``set_``) after the call does not reach it; so in tensor lists and
+    indices; a tensor passed twice, and two views of one block, stay one tensor and one
+    block; the results are the CPU's bit for bit."""
+    out = run("""
+        from torchport.ops import native_hostops as nh
+        a, b, c = torch.randn(6, 4), torch.randn(6, 4), torch.randn(6, 4)
+        da, db, dc = a.to("sim"), b.to("sim"), c.to("sim")
+        d, i = torch.randn(6, 4), torch.tensor([3, 0, 3])
+        dd, di = d.to("sim"), i.to("sim")
+        def calls(x):                                        # tensors, lists, Tensor?[]
+            torch._foreach_addcmul_(x, [da, db[:5]], [dc, dd[1:]])
+            return [da + db, da * da, da[:3] - da[3:], dc.exp(), da[:, di], *x]
+        def zeros():
+            return [torch.zeros(6, 4, device="sim"), torch.zeros(5, 4, device="sim")]
+        for _ in range(2):                                   # taught to C++
+            calls(zeros()); torch.sim.synchronize()
+        want = [a + b, a * a, a[:3] - a[3:], c.exp(), a[:, i], a * c, b[:5] * d[1:]]
+        x = zeros()
+        torch.sim.synchronize()
+        served = nh.counts()[0]
+        close_gate()
+        try:
+            got = calls(x)
+            queued = nh.counts()[0] - served
+            da.t_()                                          # after the calls, before they run
+            db.as_strided_((4, 6), (1, 4), 0)
+            dc.set_(torch.zeros(5, device="sim"))
+            di.as_strided_((3,), (0,), 0)
+            waited = torch.sim.current_stream().query()
+        finally:
+            gate.set()
+        assert queued == 6 and not waited, (queued, waited)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape and g.stride() == w.stride()
+            assert torch.equal(g.cpu(), w), (g.cpu(), w)
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+@needs_cpp
 def test_an_optimizers_foreach_updates_are_queued_from_cpp_whatever_their_step_sizes():
     """An optimizer's foreach step (AdamW's: per-tensor step sizes as lists of floats that
     change every step, ``_foreach_sqrt``'s list of new tensors) is learned by the Python

@@ -279,6 +279,26 @@ def test_the_comparator_tolerates_the_documented_classes() -> None:
         assert _planted(edit) == [], edit.__name__
 
 
+def test_the_comparator_takes_nan_as_equal_in_python_numbers_complex_ones_too() -> None:
+    """A ``tolist()``/``item()`` value compares as ``assert_close`` compares tensors: NaN
+    equals NaN, in a complex number's parts too; any other difference counts."""
+    def diffs(cv: Any, dv: Any, exact: bool = True) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        prelude._compare_value("p", {"t": "P", "v": cv}, {"t": "P", "v": dv},
+                               {"exact": exact}, "p", None, {}, out)
+        return out
+
+    nan = float("nan")
+    assert diffs(complex(nan, 0), complex(nan, 0)) == []
+    assert diffs(complex(1, nan), complex(1, nan)) == []
+    assert diffs(nan, nan) == []
+    assert diffs(complex(nan, 0), complex(0, 0)) != []
+    assert diffs(complex(1, 2), complex(1, 2.5)) != []
+    assert diffs(complex(1, 2), complex(1, 2 + 1e-9), exact=False) == []
+    assert diffs(complex(1, 2), complex(1, 2 + 1e-9)) != []
+    assert diffs(1.0, nan) != [] and diffs(1, 1.0) != []
+
+
 def test_known_open_entries_are_well_formed() -> None:
     ids = [e.id for e in known.KNOWN_OPEN]
     assert len(ids) == len(set(ids))

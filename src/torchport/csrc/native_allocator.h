@@ -18,6 +18,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/FunctionRef.h>
+#include <c10/util/SmallVector.h>
 
 namespace torchport::alloc {
 
@@ -165,9 +166,10 @@ struct CachingAllocator {
   uint64_t num_parked = 0;
   uint64_t parked_bytes[2] = {0, 0};  // large, small
   bool full = false;
-  // freed blocks waiting for events, one queue per allocation stream (insertion order)
-  std::vector<std::pair<int64_t, std::deque<std::pair<Block*, std::vector<long long>>>>>
-      pending;
+  // freed blocks waiting for events, one queue per allocation stream (insertion order; the
+  // first few kept when empty: a stream's blocks go through it once per op)
+  using Events = c10::SmallVector<long long, 2>;
+  std::vector<std::pair<int64_t, std::deque<std::pair<Block*, Events>>>> pending;
   int depth = 0;  // operations of the thread holding the mutex (it alone changes this)
   std::vector<uint64_t> deferred;  // frees that arrived during an operation of that thread
   CStat stats[kNames][3];
@@ -196,7 +198,7 @@ struct CachingAllocator {
   void free(uint64_t ptr);
   void free_locked(uint64_t ptr);
   long long record(int index, int64_t stream);
-  std::vector<long long> free_events(Block* b);
+  Events free_events(Block* b);
   bool may_park(const Block* b);
   void park(Block* b);
   std::vector<decltype(parked)::iterator> parked_in_order(int64_t only_stream, bool all);

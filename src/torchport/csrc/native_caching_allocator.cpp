@@ -32,6 +32,7 @@ constexpr uint64_t kLargeBuffer = 20 << 20;
 constexpr uint64_t kMinLargeAlloc = 10 << 20;
 constexpr uint64_t kRoundLarge = 2 << 20;
 constexpr uint64_t kParkFloor = 8 << 20;
+constexpr size_t kPendingKept = 4;  // streams whose empty queue of pending frees stays
 
 // the guard's stream-layer operations used here (native_guard.cpp's Op)
 constexpr int kQueryStream = 1, kEventCreate = 4, kEventRecord = 5, kEventQuery = 7,
@@ -239,7 +240,7 @@ void CachingAllocator::free_locked(uint64_t ptr) {
   TORCH_CHECK(it != active.end(), "torchport: no block of device ", device, " at ", ptr);
   Block* b = it->second;
   active.erase(it);
-  std::vector<long long> events;
+  Events events;
   if (!b->stream_uses.empty() || asynchronous) events = free_events(b);
   int64_t s = static_cast<int64_t>(b->size);
   stat(b->small, ALLOCATION, -1);
@@ -249,7 +250,7 @@ void CachingAllocator::free_locked(uint64_t ptr) {
     auto q = std::find_if(pending.begin(), pending.end(),
                           [&](const auto& e) { return e.first == b->stream; });
     if (q == pending.end()) {
-      pending.emplace_back(b->stream, std::deque<std::pair<Block*, std::vector<long long>>>{});
+      pending.emplace_back(b->stream, std::deque<std::pair<Block*, Events>>{});
       q = pending.end() - 1;
     }
     q->second.emplace_back(b, std::move(events));
@@ -294,8 +295,8 @@ long long CachingAllocator::record(int index, int64_t stream) {
   return eid;
 }
 
-std::vector<long long> CachingAllocator::free_events(Block* b) {
-  std::vector<long long> events;
+CachingAllocator::Events CachingAllocator::free_events(Block* b) {
+  Events events;
   for (auto& [index, stream] : b->stream_uses) events.push_back(record(index, stream));
   b->stream_uses.clear();
   if (asynchronous && !stream_idle(device, b->stream))
@@ -379,13 +380,13 @@ void CachingAllocator::process_pending(bool force) {
                   });
       if (!done) break;
       Block* b = q.front().first;
-      std::vector<long long> ev = std::move(events);
+      const Events ev = std::move(events);
       q.pop_front();
       for (long long e : ev)
         if (e > 0) stream_layer(kEventDestroy, e, 0, 0, nullptr);
       release_block(b);
     }
-    if (q.empty()) pending.erase(pending.begin() + static_cast<long>(i));
+    if (q.empty() && i >= kPendingKept) pending.erase(pending.begin() + static_cast<long>(i));
     else ++i;
   }
 }

@@ -590,15 +590,16 @@ class HostOp final : public c10::OperatorKernel {
   // on the host after the current stream's queued work (host_turn waited for it).
   bool queued(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (!composite_) {
-      std::string key;
+      thread_local std::string key;  // (its memory kept from call to call)
       if (torchport::queued_serve(op, stack, queued_, key)) {
         served.fetch_add(1, std::memory_order_relaxed);
         return true;
       }
       if (!key.empty()) {
+        std::string learning = key;  // (the Python kernel's own calls reuse `key`)
         torchport::QueuedTeaching teaching(op);
         python(op, stack);
-        teaching.keep(queued_, std::move(key));
+        teaching.keep(queued_, std::move(learning));
         return true;
       }
       if (host_turn(op, *stack, true)) return false;
@@ -665,6 +666,26 @@ class LearntFallback final : public c10::OperatorKernel {
 
 namespace torchport {
 
+namespace {
+
+// A CPU storage over device memory (`resizable`: one the CPU kernel may grow, through the
+// CPU allocator).
+c10::Storage cpu_storage_over(void* data, size_t nbytes, bool resizable) {
+  return c10::Storage(c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), nbytes, c10::DataPtr(data, c10::Device(c10::kCPU)),
+      resizable ? c10::GetCPUAllocator() : nullptr, resizable));
+}
+
+at::Tensor cpu_tensor_over(c10::Storage storage, caffe2::TypeMeta dtype, c10::IntArrayRef sizes,
+                           c10::IntArrayRef strides, int64_t offset) {
+  at::Tensor cpu = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), dtype);
+  cpu.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
+  return cpu;
+}
+
+}  // namespace
+
 // `t`'s CPU tensor, over a CPU storage of exactly its storage's bytes (`grow`: one the CPU
 // kernel may grow, through the CPU allocator, where the device storage may grow).
 at::Tensor cpu_alias(const at::Tensor& t,
@@ -679,18 +700,61 @@ at::Tensor cpu_alias(const at::Tensor& t,
   for (auto& [dev, cpu] : storages)
     if (dev == st) storage = cpu;
   if (!storage) {
-    const bool resizable = grow && st->resizable();
-    storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
-        c10::StorageImpl::use_byte_size_t(), st->nbytes(),
-        c10::DataPtr(const_cast<void*>(st->data_ptr().get()), c10::Device(c10::kCPU)),
-        resizable ? c10::GetCPUAllocator() : nullptr, resizable));
+    storage = cpu_storage_over(const_cast<void*>(st->data_ptr().get()), st->nbytes(),
+                               grow && st->resizable());
     storages.emplace_back(st, storage);
   }
-  at::Tensor cpu = at::detail::make_tensor<c10::TensorImpl>(
-      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
-  cpu.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  at::Tensor cpu = cpu_tensor_over(std::move(storage), t.dtype(), t.sizes(), t.strides(),
+                                   t.storage_offset());
   tensors.emplace_back(t, cpu);
   return cpu;
+}
+
+void AliasesLater::add(uint32_t slot, const at::Tensor& t, int32_t element) {
+  const c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
+  Read& r = tensors_.emplace_back();
+  r.slot = slot;
+  r.element = element;
+  r.tensor = t.unsafeGetTensorImpl();
+  r.storage = st;
+  r.data = const_cast<void*>(st->data_ptr().get());
+  r.nbytes = st->nbytes();
+  r.offset = t.storage_offset();
+  r.dtype = t.dtype();
+  r.sizes_strides.append(t.sizes().begin(), t.sizes().end());
+  r.sizes_strides.append(t.strides().begin(), t.strides().end());
+}
+
+void AliasesLater::make(torch::jit::Stack& stack) const {
+  // (a list in the stack is the job's own, made for it: set in place)
+  const auto made = [&](const Read& r) -> at::Tensor {
+    const c10::IValue& v = stack[r.slot];
+    if (r.element < 0) return v.toTensor();
+    if (v.isTensorList()) return v.toTensorList().get(r.element);
+    return *v.toOptionalTensorList().get(r.element);
+  };
+  const auto put = [&](const Read& r, at::Tensor cpu) {
+    c10::IValue& v = stack[r.slot];
+    if (r.element < 0) v = std::move(cpu);
+    else if (v.isTensorList()) v.toTensorList().set(r.element, std::move(cpu));
+    else v.toOptionalTensorList().set(r.element, std::optional<at::Tensor>(std::move(cpu)));
+  };
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    const Read& r = tensors_[i];
+    const Read* same = nullptr;  // the same tensor, or the same storage, made before
+    for (size_t j = 0; j < i && (same == nullptr || same->tensor != r.tensor); ++j)
+      if (tensors_[j].storage == r.storage) same = &tensors_[j];
+    if (same != nullptr && same->tensor == r.tensor) {
+      put(r, made(*same));
+      continue;
+    }
+    const size_t dim = r.sizes_strides.size() / 2;
+    const c10::IntArrayRef sizes(r.sizes_strides.data(), dim),
+        strides(r.sizes_strides.data() + dim, dim);
+    c10::Storage storage = same != nullptr ? made(*same).storage()
+                                           : cpu_storage_over(r.data, r.nbytes, false);
+    put(r, cpu_tensor_over(std::move(storage), r.dtype, sizes, strides, r.offset));
+  }
 }
 
 // The CPU kernel set a lazy bit on its written argument's CPU tensor (linalg_lu_solve.out

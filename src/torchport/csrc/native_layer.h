@@ -115,6 +115,32 @@ at::Tensor cpu_alias(const at::Tensor& t,
                      c10::SmallVectorImpl<std::pair<at::Tensor, at::Tensor>>& tensors,
                      c10::SmallVectorImpl<std::pair<c10::StorageImpl*, c10::Storage>>& storages,
                      bool grow = false);
+// native_hostops.cpp: cpu_alias's tensors made later, by the thread that runs a queued call:
+// `add` reads now what cpu_alias reads (a later in-place change of the tensor's sizes,
+// strides or storage is not the queued call's), `make` puts each CPU tensor in its slot of
+// the call's stack (`element` >= 0: in its place in the list there). A queue's worker then allocates and frees them itself (the host thread
+// allocating memory another thread frees costs both malloc's arena lock), and not on the
+// host's time.
+class AliasesLater {
+ public:
+  void add(uint32_t slot, const at::Tensor& t, int32_t element = -1);
+  void make(torch::jit::Stack& stack) const;
+  bool empty() const { return tensors_.empty(); }
+
+ private:
+  struct Read {
+    uint32_t slot;
+    int32_t element;
+    const void* tensor;   // the device tensor's and its storage's identities: what the call
+    const void* storage;  // shares stays shared
+    void* data;
+    size_t nbytes;
+    int64_t offset;
+    caffe2::TypeMeta dtype;
+    c10::SmallVector<int64_t, 8> sizes_strides;  // the sizes, then the strides
+  };
+  c10::SmallVector<Read, 3> tensors_;
+};
 // native_hostops.cpp: a CPU result as a device tensor by the Python `result(cpu, index)`
 // function of the host-op kernels (a large one adopted, another dtype converted). Takes the
 // GIL.
@@ -181,8 +207,9 @@ void set_default_queue(int index, Queue* q);
 // `op`'s CPU kernel on `stack` queued on `q` (run in the caller where `q` runs inline),
 // waiting for room where the queue is full; its ticket. `name`: what a failure is reported
 // under (null: the op's).
+// (`aliases`: the CPU tensors the worker makes into `stack` before the call.)
 int64_t submit_op(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack stack,
-                  const char* name = nullptr);
+                  const char* name = nullptr, AliasesLater aliases = {});
 // Queue `op`'s functional CPU kernel on `stack`, its list of results then copied into `outs`
 // (CPU tensors over device memory, laid out as the results must be: a result of another
 // shape or dtype fails the queue).

@@ -1,6 +1,7 @@
 // Host-op kernels on an asynchronous runtime whose stream queues are C++'s (the sim with
 // TORCHPORT_SIM_ASYNC=1, native_queues.cpp): a call is queued from C++, its results
-// allocated now, the CPU kernel run later by the stream's worker without the GIL.
+// allocated now, the CPU kernel run later by the stream's worker without the GIL, on CPU
+// tensors over device memory that the worker makes from what the host read at the call.
 //
 // What may be queued is the Python kernels' decision (torchport/ops/hostkernels: launching.py,
 // inplace.py): per layout of an op's arguments they prove once, on stand-ins, that its out=
@@ -92,6 +93,19 @@ torchport::queues::Queue* serving_queue(int index) {
       torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0)
     return nullptr;
   return queue;
+}
+
+// The queued call's results in its arguments' place: the new tensors (`out`), or the written
+// argument an in-place op returns.
+void return_results(const c10::FunctionSchema& schema, size_t first,
+                    c10::SmallVectorImpl<at::Tensor>& results, bool out, torch::jit::Stack* stack) {
+  c10::IValue self = (*stack)[first];
+  stack->resize(first);
+  if (out) {
+    for (at::Tensor& r : results) stack->emplace_back(std::move(r));
+  } else if (!schema.returns().empty()) {
+    stack->push_back(std::move(self));
+  }
 }
 
 }  // namespace
@@ -244,10 +258,53 @@ bool queued_serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, Queue
   }
 
   // The results now, then the CPU kernel's arguments: CPU tensors over device memory.
-  std::vector<at::Tensor> results;
-  results.reserve(launch->specs.size());
+  c10::SmallVector<at::Tensor, 2> results;
   for (const QueuedSpec& s : launch->specs)
     results.push_back(caching_new_tensor(index, s.nbytes, s.dtype, s.sizes, s.strides, 0));
+  if (!launch->copied) {
+    // the worker makes the CPU tensors when it runs the call (in lists: their places)
+    torch::jit::Stack job;
+    job.reserve(nargs + results.size());
+    job.resize(nargs);
+    AliasesLater aliases;
+    for (size_t i = 0; i < nargs; ++i) {
+      const c10::IValue& v = (*stack)[first + i];
+      const auto slot = static_cast<uint32_t>(i);
+      if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().type() == kDevice) {
+        aliases.add(slot, v.toTensor());
+      } else if (v.isTensorList()) {
+        const c10::List<at::Tensor> list = v.toTensorList();
+        c10::List<at::Tensor> later;
+        later.reserve(list.size());
+        for (size_t k = 0; k < list.size(); ++k) {
+          later.push_back(at::Tensor());
+          aliases.add(slot, list.get(k), static_cast<int32_t>(k));
+        }
+        job[i] = std::move(later);
+      } else if (v.isList() && is_optional_tensor_list(schema.arguments()[i])) {
+        const c10::List<c10::IValue> list = v.toList();
+        c10::List<std::optional<at::Tensor>> later;
+        later.reserve(list.size());
+        for (size_t k = 0; k < list.size(); ++k) {
+          later.push_back(std::nullopt);
+          const c10::IValue& e = list.get(k);
+          if (e.isTensor() && e.toTensor().defined())
+            aliases.add(slot, e.toTensor(), static_cast<int32_t>(k));
+        }
+        job[i] = std::move(later);
+      } else {
+        job[i] = v;
+      }
+    }
+    for (const at::Tensor& r : results) {
+      aliases.add(static_cast<uint32_t>(job.size()), r);
+      job.emplace_back();
+    }
+    queues::submit_op(queue, launch->out ? *launch->out : op, std::move(job), nullptr,
+                      std::move(aliases));
+    return_results(schema, first, results, launch->out.has_value(), stack);
+    return true;
+  }
   c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 6> aliases;
   c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 6> storages;
   torch::jit::Stack job;
@@ -274,26 +331,13 @@ bool queued_serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, Queue
       job.push_back(v);
     }
   }
-  if (launch->copied) {
-    std::vector<at::Tensor> outs;
-    outs.reserve(results.size());
-    for (const at::Tensor& r : results) outs.push_back(cpu_alias(r, aliases, storages));
-    queues::submit_copied(queue, op, std::move(job), std::move(outs));
-    stack->resize(first);
-    stack->emplace_back(c10::List<at::Tensor>(results));
-    return true;
-  }
-  for (const at::Tensor& r : results) job.emplace_back(cpu_alias(r, aliases, storages));
-  queues::submit_op(queue, launch->out ? *launch->out : op, std::move(job));
-
-  // The call's results: the new tensors, or the written argument an in-place op returns.
-  c10::IValue self = (*stack)[first];
+  // copied: the CPU tensors now (the results' go to the job's `outs`)
+  std::vector<at::Tensor> outs;
+  outs.reserve(results.size());
+  for (const at::Tensor& r : results) outs.push_back(cpu_alias(r, aliases, storages));
+  queues::submit_copied(queue, op, std::move(job), std::move(outs));
   stack->resize(first);
-  if (launch->out) {
-    for (at::Tensor& r : results) stack->emplace_back(std::move(r));
-  } else if (!schema.returns().empty()) {
-    stack->push_back(std::move(self));
-  }
+  stack->emplace_back(c10::List<at::Tensor>(c10::ArrayRef<at::Tensor>(results)));
   return true;
 }
 

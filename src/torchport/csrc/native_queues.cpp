@@ -52,12 +52,17 @@ struct Job {
   PyObject* fn = nullptr;  // kPython: owned reference
   std::optional<c10::OperatorHandle> op;  // kOp, kCopied: run on `stack` by its CPU kernel
   torch::jit::Stack stack;
+  AliasesLater aliases;          // kOp: CPU tensors made into `stack` when it runs
   std::vector<at::Tensor> outs;  // kCopied: where its list of results goes
   Queue* other = nullptr;  // kWaitFor: until `other` completed `ticket`
   int64_t ticket = 0;
-  std::string name;
+  std::string name;       // what a failure is reported under (kOp, kCopied: empty, the op's)
   int64_t number = 0;     // this job's ticket
 };
+
+const std::string& op_name(const Job& job) {
+  return job.name.empty() && job.op ? job.op->schema().name() : job.name;
+}
 
 class Queue {
  public:
@@ -249,12 +254,13 @@ class Queue {
         case Job::kCopied:
           try {
             c10::InferenceMode inference(true);  // device work knows no autograd
+            if (!job.aliases.empty()) job.aliases.make(job.stack);
             job.op->redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &job.stack);
             if (job.kind == Job::kCopied) copy_results(job);
           } catch (const c10::Error& e) {
-            fail(job.name, nullptr, e.what_without_backtrace(), python_class(e));
+            fail(op_name(job), nullptr, e.what_without_backtrace(), python_class(e));
           } catch (const std::exception& e) {
-            fail(job.name, nullptr, e.what());
+            fail(op_name(job), nullptr, e.what());
           }
           break;
         case Job::kWaitFor: {
@@ -313,12 +319,12 @@ class Queue {
   // A kCopied job's list of results into its outputs, each of the launch's layout.
   static void copy_results(Job& job) {
     const c10::List<at::Tensor> results = job.stack.at(0).toTensorList();
-    TORCH_CHECK(results.size() == job.outs.size(), job.name, ": the kernel gave ",
+    TORCH_CHECK(results.size() == job.outs.size(), op_name(job), ": the kernel gave ",
                 results.size(), " results where its launch made ", job.outs.size());
     for (size_t i = 0; i < job.outs.size(); ++i) {
       const at::Tensor r = results.get(i);
       at::Tensor& out = job.outs[i];
-      TORCH_CHECK(r.sizes() == out.sizes() && r.scalar_type() == out.scalar_type(), job.name,
+      TORCH_CHECK(r.sizes() == out.sizes() && r.scalar_type() == out.scalar_type(), op_name(job),
                   ": the kernel gave a result of ", r.scalar_type(), " ", r.sizes(),
                   " where its launch made ", out.scalar_type(), " ", out.sizes());
       out.copy_(r);
@@ -414,12 +420,13 @@ bool host_turn(Queue* q, bool wait) {
 }
 
 int64_t submit_op(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack stack,
-                  const char* name) {
+                  const char* name, AliasesLater aliases) {
   Job job;
   job.kind = Job::kOp;
   job.op = op;
   job.stack = std::move(stack);
-  job.name = name != nullptr ? name : op.schema().name();
+  job.aliases = std::move(aliases);
+  if (name != nullptr) job.name = name;
   return q->submit(std::move(job), /*bounded=*/true);
 }
 
@@ -430,7 +437,6 @@ int64_t submit_copied(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack
   job.op = op;
   job.stack = std::move(stack);
   job.outs = std::move(outs);
-  job.name = op.schema().name();
   return q->submit(std::move(job), /*bounded=*/true);
 }
 

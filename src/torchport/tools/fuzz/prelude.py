@@ -211,6 +211,14 @@ def _close(a: torch.Tensor, b: torch.Tensor, exact: bool) -> str | None:
     return None
 
 
+def _same_float(a: float, b: float, exact: bool) -> bool:
+    """Python floats as ``assert_close`` compares tensors: NaN equals NaN; within its
+    float32 tolerances unless ``exact``."""
+    if a != a or b != b:
+        return a != a and b != b
+    return a == b if exact else math.isclose(a, b, rel_tol=1.3e-6, abs_tol=1e-5)
+
+
 def _compare_value(path: str, c: dict[str, Any], d: dict[str, Any], step: dict[str, Any],
                    top: str, role: str | None, devices: dict[str, str],
                    out: list[tuple[str, str]]) -> None:
@@ -226,10 +234,11 @@ def _compare_value(path: str, c: dict[str, Any], d: dict[str, Any], step: dict[s
         return
     if c["t"] == "P":
         cv, dv = c["v"], d["v"]
-        if isinstance(cv, float) and isinstance(dv, float) and not step["exact"]:
-            same = math.isclose(cv, dv, rel_tol=1.3e-6, abs_tol=1e-5) or (cv != cv and dv != dv)
+        if isinstance(cv, complex) and isinstance(dv, complex):
+            same = all(_same_float(x, y, step["exact"])
+                       for x, y in ((cv.real, dv.real), (cv.imag, dv.imag)))
         elif isinstance(cv, float) and isinstance(dv, float):
-            same = cv == dv or (cv != cv and dv != dv)
+            same = _same_float(cv, dv, step["exact"])
         else:
             same = cv == dv and type(cv) is type(dv)
         if not same:

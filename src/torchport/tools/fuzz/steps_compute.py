@@ -23,6 +23,7 @@ from torchport.tools.fuzz.catalog import (
     REDUCTIONS_EXACT,
     UNARY_CLOSE,
     UNARY_EXACT,
+    ZERO_STRIDE_MEDIAN,
     cuda_checks_devices,
     dt,
 )
@@ -276,7 +277,10 @@ class ComputeSteps(Draw):
         else:
             if dim is None:
                 dim = -1
-            expr = f"torch.{op}({v.name}, {dim}{'' if needs_dim else f', keepdim={kd}'})"
+            operand = v.name
+            if op in ZERO_STRIDE_MEDIAN and d and x.stride(dim) == 0 and x.shape[dim] > 1:
+                operand += ".contiguous()"  # the CPU kernel reads wrong memory there
+            expr = f"torch.{op}({operand}, {dim}{'' if needs_dim else f', keepdim={kd}'})"
         tag = f"reduce:{op}"
         if op == "mode" and d == 1 and dim in (None, -1):
             tag = "mode:1d-lastdim"
