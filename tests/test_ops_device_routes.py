@@ -509,5 +509,54 @@ def test_route_kernels_are_declared_for_the_sim():
               "_thnn_fused_gru_cell", "_thnn_fused_gru_cell_backward", "histc", "histc.out",
               "convolution_overrideable", "convolution_backward_overrideable",
               "_scaled_dot_product_fused_attention_overrideable",
-              "_scaled_dot_product_fused_attention_overrideable_backward"):
+              "_scaled_dot_product_fused_attention_overrideable_backward", "median.dim",
+              "median.dim_values", "nanmedian.dim", "nanmedian.dim_values"):
         assert n in names, n
+
+
+# ---- median over an expanded dimension ---------------------------------------------------
+_EXPANDED = [  # (base, expanded shape, dim): the reduced dimension has stride 0
+    (torch.tensor(3.0), (2,), 0),
+    (torch.arange(3.0).view(3, 1), (3, 2), 1),
+    (torch.tensor([[1.5, float("nan"), -2.0]]), (4, 3), 0),
+    (torch.tensor([[[2.0], [7.0]]]), (2, 2, 5), -1),
+]
+
+
+@pytest.mark.parametrize("name", ["median", "nanmedian"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int32])
+@pytest.mark.parametrize("case", range(len(_EXPANDED)))
+def test_median_over_an_expanded_dimension_is_the_contiguous_inputs(name, dtype, case):
+    """``median``/``nanmedian`` along a dimension of stride 0 give what they give on the same
+    values laid out contiguously (CUDA's result; PyTorch's CPU kernel reads the wrong memory
+    there), values and indices, functional and ``out=``."""
+    base, shape, dim = _EXPANDED[case]
+    if not dtype.is_floating_point and base.isnan().any():
+        base = base.nan_to_num()
+    base = base.to(dtype)
+    x = base.expand(*shape)
+    op = getattr(torch, name)
+    for keepdim in (False, True):
+        want = op(x.contiguous(), dim, keepdim)
+        got = op(base.to("sim").expand(*shape), dim, keepdim)
+        assert_close(got.values.cpu(), want.values, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(got.indices.cpu(), want.indices)
+        values = torch.empty(0, dtype=dtype, device="sim")
+        indices = torch.empty(0, dtype=torch.long, device="sim")
+        out = op(base.to("sim").expand(*shape), dim, keepdim, out=(values, indices))
+        assert out.values is values and out.indices is indices
+        assert_close(values.cpu(), want.values, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(indices.cpu(), want.indices)
+
+
+def test_median_over_a_strided_dimension_keeps_its_path():
+    """Any other input (an expanded dimension that is not the reduced one, a transposed
+    tensor) takes the usual path, bit for bit the CPU's."""
+    base, y = torch.arange(3.0).view(3, 1), torch.randn(4, 5)
+    cases = ((base.expand(3, 2), base.to("sim").expand(3, 2), 0),
+             (y.t(), y.to("sim").t(), 1), (y.t(), y.to("sim").t(), 0))
+    for t, d, dim in cases:
+        assert d.stride() == t.stride()
+        want, got = torch.median(t, dim), torch.median(d, dim)
+        assert torch.equal(got.values.cpu(), want.values)
+        assert torch.equal(got.indices.cpu(), want.indices)

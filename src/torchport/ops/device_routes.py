@@ -22,6 +22,11 @@ serve it:
   CUDA and XPU ("mode only supports CPU, CUDA and XPU device type"); here the CPU's
   composite through the CPU fallback (``at::mode`` then copies into the outputs, as on
   CUDA), so ``torch.mode(x, out=(v, i))`` gives the functional call's bits.
+* ``median``/``nanmedian`` over a dimension of stride 0 (an expanded tensor): PyTorch's CPU
+  kernel (2.13) returns values read from the wrong memory there
+  (``torch.median(torch.tensor(3.).expand(2), 0)`` is not 3); CUDA's kernel is right. Here
+  the CPU kernel gets a contiguous copy of such an input; any other input takes the usual
+  path.
 * ``_scaled_dot_product_fused_attention_overrideable`` and its backward: the fused
   attention a PrivateUse1 backend may route SDPA to; here computed by PyTorch's math
   path on the device, returning what the op's meta kernel promises.
@@ -66,6 +71,36 @@ _SDPA_MATH = torch.ops.aten._scaled_dot_product_attention_math.default
 _MODE_VALUES = torch.ops.aten.mode.values
 _INT_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 _I64 = torch.iinfo(torch.int64)
+
+
+# ---- median over an expanded dimension --------------------------------------------------
+def _expanded_along(self: Tensor, dim: int) -> bool:
+    """Is ``dim`` of ``self`` expanded (stride 0, 2+ elements), where PyTorch's CPU median
+    kernel reads the wrong memory?"""
+    if self.dim() == 0:
+        return False
+    d = dim % self.dim()
+    return self.stride(d) == 0 and self.size(d) > 1
+
+
+def _median_route(ks: KernelSet, name: str) -> None:
+    """``name``'s ``dim`` and ``dim_values`` overloads on a contiguous copy of an input
+    expanded along ``dim``."""
+    packet = getattr(torch.ops.aten, name)
+
+    @ks.kernel(f"{name}.dim")
+    def median_dim(self: Tensor, dim: int, keepdim: bool = False) -> tuple[Tensor, Tensor]:
+        if not _expanded_along(self, dim):
+            raise Decline(f"{name} over a dimension with a stride: the usual path serves")
+        return packet.dim(self.contiguous(), dim, keepdim)
+
+    @ks.kernel(f"{name}.dim_values")
+    def median_dim_values(self: Tensor, dim: int, keepdim: bool = False, *, values: Tensor,
+                          indices: Tensor) -> tuple[Tensor, Tensor]:
+        if not _expanded_along(self, dim):
+            raise Decline(f"{name} over a dimension with a stride: the usual path serves")
+        return packet.dim_values(self.contiguous(), dim, keepdim, values=values,
+                                 indices=indices)
 
 
 # ---- integer histc --------------------------------------------------------------------
@@ -217,6 +252,9 @@ def make_kernel_set(backend: DeviceBackend) -> KernelSet:
             warn_resized(out.shape, r.shape)
             out.resize_(r.shape)
         return out.copy_(r)
+
+    _median_route(ks, "median")
+    _median_route(ks, "nanmedian")
 
     @ks.kernel("conj_physical_.default")
     def conj_physical_(self: Tensor) -> Tensor:

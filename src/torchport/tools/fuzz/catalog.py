@@ -51,7 +51,8 @@ REDUCTIONS_CLOSE = ("sum", "mean", "prod", "var", "std", "nansum", "cumsum", "lo
                     "cumprod", "norm")
 # reductions whose CPU kernel (PyTorch 2.13's, over a dimension) returns values read from the
 # wrong memory for floating inputs where the reduced dimension has stride 0 (an expanded
-# tensor); the generator gives them such operands contiguous (docs/fuzzing.md)
+# tensor); the generator gives them such operands contiguous (docs/fuzzing.md; the device
+# computes them right, tests/test_ops_device_routes.py)
 ZERO_STRIDE_MEDIAN = ("median", "nanmedian")
 
 

@@ -127,8 +127,8 @@ TOLERATED: tuple[tuple[str, str], ...] = (
     ("median/nanmedian over a dimension of stride 0", "PyTorch's CPU kernel (2.13) returns "
      "values read from the wrong memory for a floating input whose reduced dimension is "
      "expanded (stride 0, size 2+), different from call to call: the CPU has no answer to "
-     "compare with, and the sim, computing with that kernel, gives the same kind of wrong "
-     "value; the generator gives such operands contiguous "
+     "compare with (the device gives the kernel a contiguous copy, "
+     "ops/device_routes.py); the generator gives such operands contiguous "
      "(catalog.ZERO_STRIDE_MEDIAN)"),
     ("random numbers", "compared bit for bit: the sim generator gives a CPU generator's "
      "numbers (docs/streams-rng-amp.md; tests/test_rng.py)"),
