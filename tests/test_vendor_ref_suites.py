@@ -11,6 +11,9 @@ they found, kept as tests.
   ``seq:sub-alpha``; ``mm``'s shape check).
 * An ``out=`` over an input's elements raises the CPU's overlap error (PyTorch's
   ``test_errors_cat``/``test_errors_take``: the fallback copied each argument alone).
+* An ``out=`` of another dtype than the result's computes in the result's dtype and casts,
+  or raises, as the CPU's kernel (the fuzzer's ``out:dtype`` steps: ``ref`` wrote unrounded
+  float32 products into a float64 ``out=``, and negated a half tensor into a double one).
 * A few fuzz programs on ``ref``, compared within tolerance (``--backend``); the
   ``make test-vendor`` run draws hundreds.
 
@@ -172,6 +175,62 @@ def test_ops_with_their_own_cpu_and_cuda_kernels_compute_as_those() -> None:
                                      OMP_NUM_THREADS="1"))
     assert out.strip().endswith("ok")
 
+
+CAST_OUTS = """
+import torch, torchport
+import torchport.backends.reference  # noqa: F401
+torchport.ops.set_fallback_warn(False)
+torch.manual_seed(0)
+h, f = torch.randn(5, dtype=torch.float16), torch.randn(5)
+i, n = torch.arange(-2, 3), torch.arange(-2, 3, dtype=torch.int32)
+# (op, inputs, out= dtype): the CPU kernel computes in the result's dtype, then casts
+computed = [(torch.mul, (h, h + 0.5), torch.float64), (torch.div, (h, h + 3), torch.float64),
+            (torch.add, (h, h), torch.float32), (torch.sub, (h, 1.5), torch.float64),
+            (torch.mul, (i, i), torch.float32), (torch.add, (i, 2), torch.float64),
+            (torch.mul, (f, f), torch.float64), (torch.exp, (h,), torch.float64)]
+# ... or refuses: these keep their input's dtype
+refused = [(torch.neg, (h,), torch.float64), (torch.neg, (i,), torch.int32),
+           (torch.neg, (f,), torch.float64), (torch.sgn, (f,), torch.float64),
+           (torch.bitwise_not, (n,), torch.int64)]
+dev = lambda a: a.to("ref") if isinstance(a, torch.Tensor) else a
+for _ in range(2):  # the second call meets whatever the first one planned
+    for op, args, dtype in computed:
+        want = op(*args, out=torch.empty(5, dtype=dtype))
+        got = op(*map(dev, args), out=torch.empty(5, dtype=dtype, device="ref"))
+        assert got.dtype == dtype and torch.equal(got.cpu(), want), (op, args[0].dtype, dtype)
+    for op, args, dtype in refused:
+        try:
+            op(*args, out=torch.empty(5, dtype=dtype))
+        except RuntimeError as e:
+            want = str(e)
+        out = torch.full((5,), 7, dtype=dtype, device="ref")
+        try:
+            op(*map(dev, args), out=out)
+        except RuntimeError as e:
+            assert str(e) == want, (op, str(e), want)
+        else:
+            raise AssertionError(f"{op.__name__}({args[0].dtype}, out={dtype}): no error")
+        assert torch.equal(out.cpu(), torch.full((5,), 7, dtype=dtype)), op
+# the CPU kernel computes a cast out=; an out= of the result's dtype keeps ref's kernel
+for dtype, path in ((torch.float64, "fallback"), (torch.float16, "native")):
+    with torchport.ops.record() as rec:
+        torch.mul(h.to("ref"), h.to("ref"), out=torch.empty(5, dtype=dtype, device="ref"))
+    assert rec.path_of("mul.out") == path, (dtype, rec.path_of("mul.out"))
+print("ok")
+"""
+
+
+def test_an_out_of_another_dtype_than_the_result_computes_or_raises_as_the_cpu() -> None:
+    """TensorIterator computes an ``out=`` call in its result's dtype and casts into the
+    ``out=`` (``mul(half, half, out=double)`` holds half-precision products), or refuses
+    (``neg`` keeps its input's dtype). The Python meta kernels accept both, and ``ref``'s
+    kernels wrote float32 products into a float64 ``out=`` and computed ``neg(half,
+    out=double)`` (the fuzzer's ``out:dtype`` steps): such calls now take the CPU kernel."""
+    out = check_python(textwrap.dedent(CAST_OUTS), timeout=300,
+                       env=child_env(drop=("TORCHPORT_SIM_STRICT", "TORCHPORT_SIM_ASYNC",
+                                           "TORCHPORT_AUTOLOAD"), importable=True,
+                                     OMP_NUM_THREADS="1"))
+    assert out.strip().endswith("ok")
 
 @pytest.mark.slow
 def test_fuzz_programs_on_ref() -> None:

@@ -129,6 +129,7 @@ class AliasesLater {
 
  private:
   struct Read {
+    Read() noexcept {}  // (no zeroing of the inline sizes: each field is set by `add`)
     uint32_t slot;
     int32_t element;
     const void* tensor;   // the device tensor's and its storage's identities: what the call

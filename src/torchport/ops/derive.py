@@ -445,6 +445,44 @@ def _kernel_specs(op: OpOverload, args: tuple, kwargs: dict, quiet: bool = False
         raise Decline(f"{op}: its meta kernel raises {type(e).__name__}: {e}") from e
 
 
+# (out= op, its arguments' dtype signature) -> an out= of another dtype than its result's:
+# (name, out dtype, result dtype), or None
+_CAST_OUTS: dict[tuple, tuple[str, torch.dtype, torch.dtype] | None] = {}
+
+
+def cast_out(out_op: OpOverload, args: tuple, kwargs: dict) -> tuple[str, torch.dtype, torch.dtype] | None:
+    """An ``out=`` of another dtype than the functional overload's result, as ``(name, out
+    dtype, result dtype)``, else ``None``. TensorIterator then computes in the result's
+    dtype and casts into the ``out=`` (``mul(half, half, out=double)`` holds half-precision
+    products), or refuses the cast (``neg``, ``sgn`` and ``bitwise_not`` keep their input's
+    dtype: ``neg(half, out=double)`` raises); the meta kernels (Python references) accept
+    it and would hand the kernel a float64 ``out=`` to write unrounded values into. Such
+    calls are the CPU kernel's to decide."""
+    names = out_names(out_op)
+    key = (out_op, *map(_dtype_sig, args), *((k, _dtype_sig(v)) for k, v in kwargs.items()))
+    try:
+        return _CAST_OUTS[key]
+    except KeyError:
+        pass
+    found = None
+    functional = functional_overloads(out_op)
+    if functional:
+        inputs = {k: v for k, v in kwargs.items() if k not in names}
+        try:
+            specs = output_specs(functional[0], args, inputs, quiet=True)
+        except Exception:  # the out= op's own checks speak for such a call
+            specs = []
+        for name, (_, _, result) in zip(names, specs, strict=False):
+            out = kwargs.get(name)
+            if isinstance(out, Tensor) and out.dtype != result:
+                found = (name, out.dtype, result)
+                break
+    if len(_CAST_OUTS) > 4096:
+        _CAST_OUTS.clear()
+    _CAST_OUTS[key] = found
+    return found
+
+
 def out_kernel(backend: DeviceBackend, out_op: OpOverload, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``out_op`` itself: the outputs resized to the meta result before ``fn`` runs."""
     names = out_names(out_op)
@@ -453,6 +491,11 @@ def out_kernel(backend: DeviceBackend, out_op: OpOverload, fn: Callable[..., Any
         why = foreign(backend, out_op, args, kwargs, [kwargs.get(n) for n in names])
         if why:
             raise Decline(f"{out_op}: {why}")
+        cast = cast_out(out_op, args, kwargs)
+        if cast is not None:
+            name, have, result = cast
+            raise Decline(f"{out_op}: {name}= is {have} where the result is {result} (the CPU "
+                          "kernel computes in the result's dtype and casts, or refuses)")
         check_overlap(out_op, args, kwargs, [kwargs[n] for n in names],
                       args if len(kwargs) == len(names)
                       else [*args, *(v for k, v in kwargs.items() if k not in names)])
@@ -579,7 +622,7 @@ def planner(kind: str, op: OpOverload, out_op: OpOverload,
     names = out_names(out_op)
 
     def out(*args: Any, **kwargs: Any) -> list[Spec] | None:
-        if refuses(args, kwargs):
+        if refuses(args, kwargs) or cast_out(out_op, args, kwargs) is not None:
             return None
         outs = [kwargs[n] for n in names]
         check_overlap(out_op, args, kwargs, outs,
