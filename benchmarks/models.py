@@ -73,6 +73,12 @@ def _tiny_mlp() -> nn.Module:
                          nn.ReLU(), nn.Linear(64, 10))
 
 
+def _narrow_mlp() -> nn.Module:
+    """The shape vendors' kernel-light backends were first measured on: 32-64-64-10."""
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 10))
+
+
 def _cnn() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
@@ -112,6 +118,8 @@ CASES = [
     Case("cnn-small", "small", _cnn, _images(4), CE),
     Case("transformer-small", "small", _Transformer, _tokens(2), CE, "adamw"),
     Case("mlp-ln-tiny", "small", _tiny_mlp, _vectors(8, 64), CE, "adamw"),
+    Case("mlp-narrow-b8", "small", _narrow_mlp, _vectors(8, 32), CE),
+    Case("mlp-narrow-b256", "small", _narrow_mlp, _vectors(256, 32), CE),
 ]
 
 

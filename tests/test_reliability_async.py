@@ -22,8 +22,9 @@ MODES = {"async": {"TORCHPORT_SIM_ASYNC": "1"},
 
 
 def _env(mode: str) -> dict[str, str]:
+    variables = {"TORCHPORT_SIM_STRICT": "1"} if mode == "strict" else MODES[mode]
     return child_env(drop=(*MODE_VARIABLES, "TORCHPORT_LAUNCH_BLOCKING"), importable=True,
-                     **MODES[mode])
+                     **variables)
 
 
 def _python(code: str, mode: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -118,21 +119,35 @@ def test_ctrl_c_abandons_queued_work() -> None:
 
 # Ctrl-C (a KeyboardInterrupt the runtime raises once, as a SIGINT arriving there would)
 # inside Python that the C++ library called: a block's free from a storage's deleter (an
-# event recorded), an allocation, an event wait, the profiler's event. Each loop must stop
-# with KeyboardInterrupt, and the memory of what it made must all return.
+# event recorded), an allocation, an event wait, the profiler's event, a fallback call's copy.
+# Each loop must stop with KeyboardInterrupt, and the memory of what it made must all return.
 _INTERRUPTED_CALLBACK = """
-    import signal, sys, torch, torchport.sim
+    import signal, sys, torch
     from torch.profiler import ProfilerActivity, profile
+    from torchport.backends.sim import SimRuntime
     signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background job ignores it)
     where, scenario = sys.argv[1], sys.argv[2]
+    armed, calls = [False], [0]
+    def raising_once(original):
+        def once(*args):
+            calls[0] += armed[0]
+            if calls[0] == 2:
+                raise KeyboardInterrupt
+            return original(*args)
+        return once
+    # the C++ library takes the runtime's copies as the device registers
+    owner = SimRuntime if scenario == "fallback" else None
+    if owner is not None:
+        original = getattr(owner, where)
+        setattr(owner, where, raising_once(original))
+    import torchport.sim
     rt = torchport.sim.BACKEND.runtime
-    original, calls = getattr(rt, where), [0]
-    def once(*args):
-        calls[0] += 1
-        if calls[0] == 2:
-            raise KeyboardInterrupt
-        return original(*args)
-    setattr(rt, where, once)
+    if owner is None:
+        owner, original = rt, getattr(rt, where)
+        setattr(rt, where, raising_once(original))
+    if scenario == "fallback":  # its first call teaches C++'s fallback, which serves the rest
+        torch.hypot(torch.ones(3, device="sim"), torch.ones(3, device="sim"))
+    armed[0] = True
     a = torch.randn(64, 64, device="sim")
     side = torch.sim.Stream()
     try:
@@ -142,6 +157,8 @@ _INTERRUPTED_CALLBACK = """
                     a = (a @ a).tanh()
             elif scenario == "grow":
                 b = torch.ones(1 << (10 + i % 10), device="sim")
+            elif scenario == "fallback":
+                b = torch.hypot(a, a)
             elif scenario == "event":
                 e = torch.Event(device="sim")
                 e.record()
@@ -152,7 +169,7 @@ _INTERRUPTED_CALLBACK = """
         print("not interrupted")
     except KeyboardInterrupt as e:
         print("interrupted", type(e.__context__).__name__)
-    setattr(rt, where, original)
+    setattr(owner, where, original)
     a = b = e = None
     torch.sim.synchronize()
     print("allocated", torch.sim.memory_allocated())
@@ -170,6 +187,9 @@ _CALLBACK_CASES = [
     ("malloc", "grow", ("sync", "async")),
     ("synchronize_event", "event", ("sync", "async")),
     ("record_event", "profile", ("sync",)),
+    # a warm CPU-fallback call on device-only memory: C++ copies through the runtime
+    ("copy_d2h", "fallback", ("strict",)),
+    ("copy_h2d", "fallback", ("strict",)),
 ]
 
 

@@ -203,7 +203,12 @@ class HostOp final : public c10::OperatorKernel {
     if (staged && torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0)
       return python(op, stack);
     std::optional<torchport::Staged> staging;
+    // A staged call's copies call the runtime's Python: one hold of Ctrl-C for all of them
+    // and the CPU kernel between (each copy would otherwise query SIGINT's handler, a system
+    // call); released before the Python fallback takes the call over.
+    std::optional<torchport::CallbackInterrupts> held;
     if (staged) {
+      held.emplace();
       staging.emplace(index);
       for (size_t i = 0; i < nargs; ++i) {
         const c10::IValue& v = (*stack)[first + i];
@@ -233,7 +238,10 @@ class HostOp final : public c10::OperatorKernel {
     if (drawn >= 0) {
       at::Generator cpu = torchport::drawing_generator(
           (*stack)[first + drawn], static_cast<c10::DeviceIndex>(index));
-      if (!cpu.defined()) return python(op, stack);  // another type's: its error there
+      if (!cpu.defined()) {  // another type's: its error there
+        held.reset();
+        return python(op, stack);
+      }
       (*stack)[first + drawn] = c10::IValue(std::move(cpu));
     }
     // One taking no generator (native_dropout) draws from the CPU's default generator, which
@@ -242,7 +250,10 @@ class HostOp final : public c10::OperatorKernel {
     if (drawn < 0 && random(op)) {
       at::Generator cpu = torchport::drawing_generator(c10::IValue(),
                                                        static_cast<c10::DeviceIndex>(index));
-      if (!cpu.defined()) return python(op, stack);
+      if (!cpu.defined()) {
+        held.reset();
+        return python(op, stack);
+      }
       drawing.emplace(std::move(cpu));
     }
     // the CPU kernel may grow the storages of an op writing its arguments (an out= it
@@ -285,6 +296,7 @@ class HostOp final : public c10::OperatorKernel {
       if (grow || functional_ || std::strstr(e.what(), "not resizable") == nullptr) throw;
       drawing.reset();
       restore(stack, first, originals);
+      held.reset();
       return python(op, stack);
     }
 

@@ -124,6 +124,11 @@ class RefStream:
         self._run(item)  # inline: the caller is the device
         return item.ticket
 
+    def settled(self) -> bool:
+        """Nothing queued is left to run and no failure waits to be reported. Read without
+        the lock: a stale read only sends the caller to :meth:`wait`, which takes it."""
+        return self.completed >= self.submitted and self.error is None and not self.died
+
     def done(self, ticket: int | None = None) -> bool:
         with self.cv:
             self._recover_if_dead()
@@ -231,6 +236,8 @@ class RefRuntime(Runtime):
     def __init__(self, devices: int = 2, memory: int = 4 * GiB) -> None:
         self.capacity = memory
         self.blocks: list[dict[int, np.ndarray]] = [{} for _ in range(devices)]
+        # each block's host address, where the copy engine reaches it
+        self.addresses: list[dict[int, int]] = [{} for _ in range(devices)]
         self.bases: list[list[int]] = [[] for _ in range(devices)]
         self.used = [0] * devices
         self.next = [(i + 1) * _SPAN for i in range(devices)]
@@ -293,6 +300,7 @@ class RefRuntime(Runtime):
             block = np.empty(nbytes, dtype=np.uint8)
             ptr, self.next[index] = self.next[index], self.next[index] + size
             self.blocks[index][ptr] = block
+            self.addresses[index][ptr] = block.ctypes.data
             bisect.insort(self.bases[index], ptr)
             self.used[index] += size
             return ptr
@@ -300,6 +308,7 @@ class RefRuntime(Runtime):
     def free(self, index: int, ptr: int) -> None:
         with self.lock:
             block = self.blocks[index].pop(ptr, None)
+            self.addresses[index].pop(ptr, None)
             if block is None:
                 raise RuntimeError(f"ref:{index}: free of {ptr:#x}, which malloc did not return "
                                    f"(or was freed already)")
@@ -313,9 +322,9 @@ class RefRuntime(Runtime):
         self._device(index)
         return self.capacity - self.used[index], self.capacity
 
-    def bytes_at(self, index: int, ptr: int, nbytes: int) -> np.ndarray:
-        """The device reaching its own memory: the ``nbytes`` at ``ptr`` (inside one block),
-        as a writable ``uint8`` array."""
+    def _block_at(self, index: int, ptr: int, nbytes: int) -> tuple[int, int]:
+        """The base of the block holding the ``nbytes`` at ``ptr``, and ``ptr``'s offset
+        in it; an illegal address raises."""
         with self.lock:
             bases = self.bases[index]
             i = bisect.bisect_right(bases, ptr) - 1
@@ -323,7 +332,18 @@ class RefRuntime(Runtime):
             off = ptr - bases[i] if i >= 0 else 0
         if block is None or off + nbytes > block.nbytes:
             raise RuntimeError(f"ref:{index}: illegal address {ptr:#x} (+{nbytes} bytes)")
-        return block[off:off + nbytes]
+        return bases[i], off
+
+    def bytes_at(self, index: int, ptr: int, nbytes: int) -> np.ndarray:
+        """The device reaching its own memory: the ``nbytes`` at ``ptr`` (inside one block),
+        as a writable ``uint8`` array."""
+        base, off = self._block_at(index, ptr, nbytes)
+        return self.blocks[index][base][off:off + nbytes]
+
+    def _dma_address(self, index: int, ptr: int, nbytes: int) -> int:
+        """The host address the copy engine moves the ``nbytes`` at ``ptr`` through."""
+        base, off = self._block_at(index, ptr, nbytes)
+        return self.addresses[index][base] + off
 
     def view(self, index: int, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
              dtype: np.dtype) -> np.ndarray:
@@ -365,8 +385,9 @@ class RefRuntime(Runtime):
         if stream is None:
             self._check_host_call(name)
             default = self.streams[index][0]
-            default.wait()
-            default.raise_error()
+            if not default.settled():
+                default.wait()
+                default.raise_error()
             work()
         else:
             stream.submit(work, name)
@@ -375,13 +396,13 @@ class RefRuntime(Runtime):
                  stream: RefStream | None = None) -> None:
         if nbytes:
             self._copy(index, stream, "copy_h2d", lambda: ctypes.memmove(
-                self.bytes_at(index, dst, nbytes).ctypes.data, src_host, nbytes))
+                self._dma_address(index, dst, nbytes), src_host, nbytes))
 
     def copy_d2h(self, index: int, dst_host: int, src: int, nbytes: int,
                  stream: RefStream | None = None) -> None:
         if nbytes:
             self._copy(index, stream, "copy_d2h", lambda: ctypes.memmove(
-                dst_host, self.bytes_at(index, src, nbytes).ctypes.data, nbytes))
+                dst_host, self._dma_address(index, src, nbytes), nbytes))
 
     def copy_d2d(self, dst_index: int, dst: int, src_index: int, src: int, nbytes: int,
                  stream: RefStream | None = None) -> None:
