@@ -280,6 +280,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/op_overhead.py --cold --number 300
 	$(BIN)/python benchmarks/models.py --python-floor
 	$(BIN)/python benchmarks/models.py --allocator
+	TORCHPORT_SIM_ASYNC=1 $(BIN)/python benchmarks/models.py --only tiny
+	$(BIN)/python benchmarks/models.py -b bare_sim --only narrow
+	TORCHPORT_SIM_STRICT=1 $(BIN)/python benchmarks/models.py -b bare_sim --only narrow
+	$(BIN)/python benchmarks/models.py -b bare_ref --only narrow
+	$(BIN)/python benchmarks/models.py -b reference --only narrow
 	$(BIN)/python benchmarks/autograd_threads.py
 	$(BIN)/python benchmarks/models.py --compile --only small
 	$(BIN)/python benchmarks/models.py --compile --inference

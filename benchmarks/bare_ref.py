@@ -3,7 +3,7 @@ worker thread per stream) with no kernels of its own, so that every op takes tor
 decompositions or its CPU fallback through the runtime's copies, as a vendor's device before
 its kernels exist. Against ``-b reference`` (the same runtime with its numpy kernels) it
 separates torchport's share of a step from the kernels'. Importing it registers the device:
-``python benchmarks/models.py -b benchmarks.bare_ref``."""
+``python benchmarks/models.py -b bare_ref``."""
 
 from __future__ import annotations
 
