@@ -8,6 +8,7 @@ tests skip where the library does not serve (the asynchronous sim, TORCHPORT_NAT
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from typing import Any
 
@@ -27,6 +28,7 @@ from tests.helpers import (
 )
 from torchport.backend import active_backend
 from torchport.ops import fallback, native_hostops, stats
+from torchport.runtime import NativeCopies
 
 pytestmark = pytest.mark.modes
 
@@ -94,9 +96,80 @@ def test_a_warm_fallback_call_is_served_in_cpp_as_the_cpu_computes(name, fn) -> 
     assert c.served >= 1 and c.handed == 0 and c.to_python == 0, (c.served, c.handed)
     if _STAGED:  # device-only memory: the runtime's copies; no Python fallback
         assert not [f for f in frames if f in _PYTHON_FALLBACK], frames
-        assert any(runtime_frame(f) for f in frames), frames
+        copies = [f for f in frames if runtime_frame(f) and ".copy_" in f]
+        if _K._native_copies is None:  # its Python copies
+            assert copies, frames
+        else:  # its C copies (the strict sim's): no Python but its malloc where it ran out
+            assert not copies, frames
     else:
         assert frames == [], frames  # no Python of torchport's at all
+
+
+_COPY = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint64,
+                         ctypes.c_uint64, ctypes.c_uint64)
+
+
+@serves
+@pytest.mark.skipif(not _STAGED or _B.runtime.native_copies() is None,
+                    reason="a runtime with C copies on device-only memory (the strict sim)")
+def test_a_runtimes_c_copies_serve_warm_fallback_calls_and_hand_declined_ones_to_python(
+        monkeypatch) -> None:
+    """``Runtime.native_copies``: C++ calls them for a staged call's spans; a copy one
+    declines (returns nonzero) is the runtime's Python method's."""
+    rt = _B.runtime
+    table = rt.native_copies()
+    d2h_c, h2d_c = _COPY(table.copy_d2h), _COPY(table.copy_h2d)
+    seen: list[str] = []
+    declined: set[str] = set()
+
+    @_COPY
+    def d2h(context, index, dst, src, nbytes):  # noqa: ANN001, ANN202
+        seen.append("c d2h")
+        return 1 if "d2h" in declined else d2h_c(context, index, dst, src, nbytes)
+
+    @_COPY
+    def h2d(context, index, dst, src, nbytes):  # noqa: ANN001, ANN202
+        seen.append("c h2d")
+        return 1 if "h2d" in declined else h2d_c(context, index, dst, src, nbytes)
+
+    def counted(name: str) -> Any:
+        method = getattr(rt, name)
+
+        def copy(*args: Any, **kwargs: Any) -> None:
+            seen.append(f"python {name[5:]}")
+            return method(*args, **kwargs)
+        return copy
+
+    def address(fn: Any) -> int:
+        return ctypes.cast(fn, ctypes.c_void_p).value
+
+    monkeypatch.setattr(rt, "copy_d2h", counted("copy_d2h"))
+    monkeypatch.setattr(rt, "copy_h2d", counted("copy_h2d"))
+    monkeypatch.setattr(rt, "native_copies", lambda: NativeCopies(
+        address(d2h), address(h2d), table.context, keep=(d2h, h2d)))
+    _K._staged = None
+    try:
+        assert _K.staged()
+        _warm(lambda a, b: torch.hypot(a, b))
+        a, b = _x(1), _x(2)
+        da, db = a.to("sim"), b.to("sim")
+        for declining in [set(), {"d2h"}, {"h2d"}]:
+            declined.clear()
+            declined.update(declining)
+            seen.clear()
+            with calls() as c:
+                got = torch.hypot(da, db)
+            assert c.served >= 1 and c.to_python == 0, (c.served, c.to_python)
+            want = ["c d2h", "c d2h", "c h2d"]  # the two arguments, then the result
+            for name in declining:
+                want = [w for x in want for w in
+                        ([x, f"python {name}"] if x == f"c {name}" else [x])]
+            assert seen == want, (declining, seen)
+            assert torch.equal(got.cpu(), torch.hypot(a, b))
+    finally:
+        monkeypatch.undo()
+        _K._staged = None
+        assert _K.staged()
 
 
 @serves

@@ -135,11 +135,13 @@ _INTERRUPTED_CALLBACK = """
                 raise KeyboardInterrupt
             return original(*args)
         return once
-    # the C++ library takes the runtime's copies as the device registers
+    # the C++ library takes the runtime's copies as the device registers (its Python ones:
+    # the strict sim's C copies would call no Python)
     owner = SimRuntime if scenario == "fallback" else None
     if owner is not None:
         original = getattr(owner, where)
         setattr(owner, where, raising_once(original))
+        SimRuntime.native_copies = lambda self: None
     import torchport.sim
     rt = torchport.sim.BACKEND.runtime
     if owner is None:

@@ -330,6 +330,49 @@ def test_device_work_may_not_call_the_blocking_copies(ref):
     """)
 
 
+def test_the_c_copies_take_a_settled_queue_and_leave_the_rest_to_the_python_ones(ref):
+    """``RefRuntime.native_copies``: a blocking copy in C while the default queue has no
+    work left, no failure to report and no fault armed; 1 (the Python copy's turn, which
+    waits, reports or fires) otherwise, and for an address outside every block."""
+    ref.run("""
+    import ctypes, threading
+    c = rt.native_copies()
+    proto = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint64,
+                             ctypes.c_uint64, ctypes.c_uint64)
+    d2h, h2d = proto(c.copy_d2h), proto(c.copy_h2d)
+    x = torch.arange(8.0)
+    d = x.to("ref")
+    torch.ref.synchronize()
+    at = torchport.device_address(d)
+    host = torch.zeros(8)
+
+    def fetch():
+        host.zero_()
+        return d2h(c.context, 0, host.data_ptr(), at, 32)
+    assert fetch() == 0 and torch.equal(host, x)
+    gate = threading.Event()
+    rt.launch(0, None, gate.wait, "gate")            # the default queue has work left
+    assert fetch() == 1 and not host.any()
+    gate.set()
+    torch.ref.synchronize()
+    assert fetch() == 0 and torch.equal(host, x)
+    rt.launch(0, None, lambda: 1 / 0, "boom")        # a failure to report
+    rt.streams[0][0].wait()
+    assert fetch() == 1
+    raises(ref.RefDeviceError, "boom failed asynchronously", torch.ref.synchronize)
+    assert fetch() == 0
+    rt.faults.copy_raise_after = 3                   # an armed fault: the Python copy fires it
+    assert fetch() == 1
+    rt.faults.copy_raise_after = None
+    assert fetch() == 0
+    assert d2h(c.context, 0, host.data_ptr(), 64, 32) == 1        # in no block
+    assert d2h(c.context, 1, host.data_ptr(), at, 32) == 1        # not device 1's
+    seven = torch.full((8,), 7.0)
+    assert h2d(c.context, 0, at, seven.data_ptr(), 32) == 0
+    assert torch.equal(d.cpu(), seven)
+    """)
+
+
 # ---- training against the CPU ---------------------------------------------------------------
 
 BATCHNORM = """

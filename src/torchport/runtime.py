@@ -116,6 +116,27 @@ class DeviceProperties:
         )
 
 
+@dataclass(frozen=True)
+class NativeCopies:
+    """A runtime's blocking copies as C functions (:meth:`Runtime.native_copies`).
+
+    ``copy_d2h`` and ``copy_h2d`` are the addresses of two C functions of the signature
+    ``int32_t fn(void *context, int32_t index, uint64_t dst, uint64_t src, uint64_t nbytes)``
+    (``context`` is passed as given; ``index`` is the runtime's physical device index; the
+    host side is a host address, the device side a device address, as the Python methods
+    take them). Each keeps the ``stream=None`` rule of the Python method (after the default
+    stream's work, complete on return) and may be called from any thread, without the GIL.
+    It returns 0 once the bytes moved; any other value moves nothing and hands the copy to
+    the Python method, which waits, raises the runtime's error or copies (a driver's fast
+    path that declines a busy queue or an unknown address). ``keep`` holds what keeps the
+    functions and the context alive (a ``ctypes`` library, ``CFUNCTYPE`` objects)."""
+
+    copy_d2h: int
+    copy_h2d: int
+    context: int = 0
+    keep: Any = None
+
+
 class Runtime(abc.ABC):
     """Abstract device runtime. Subclass it and implement every abstract method.
 
@@ -336,6 +357,13 @@ class Runtime(abc.ABC):
         return (end.timestamp - start.timestamp) * 1000.0
 
     # ---- optional ------------------------------------------------------------
+    def native_copies(self) -> NativeCopies | None:
+        """The blocking copies (:meth:`copy_d2h` and :meth:`copy_h2d` with ``stream=None``)
+        as C functions, for a device whose memory the host does not address: torchport then
+        calls them from C++ without the GIL when the CPU fallback moves a call's bytes
+        (:class:`NativeCopies`). ``None`` (the default): the Python methods serve."""
+        return None
+
     def host_address(self, ptr: int) -> int:
         """Host address of device address ``ptr``; only for host-addressable runtimes."""
         if not self.host_addressable:

@@ -203,12 +203,13 @@ class HostOp final : public c10::OperatorKernel {
     if (staged && torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0)
       return python(op, stack);
     std::optional<torchport::Staged> staging;
-    // A staged call's copies call the runtime's Python: one hold of Ctrl-C for all of them
-    // and the CPU kernel between (each copy would otherwise query SIGINT's handler, a system
-    // call); released before the Python fallback takes the call over.
+    // A staged call's copies call the runtime's Python (where it gives no C copies): one
+    // hold of Ctrl-C for all of them and the CPU kernel between (each copy would otherwise
+    // query SIGINT's handler, a system call); released before the Python fallback takes
+    // the call over.
     std::optional<torchport::CallbackInterrupts> held;
     if (staged) {
-      held.emplace();
+      if (!torchport::staging_native()) held.emplace();
       staging.emplace(index);
       for (size_t i = 0; i < nargs; ++i) {
         const c10::IValue& v = (*stack)[first + i];
@@ -1102,13 +1103,13 @@ extern "C" int torchport_fallback_learn(const char* name, const char* overload, 
 
 // The learnt overloads on device-only memory, served through the runtime's copies
 // (native_staged.cpp: `d2h`, `h2d`, `result`, `refuse`, `phys`, one runtime index per
-// visible device), or no longer (`d2h` None): 1; 0 with a Python error. Called through
-// ctypes.PyDLL (with the GIL).
+// visible device, `native` the runtime's C copies or None), or no longer (`d2h` None): 1; 0
+// with a Python error. Called through ctypes.PyDLL (with the GIL).
 extern "C" int torchport_fallback_staged(PyObject* d2h, PyObject* h2d, PyObject* result,
-                                         PyObject* refuse, PyObject* phys) {
+                                         PyObject* refuse, PyObject* phys, PyObject* native) {
   std::lock_guard<std::mutex> lock(registering);
   if (d2h != Py_None && PyList_Check(phys)) visible = static_cast<int>(PyList_GET_SIZE(phys));
-  return torchport::staging_configure(d2h, h2d, result, refuse, phys);
+  return torchport::staging_configure(d2h, h2d, result, refuse, phys, native);
 }
 
 // Serve the learnt overloads in C++ (1) or hand every call to the Python fallback (0).

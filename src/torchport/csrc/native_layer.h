@@ -152,11 +152,14 @@ void store_lazy_bits(const at::Tensor& cpu);
 // native_staged.cpp: the learnt fallback's calls on device-only memory, through the
 // runtime's copies (configured by torchport_fallback_staged).
 bool staging_on();
+// Are the runtime's copies C entry points (no Python, no GIL, where they take the copy)?
+bool staging_native();
 // Serve through `d2h` and `h2d` (the runtime's copy methods; `result`: a result not copied,
 // as a device tensor; `refuse`: the dtypes the device refuses; `phys`: the runtime's index
-// of each device), or no longer (`d2h` None): 1; 0 with a Python error. Holds the GIL.
+// of each device; `native`: None, or the addresses of its C copies and their context,
+// Runtime.native_copies), or no longer (`d2h` None): 1; 0 with a Python error. Holds the GIL.
 int staging_configure(PyObject* d2h, PyObject* h2d, PyObject* result, PyObject* refuse,
-                      PyObject* phys);
+                      PyObject* phys, PyObject* native);
 struct Copies;
 // One call's host copies of the bytes its device tensors span: `add` each device tensor the
 // call passes, `fetch` (copies them to the host), then `cpu` maps each to a CPU tensor over

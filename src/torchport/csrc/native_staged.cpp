@@ -5,7 +5,9 @@
 // are copied to host memory by the runtime's `copy_d2h`, the CPU kernel runs on CPU tensors
 // over them, the written arguments' spans go back by its `copy_h2d`, and new results are
 // blocks of the C++ caching allocator filled by `copy_h2d`. The copies are the runtime's
-// own Python methods, called with `stream=None`: the stream rule (runtime.py) orders them
+// C entry points where it gives them (`Runtime.native_copies`: called without the GIL; one
+// that returns nonzero hands that copy to the Python method), its Python methods otherwise,
+// all with `stream=None`: the stream rule (runtime.py) orders them
 // after the default stream's work, and only calls made while the default stream is current
 // are served here. What the Python fallback does on these runtimes (torchport/ops/hostexec.py)
 // is what this does; the overloads it serves are taught by it (ops/native_hostops.py
@@ -28,9 +30,14 @@
 #include "native_layer.h"
 
 namespace torchport {
+// Runtime.native_copies' C copies: fn(context, index, dst, src, nbytes), 0 once done.
+using NativeCopy = int32_t (*)(void*, int32_t, uint64_t, uint64_t, uint64_t);
 struct Copies {
   PyObject* d2h = nullptr;     // runtime.copy_d2h(index, dst_host, src, nbytes)
   PyObject* h2d = nullptr;     // runtime.copy_h2d(index, dst, src_host, nbytes)
+  NativeCopy native_d2h = nullptr;  // the same copies in C (null: none)
+  NativeCopy native_h2d = nullptr;
+  void* context = nullptr;          // (their first argument)
   PyObject* result = nullptr;  // result(cpu_tensor, index): a result not copied here
   std::vector<int> phys;       // the runtime's index of each device
   std::bitset<256> refused;    // dtypes the device refuses: their results go to `result`
@@ -57,8 +64,14 @@ std::pair<uint64_t, uint64_t> span(const at::Tensor& t) {
   return {lo, lo + extent * t.itemsize()};
 }
 
-void copy(PyObject* fn, int phys, uint64_t dst, uint64_t src, uint64_t nbytes) {
+// One span's copy to the host (`to_host`) or to the device: in C where the runtime gives the
+// copy in C and it takes it, else by the runtime's Python method.
+void copy(const Copies& c, bool to_host, int phys, uint64_t dst, uint64_t src,
+          uint64_t nbytes) {
   if (nbytes == 0) return;
+  const torchport::NativeCopy native = to_host ? c.native_d2h : c.native_h2d;
+  if (native != nullptr && native(c.context, phys, dst, src, nbytes) == 0) return;
+  PyObject* fn = to_host ? c.d2h : c.h2d;
   pybind11::gil_scoped_acquire gil;
   torchport::CallbackInterrupts held;
   PyObject* r = PyObject_CallFunction(fn, "iKKK", phys, static_cast<unsigned long long>(dst),
@@ -73,6 +86,11 @@ void copy(PyObject* fn, int phys, uint64_t dst, uint64_t src, uint64_t nbytes) {
 namespace torchport {
 
 bool staging_on() { return staging.load(std::memory_order_acquire); }
+
+bool staging_native() {
+  const Copies* c = copies.load(std::memory_order_acquire);
+  return c != nullptr && c->native_d2h != nullptr;
+}
 
 Staged::Staged(int index) : index_(index), copies_(copies.load(std::memory_order_acquire)) {}
 
@@ -108,7 +126,7 @@ void Staged::fetch() {
     const uint64_t n = s.hi - s.base;
     s.cpu = host_storage(n);
     if (s.read)
-      copy(copies_->d2h, copies_->phys[index_],
+      copy(*copies_, /*to_host=*/true, copies_->phys[index_],
            reinterpret_cast<uint64_t>(s.cpu.unsafeGetStorageImpl()->data_ptr().get()),
            address(s.dev) + s.base, n);
   }
@@ -161,7 +179,8 @@ void Staged::store(const at::Tensor& dev) {
   if (dev.numel() == 0) return;
   if (cpu.is_conj() || cpu.is_neg()) store_lazy_bits(cpu);
   auto [lo, hi] = span(dev);
-  copy(copies_->h2d, copies_->phys[index_], address(dev.storage().unsafeGetStorageImpl()) + lo,
+  copy(*copies_, /*to_host=*/false, copies_->phys[index_],
+       address(dev.storage().unsafeGetStorageImpl()) + lo,
        reinterpret_cast<uint64_t>(s.cpu.unsafeGetStorageImpl()->data_ptr().get()) + (lo - s.base),
        hi - lo);
 }
@@ -195,7 +214,8 @@ at::Tensor Staged::on_device(const at::Tensor& cpu) {
     at::Tensor out = caching_new_tensor(index_, nbytes, cpu.scalar_type(), cpu.sizes(),
                                         cpu.strides(), /*stream=*/0);
     if (nbytes)
-      copy(copies_->h2d, copies_->phys[index_], reinterpret_cast<uint64_t>(out.data_ptr()),
+      copy(*copies_, /*to_host=*/false, copies_->phys[index_],
+           reinterpret_cast<uint64_t>(out.data_ptr()),
            reinterpret_cast<uint64_t>(cpu.data_ptr()), nbytes);
     return out;
   }
@@ -207,7 +227,7 @@ at::Tensor Staged::on_device(const at::Tensor& cpu) {
 namespace torchport {
 
 int staging_configure(PyObject* d2h, PyObject* h2d, PyObject* result, PyObject* refuse,
-                      PyObject* phys) {
+                      PyObject* phys, PyObject* native) {
   if (d2h == Py_None) {
     staging.store(false, std::memory_order_release);
     return 1;
@@ -224,6 +244,18 @@ int staging_configure(PyObject* d2h, PyObject* h2d, PyObject* result, PyObject* 
     return 0;
   }
   made->phys.assign(indices.begin(), indices.end());
+  if (native != Py_None) {  // (d2h address, h2d address, context)
+    std::vector<int64_t> entry;
+    if (!read_ints(native, entry) || entry.size() != 3 || entry[0] == 0 || entry[1] == 0) {
+      if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError, "expected the native copies' (d2h, h2d, context)");
+      delete made;
+      return 0;
+    }
+    made->native_d2h = reinterpret_cast<torchport::NativeCopy>(entry[0]);
+    made->native_h2d = reinterpret_cast<torchport::NativeCopy>(entry[1]);
+    made->context = reinterpret_cast<void*>(entry[2]);
+  }
   Py_INCREF(d2h);
   Py_INCREF(h2d);
   Py_INCREF(result);

@@ -51,6 +51,7 @@ from torchport.ops.plan import cuda_checked_args, plan_for
 
 if TYPE_CHECKING:
     from torchport.core.contracts import DeviceBackend
+    from torchport.runtime import NativeCopies
 
 #: Where the CPU allocator's wrapper cannot serve (another CPU allocator outranks it), a
 #: functional op whose first tensor is larger takes the Python kernel, which computes into
@@ -120,6 +121,7 @@ class HostOpKernels:
         self.native = False
         self._held = 0  # python_only() depth
         self._staged: bool | None = None  # staged(), once configured
+        self._native_copies: NativeCopies | None = None  # the runtime's C copies C++ calls
 
     def add(self, name: str, op: torch._ops.OpOverload, kernel: Callable[..., Any], *,
             cpu_tensors: bool = False, composite: bool = False) -> None:
@@ -170,12 +172,15 @@ class HostOpKernels:
                 or any(getattr(a, "new_tensor", None) is None for a in b.allocators):
             return False
         configure = native.python_function(
-            "torchport_fallback_staged", [ctypes.py_object] * 5, ctypes.c_int)
+            "torchport_fallback_staged", [ctypes.py_object] * 6, ctypes.c_int)
         if configure is None:
             return False
         rt = b.runtime
+        c = rt.native_copies()
+        self._native_copies = c  # (alive while C++ may call them)
         configure(rt.copy_d2h, rt.copy_h2d, _result_function(b), b.refused_dtypes(),
-                  [b.phys(i) for i in range(b.device_count())])
+                  [b.phys(i) for i in range(b.device_count())],
+                  None if c is None else (c.copy_d2h, c.copy_h2d, c.context))
         self._staged = True
         return True
 

@@ -35,8 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchport.backends.host_memory import HostMemoryTable
 from torchport.core import settings
-from torchport.runtime import DeviceProperties, Runtime
+from torchport.runtime import DeviceProperties, NativeCopies, Runtime
 
 GiB = 1 << 30
 _ALIGN = 256
@@ -72,6 +73,15 @@ class Faults:
     kernel_raise_after: int | None = None
     worker_dies_after: int | None = None
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        owner = self.__dict__.get("owner")  # (the runtime, told when a fault is armed)
+        if owner is not None:
+            owner._faults_changed()
+
+    def armed(self) -> bool:
+        return any(getattr(self, n) is not None for n in self.__dataclass_fields__)
+
 
 class _Item:
     __slots__ = ("dies", "fn", "name", "ticket")
@@ -96,6 +106,7 @@ class RefStream:
         self.error: tuple[str, BaseException] | None = None
         self.thread: threading.Thread | None = None
         self.died = False  # the worker ended with work queued
+        self.busy = False  # what the C copies were last told (the default stream's)
         self.closed = False
         self.inline = False  # at exit: work runs in the caller
 
@@ -112,6 +123,7 @@ class RefStream:
         with self.cv:
             self.submitted += 1
             item = _Item(self.submitted, fn, name, dies)
+            self.tell_copies()
             if not self.inline:
                 self.items.append(item)
                 if self.thread is None:
@@ -128,6 +140,15 @@ class RefStream:
         """Nothing queued is left to run and no failure waits to be reported. Read without
         the lock: a stale read only sends the caller to :meth:`wait`, which takes it."""
         return self.completed >= self.submitted and self.error is None and not self.died
+
+    def tell_copies(self) -> None:
+        """(``cv`` held.) The default stream tells the C copies (:meth:`RefRuntime.native_
+        copies`) whether they must leave a blocking copy to the Python one, which waits for
+        this queue and reports its failure: while it is not :meth:`settled`."""
+        table = self.runtime._table
+        if table is not None and self.sid == 0 and self.busy == self.settled():
+            self.busy = not self.busy
+            table.busy(self.index, self.busy)
 
     def done(self, ticket: int | None = None) -> bool:
         with self.cv:
@@ -148,6 +169,7 @@ class RefStream:
         """Report (and clear) the first failure of work that ran on this queue."""
         with self.cv:
             err, self.error = self.error, None
+            self.tell_copies()
         if err is not None:
             name, exc = err
             if isinstance(exc, RefDeviceError) and name == "":
@@ -208,6 +230,7 @@ class RefStream:
         with self.cv:
             self.completed = max(self.completed, item.ticket)
             self.ran = max(self.ran, item.ticket)
+            self.tell_copies()
             self.cv.notify_all()
 
 
@@ -246,8 +269,24 @@ class RefRuntime(Runtime):
         self._next_sid = 1
         self._workers: set[threading.Thread] = set()
         self._views: dict[tuple, np.ndarray] = {}  # view()'s, by their arguments
+        self._table: HostMemoryTable | None = None  # the blocks, for the C copies
         self.faults = Faults()
         atexit.register(self._drain)
+
+    @property
+    def faults(self) -> Faults:
+        return self._faults
+
+    @faults.setter
+    def faults(self, faults: Faults) -> None:
+        self._faults = faults
+        faults.owner = self
+        self._faults_changed()
+
+    def _faults_changed(self) -> None:
+        """While a fault is armed every copy is the Python one, which fires it."""
+        if self._table is not None:
+            self._table.declined(self._faults.armed())
 
     # ---- faults -------------------------------------------------------------------------
     def _fire(self, name: str) -> bool:
@@ -301,6 +340,8 @@ class RefRuntime(Runtime):
             ptr, self.next[index] = self.next[index], self.next[index] + size
             self.blocks[index][ptr] = block
             self.addresses[index][ptr] = block.ctypes.data
+            if self._table is not None:
+                self._table.add(index, ptr, block.ctypes.data, nbytes)
             bisect.insort(self.bases[index], ptr)
             self.used[index] += size
             return ptr
@@ -312,6 +353,8 @@ class RefRuntime(Runtime):
             if block is None:
                 raise RuntimeError(f"ref:{index}: free of {ptr:#x}, which malloc did not return "
                                    f"(or was freed already)")
+            if self._table is not None:
+                self._table.remove(index, ptr)
             self.bases[index].remove(ptr)
             self.used[index] -= -(-block.nbytes // _ALIGN) * _ALIGN
             end = ptr + block.nbytes
@@ -371,6 +414,24 @@ class RefRuntime(Runtime):
                           strides=tuple(s * dtype.itemsize for s in strides))
 
     # ---- copies -------------------------------------------------------------------------
+    def native_copies(self) -> NativeCopies | None:
+        """The blocking copies in C, as a driver has them: over a table of the blocks, taken
+        while the device's default queue is settled and no fault is armed (the Python copy
+        serves the others: it waits, reports and fires them)."""
+        with self.lock:
+            if self._table is None:
+                table = HostMemoryTable(len(self.blocks))
+                for index, blocks in enumerate(self.blocks):
+                    for base, block in blocks.items():
+                        table.add(index, base, block.ctypes.data, block.nbytes)
+                self._table = table
+                for queues in self.streams:
+                    with queues[0].cv:
+                        queues[0].busy = False
+                        queues[0].tell_copies()
+                self._faults_changed()
+        return self._table.native_copies()
+
     def _copy(self, index: int, stream: RefStream | None, name: str,
               fn: Callable[[], None]) -> None:
         """A copy's device work: ``stream=None``: after the default queue, complete on

@@ -28,13 +28,14 @@ from typing import Any
 
 import torch
 
+from torchport.backends.host_memory import HostMemoryTable
 from torchport.backends.sim.ipc_events import _IpcMarks
 from torchport.backends.sim.queues import MAX_QUEUED as MAX_QUEUED  # the bound tests read
 from torchport.backends.sim.queues import SimAsyncError as SimAsyncError  # raised to users
 from torchport.backends.sim.queues import _NativeWorker, _Worker, native_queues
 from torchport.core import settings
 from torchport.core.settings import parse_size  # noqa: F401  (torchport.backends.sim exports it)
-from torchport.runtime import DeviceProperties, Runtime
+from torchport.runtime import DeviceProperties, NativeCopies, Runtime
 
 _ALIGN = 256
 _FAKE_BASE = 0x7A00_0000_0000
@@ -116,6 +117,7 @@ class SimRuntime(Runtime):
         self._devices = [_Device(capacity=memory) for _ in range(num_devices)]
         self._lock = threading.Lock()
         self._seg_cache: dict[tuple[int, int], _Segment] = {}  # (index, block address)
+        self._table: HostMemoryTable | None = None  # strict mode: its blocks, for C copies
         self._next_stream = 1
         # Asynchronous streams (opt-in until every kernel launches through launch()).
         self.asynchronous = settings.get("TORCHPORT_SIM_ASYNC") and \
@@ -202,6 +204,8 @@ class SimRuntime(Runtime):
             d.used += nbytes
             bisect.insort(d.bases, base)
             d.segments[base] = _Segment(base, nbytes, buf)
+            if self._table is not None:
+                self._table.add(index, base, buf.data_ptr(), nbytes)
             return base
 
     def adopt_host(self, index: int, buffer: torch.UntypedStorage) -> int | None:
@@ -226,6 +230,8 @@ class SimRuntime(Runtime):
             seg = d.segments.pop(ptr, None)
             if seg is None:
                 raise RuntimeError(f"sim: free of unknown address {ptr:#x} on device {index}")
+            if self._table is not None:
+                self._table.remove(index, ptr)
             self._seg_cache.clear()
             d.bases.remove(ptr)
             if seg.counted:
@@ -250,6 +256,8 @@ class SimRuntime(Runtime):
                 d.used += nbytes
             bisect.insort(d.bases, base)
             d.segments[base] = _Segment(base, nbytes, memory, shared=memory, counted=counted)
+            if self._table is not None:
+                self._table.add(index, base, memory.data_ptr(), nbytes)
             return base
 
     def malloc_shareable(self, index: int, nbytes: int) -> int | None:
@@ -342,6 +350,21 @@ class SimRuntime(Runtime):
         return seg.buffer[off:off + nbytes]
 
     # ---- copies --------------------------------------------------------------
+    def native_copies(self) -> NativeCopies | None:
+        """Strict synchronous mode: the blocking copies in C, over a table of the segments
+        (a driver's copies are C; these Python ones would cost the CPU fallback a Python
+        call per span). Asynchronous mode: ``None`` (a copy waits for the default queue)."""
+        if not self.strict or self.asynchronous:
+            return None
+        with self._lock:
+            if self._table is None:
+                table = HostMemoryTable(len(self._devices))
+                for index, d in enumerate(self._devices):
+                    for base, seg in d.segments.items():
+                        table.add(index, base, seg.memory.data_ptr(), seg.nbytes)
+                self._table = table
+        return self._table.native_copies()
+
     def _blocking_or_launch(self, index: int, stream: SimStream | None,
                             fn: Callable[[], Any], name: str) -> None:
         """``stream=None``: after the work queued on the default stream, complete on
