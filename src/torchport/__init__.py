@@ -27,10 +27,11 @@ if TYPE_CHECKING:
         device_index,
         launch,
     )
-    from torchport.runtime import DeviceProperties, Runtime
+    from torchport.runtime import DeviceProperties, NativeCopies, Runtime
 
 __version__ = "0.1.0"
-__all__ = ["Backend", "BackendError", "DeviceProperties", "Runtime", "active_backend",
+__all__ = ["Backend", "BackendError", "DeviceProperties", "NativeCopies", "Runtime",
+           "active_backend",
            "current_backend", "current_stream", "device_address", "device_index", "launch",
            "__version__"]
 
@@ -41,7 +42,8 @@ _LAZY = {
     "current_backend": "torchport.kernel_api", "current_stream": "torchport.kernel_api",
     "device_address": "torchport.kernel_api", "device_index": "torchport.kernel_api",
     "launch": "torchport.kernel_api",
-    "DeviceProperties": "torchport.runtime", "Runtime": "torchport.runtime",
+    "DeviceProperties": "torchport.runtime", "NativeCopies": "torchport.runtime",
+    "Runtime": "torchport.runtime",
 }
 
 
