@@ -496,6 +496,43 @@ def test_a_block_freed_behind_queued_work_waits_for_it_without_queueing_anything
 
 
 @needs_cpp
+def test_rounds_of_queued_calls_compute_as_the_cpu_and_a_forked_child_drops_the_parents():
+    """The C++ queue's jobs, reused round after round: rounds of a thousand calls behind a
+    gate, each round's arguments of another layout than the last's, compute what the CPU
+    computes. A child forked while calls are queued drops them and exits cleanly; the
+    parent's still run."""
+    out = run("""
+        import os
+        from torchport.ops import native_hostops as nh
+        xs = [torch.randn(4, 5), torch.randn(3, 2, 2), torch.randn(6)]
+        for x in xs:                                     # taught to C++
+            dx = x.to("sim"); (dx + 1.0) * 2.0; torch.sim.synchronize()
+        for rnd in range(3):
+            x = xs[rnd % len(xs)]
+            dx = x.to("sim")
+            served = nh.counts()[0]
+            close_gate()
+            got = [(dx + float(i)) * 2.0 for i in range(500)]  # 1000 calls behind the gate
+            assert not torch.sim.current_stream().query()
+            assert nh.counts()[0] - served >= 1000
+            gate.set()
+            assert all(torch.equal(g.cpu(), (x + float(i)) * 2.0) for i, g in enumerate(got))
+        x = xs[0]; dx = x.to("sim")
+        close_gate()
+        got = [dx * float(i) for i in range(10)]
+        pid = os.fork()
+        if pid == 0:
+            os._exit(7)
+        _, status = os.waitpid(pid, 0)
+        gate.set()
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 7, status
+        assert all(torch.equal(g.cpu(), x * float(i)) for i, g in enumerate(got))
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+@needs_cpp
 def test_a_queued_call_reads_its_tensors_layouts_at_the_call_not_when_it_runs():
     """A call queued from C++ computes on its tensors as they were laid out at the call: the
     worker makes their CPU tensors when it runs, but from sizes, strides, offsets and memory

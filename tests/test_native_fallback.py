@@ -173,6 +173,31 @@ def test_a_runtimes_c_copies_serve_warm_fallback_calls_and_hand_declined_ones_to
 
 
 @serves
+@pytest.mark.skipif(not _STAGED, reason="device-only memory: the staged calls' host buffers")
+@pytest.mark.parametrize("shape", [(8, 8), (700, 700)], ids=["tiny", "over-a-mebibyte"])
+def test_warm_staged_calls_reuse_their_host_buffers(shape) -> None:
+    """A warm call's host copies take the buffers the calls before it gave back (sizes up to
+    a mebibyte), not new ones from the C library; its results stay the CPU's."""
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # two spans read, one written
+        return torch.hypot(a, b, out=torch.empty_like(a))
+
+    a, b = _x(1, shape), _x(2, shape)
+    da, db = a.to("sim"), b.to("sim")
+    _warm(fn)
+    fn(da, db)
+    fresh, reused = native_hostops.staging_buffer_counts()
+    for _ in range(20):
+        got = fn(da, db)
+    now_fresh, now_reused = native_hostops.staging_buffer_counts()
+    if shape == (8, 8):
+        assert now_fresh == fresh and now_reused - reused == 60, (fresh, now_fresh, reused,
+                                                                  now_reused)
+    else:  # larger than the kept sizes: each its own
+        assert now_fresh - fresh == 60 and now_reused == reused
+    assert torch.equal(got.cpu(), torch.hypot(a, b))
+
+
+@serves
 def test_the_learnt_path_keeps_forced_fallback_statistics_and_refusal() -> None:
     a, b = _x(1).to("sim"), _x(2).to("sim")
     _warm(lambda a, b: torch.hypot(a, b))

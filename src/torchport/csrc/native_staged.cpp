@@ -24,6 +24,8 @@
 #include <atomic>
 #include <bitset>
 #include <cstdint>
+#include <cstdlib>
+#include <new>
 #include <mutex>
 #include <vector>
 
@@ -111,11 +113,97 @@ void Staged::add(const at::Tensor& t, bool overwritten) {
   spans_.push_back(Span{st, lo, hi, 0, c10::Storage(), read});
 }
 
+}  // namespace torchport
+
+namespace {
+
+// The host buffers of the staged copies, kept per thread for the next calls: a warm call
+// takes buffers of the sizes earlier calls gave back rather than an aligned malloc and a
+// free each (glibc's, for blocks this small, costs more than the copies). A buffer is 64-byte
+// aligned as the CPU allocator's, its size class in a header before it; sizes above the
+// largest class, and buffers beyond a class's few kept, go back to the C library.
+class StagingBuffers final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    if (n == 0) return {nullptr, nullptr, &release, c10::Device(c10::DeviceType::CPU)};
+    const int k = size_class(n);
+    void* block = k >= 0 ? take(k) : nullptr;
+    if (block == nullptr) {
+      const size_t bytes = kHeader + (k >= 0 ? class_bytes(k) : round_up(n));
+      block = std::aligned_alloc(kHeader, bytes);
+      if (block == nullptr) throw std::bad_alloc();
+      static_cast<int32_t*>(block)[0] = k;
+      fresh.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      reused.fetch_add(1, std::memory_order_relaxed);
+    }
+    return {static_cast<char*>(block) + kHeader, block, &release,
+            c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }  // (data is not ctx)
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  static std::atomic<uint64_t> fresh, reused;  // buffers from the C library, from the kept
+
+ private:
+  static constexpr size_t kHeader = 64;
+  static constexpr int kClasses = 15;  // 64 B .. 1 MiB
+  static constexpr size_t kKept = 8;   // per class and thread
+  static size_t class_bytes(int k) { return size_t{64} << k; }
+  static size_t round_up(size_t n) { return (n + kHeader - 1) / kHeader * kHeader; }
+  static int size_class(size_t n) {
+    for (int k = 0; k < kClasses; ++k)
+      if (n <= class_bytes(k)) return k;
+    return -1;
+  }
+
+  // A thread's kept buffers; freed with the thread (`alive` stays readable after that, so a
+  // buffer given back later goes to the C library).
+  struct Kept {
+    std::vector<void*> by_class[kClasses];
+    ~Kept() {
+      alive = false;
+      for (auto& list : by_class)
+        for (void* b : list) std::free(b);
+    }
+  };
+  static thread_local Kept kept;
+  static thread_local bool alive;
+
+  static void* take(int k) {
+    if (!alive) return nullptr;
+    std::vector<void*>& list = kept.by_class[k];
+    if (list.empty()) return nullptr;
+    void* b = list.back();
+    list.pop_back();
+    return b;
+  }
+  static void release(void* block) {
+    if (block == nullptr) return;
+    const int k = static_cast<int32_t*>(block)[0];
+    if (k >= 0 && alive && kept.by_class[k].size() < kKept) {
+      kept.by_class[k].push_back(block);
+      return;
+    }
+    std::free(block);
+  }
+};
+std::atomic<uint64_t> StagingBuffers::fresh{0}, StagingBuffers::reused{0};
+thread_local StagingBuffers::Kept StagingBuffers::kept;
+thread_local bool StagingBuffers::alive = true;
+StagingBuffers staging_buffers;
+
+}  // namespace
+
+namespace torchport {
+
 // A CPU storage of `n` bytes the CPU kernel may grow (an out= it resizes), as a CPU tensor's.
 static c10::Storage host_storage(uint64_t n) {
-  c10::Allocator* cpu = c10::GetCPUAllocator();
   return c10::Storage(c10::make_intrusive<c10::StorageImpl>(
-      c10::StorageImpl::use_byte_size_t(), n, cpu->allocate(n), cpu, /*resizable=*/true));
+      c10::StorageImpl::use_byte_size_t(), n, staging_buffers.allocate(n), &staging_buffers,
+      /*resizable=*/true));
 }
 
 void Staged::fetch() {
@@ -271,4 +359,10 @@ int staging_configure(PyObject* d2h, PyObject* h2d, PyObject* result, PyObject* 
 }
 
 }  // namespace torchport
+
+// The staged copies' host buffers: made by the C library, and taken from those kept.
+extern "C" void torchport_staging_buffer_counts(int64_t* out) {
+  out[0] = static_cast<int64_t>(StagingBuffers::fresh.load());
+  out[1] = static_cast<int64_t>(StagingBuffers::reused.load());
+}
 #endif

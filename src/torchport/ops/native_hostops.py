@@ -388,6 +388,12 @@ def fallback_counts() -> tuple[int, int]:
     return native.counters("torchport_fallback_counts", 2)  # type: ignore[return-value]
 
 
+def staging_buffer_counts() -> tuple[int, int]:
+    """(host buffers the staged calls took from the C library, buffers they reused) in this
+    process: a warm call on device-only memory reuses the buffers of the calls before it."""
+    return native.counters("torchport_staging_buffer_counts", 2)  # type: ignore[return-value]
+
+
 def _connect_fallback() -> None:
     """Give the fallback (a layer below, which cannot import this module) the functions that
     switch C++'s fallback."""
