@@ -57,6 +57,25 @@ def test_the_table_copies_inside_its_blocks_and_hands_the_rest_to_python() -> No
 
 
 @needs_library
+def test_a_table_that_tracks_queues_answers_the_default_stream_query() -> None:
+    """``query_default_stream``: 1 while the device is not busy (its default queue settled),
+    -1 (the runtime's Python query) while it is busy or for another table's device; a table
+    whose runtime does not mark its queues offers no query."""
+    assert HostMemoryTable(1).native_copies().query_default_stream == 0
+    table = HostMemoryTable(2, tracks_queues=True)
+    c = table.native_copies()
+    query = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32)(
+        c.query_default_stream)
+    assert [query(c.context, i) for i in (0, 1)] == [1, 1]
+    table.busy(1, True)
+    assert [query(c.context, i) for i in (0, 1)] == [1, -1]
+    table.declined(True)  # (faults concern copies, not what the queue ran)
+    assert [query(c.context, i) for i in (0, 1)] == [1, -1]
+    table.busy(1, False)
+    assert [query(c.context, i) for i in (0, 1, 2, -1)] == [1, 1, -1, -1]
+
+
+@needs_library
 def test_the_strict_sims_c_copies_move_what_its_python_copies_move(monkeypatch) -> None:
     monkeypatch.delenv("TORCHPORT_SIM_ASYNC", raising=False)  # (a synchronous sim's)
     rt = SimRuntime(num_devices=2, memory=1 << 24, strict=True)

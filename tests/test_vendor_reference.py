@@ -373,6 +373,44 @@ def test_the_c_copies_take_a_settled_queue_and_leave_the_rest_to_the_python_ones
     """)
 
 
+def test_a_block_freed_on_a_settled_default_queue_costs_no_python_query(ref):
+    """The caching allocator asks the runtime's C query (``NativeCopies.query_default_stream``)
+    whether a freed block's default queue ran everything: a warm fallback call, whose blocking
+    copies leave the queue settled, calls no Python ``query_stream``. With work queued the
+    Python query answers, and the block waits for that work before it is handed out again."""
+    ref.run("""
+    import threading
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    a, b = x.to("ref"), y.to("ref")
+    asked = []
+    query = rt.query_stream
+    rt.query_stream = lambda index, stream: asked.append(stream) or query(index, stream)
+    try:
+        for _ in range(3):
+            r = torch.hypot(a, b)                    # the CPU fallback: copies, no kernel
+        torch.ref.synchronize()
+        asked.clear()
+        for _ in range(20):
+            r = torch.hypot(a, b)                    # each frees the last result
+        assert asked == [], asked
+        torch.testing.assert_close(r.cpu(), torch.hypot(x, y), rtol=0, atol=0)
+
+        gate = threading.Event()
+        rt.launch(0, None, gate.wait, "gate")        # the default queue has work left
+        c = a * 2                                    # queued behind the gate
+        at = torchport.device_address(c)
+        del c                                        # its block waits for the queue
+        assert asked == [None], asked
+        d = torch.empty(8, 8, device="ref")
+        assert torchport.device_address(d) != at
+        gate.set()
+        torch.ref.synchronize()
+        torch.testing.assert_close(r.cpu(), torch.hypot(x, y), rtol=0, atol=0)
+    finally:
+        del rt.query_stream
+    """)
+
+
 # ---- training against the CPU ---------------------------------------------------------------
 
 BATCHNORM = """

@@ -129,12 +129,20 @@ class NativeCopies:
     It returns 0 once the bytes moved; any other value moves nothing and hands the copy to
     the Python method, which waits, raises the runtime's error or copies (a driver's fast
     path that declines a busy queue or an unknown address). ``keep`` holds what keeps the
-    functions and the context alive (a ``ctypes`` library, ``CFUNCTYPE`` objects)."""
+    functions and the context alive (a ``ctypes`` library, ``CFUNCTYPE`` objects).
+
+    ``query_default_stream`` (optional, for an asynchronous runtime) is the address of
+    ``int32_t fn(void *context, int32_t index)``: 1 when device ``index``'s default stream
+    has run everything queued on it (``query_stream(index, None)`` would say True); any
+    other value hands the question to :meth:`Runtime.query_stream`. The caching allocator
+    asks it for each block freed, from any thread, with or without the GIL and with its
+    lock held: it must not block or call back into torchport."""
 
     copy_d2h: int
     copy_h2d: int
     context: int = 0
     keep: Any = None
+    query_default_stream: int = 0
 
 
 class Runtime(abc.ABC):

@@ -8,7 +8,10 @@ then move their bytes without entering Python. A copy outside every block the ta
 returns to the runtime's Python method, which raises its own error; so does every copy of a
 device marked :meth:`~HostMemoryTable.busy` (an asynchronous runtime's default queue with
 work left or an error to report: the Python method waits and raises) and every copy while
-the table is :meth:`~HostMemoryTable.declined` (a runtime injecting faults).
+the table is :meth:`~HostMemoryTable.declined` (a runtime injecting faults). A runtime whose
+``busy`` marks follow its default queues exactly (``tracks_queues``) also gets the table's
+C default-stream query (``NativeCopies.query_default_stream``): the caching allocator then
+learns that a freed block's queue is settled without a Python call.
 """
 
 from __future__ import annotations
@@ -24,10 +27,14 @@ class HostMemoryTable:
 
     The runtime calls :meth:`add` for each block it hands out and :meth:`remove` before its
     host memory goes; :meth:`native_copies` gives the C copies over the table, or ``None``
-    where the C++ library is not loaded (the Python copies then serve)."""
+    where the C++ library is not loaded (the Python copies then serve). ``tracks_queues``:
+    the runtime marks a device :meth:`busy` exactly while its default queue has work left
+    or an error to report, so that a device not busy has a settled default stream."""
 
-    def __init__(self, devices: int) -> None:
+    def __init__(self, devices: int, tracks_queues: bool = False) -> None:
         from torchport.core import native
+
+        self._tracks_queues = tracks_queues
 
         cpp = native.loaded() if native.wanted() else None
         self._cpp: Any = cpp
@@ -41,8 +48,10 @@ class HostMemoryTable:
             [ctypes.c_uint64] * 3
         cpp.torchport_host_memory_remove.argtypes = [ctypes.c_void_p, ctypes.c_int32,
                                                      ctypes.c_uint64]
-        cpp.torchport_host_memory_busy.argtypes = [ctypes.c_void_p, ctypes.c_int32,
-                                                   ctypes.c_int32]
+        # (through PyDLL, keeping the GIL: the runtime marks its queue from its own Python
+        # code, and a call that let the GIL go would hand it to another thread each time)
+        self._busy = ctypes.PyDLL(cpp._name).torchport_host_memory_busy
+        self._busy.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
         # one table for the process's life: C++ may hold its copies' context
         self._table = cpp.torchport_host_memory_new(devices)
 
@@ -59,7 +68,7 @@ class HostMemoryTable:
     def busy(self, index: int, busy: bool) -> None:
         """Device ``index``'s copies go to the runtime's Python methods while ``busy``."""
         if self._table is not None:
-            self._cpp.torchport_host_memory_busy(self._table, index, int(busy))
+            self._busy(self._table, index, int(busy))
 
     def declined(self, declined: bool) -> None:
         """Every device's copies go to the runtime's Python methods while ``declined``."""
@@ -74,6 +83,7 @@ class HostMemoryTable:
         def address(fn: Any) -> int:
             return ctypes.cast(fn, ctypes.c_void_p).value or 0
 
+        query = address(cpp.torchport_host_memory_settled) if self._tracks_queues else 0
         return NativeCopies(copy_d2h=address(cpp.torchport_host_memory_d2h),
                             copy_h2d=address(cpp.torchport_host_memory_h2d),
-                            context=self._table, keep=cpp)
+                            context=self._table, keep=cpp, query_default_stream=query)

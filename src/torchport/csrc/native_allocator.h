@@ -154,6 +154,11 @@ struct Locked {
 struct CachingAllocator {
   int device = 0;
   bool asynchronous = false;
+  // the runtime's C query of this device's default stream (NativeCopies.query_default_stream,
+  // set once before the device's first block): 1 when it ran everything queued; else unknown
+  int32_t (*default_stream_query)(void* context, int32_t index) = nullptr;
+  void* default_stream_context = nullptr;
+  int32_t phys = 0;  // the runtime's index of this device
   double limit = -1;  // set_per_process_memory_fraction's bytes (-1: none)
   uint64_t max_parked = 256;
   std::recursive_mutex mutex;
@@ -198,6 +203,7 @@ struct CachingAllocator {
   void free(uint64_t ptr);
   void free_locked(uint64_t ptr);
   long long record(int index, int64_t stream);
+  bool stream_idle(int64_t stream);
   Events free_events(Block* b);
   bool may_park(const Block* b);
   void park(Block* b);

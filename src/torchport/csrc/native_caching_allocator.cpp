@@ -275,15 +275,19 @@ bool queued_event_done(long long e) {
       torchport::queues::default_queue(static_cast<int>(v & ((1 << kQueueBits) - 1))),
       v >> kQueueBits);
 }
-
-// Has device `index`'s `stream` run everything queued on it?
-bool stream_idle(int index, int64_t stream) {
-  if (stream == 0)
-    if (torchport::queues::Queue* q = torchport::queues::default_queue(index))
-      return torchport::queues::done(q, 0);
-  return stream_layer(kQueryStream, index, stream, 0, nullptr) == 1;
-}
 }  // namespace
+
+// Has this device's `stream` run everything queued on it? The default stream's C++ queue or
+// the runtime's C query answers without Python where there is one.
+bool CachingAllocator::stream_idle(int64_t stream) {
+  if (stream == 0) {
+    if (torchport::queues::Queue* q = torchport::queues::default_queue(device))
+      return torchport::queues::done(q, 0);
+    if (default_stream_query && default_stream_query(default_stream_context, phys) == 1)
+      return true;
+  }
+  return stream_layer(kQueryStream, device, stream, 0, nullptr) == 1;
+}
 
 long long CachingAllocator::record(int index, int64_t stream) {
   if (stream == 0)
@@ -299,7 +303,7 @@ CachingAllocator::Events CachingAllocator::free_events(Block* b) {
   Events events;
   for (auto& [index, stream] : b->stream_uses) events.push_back(record(index, stream));
   b->stream_uses.clear();
-  if (asynchronous && !stream_idle(device, b->stream))
+  if (asynchronous && !stream_idle(b->stream))
     events.push_back(record(device, b->stream));
   return events;
 }

@@ -69,6 +69,19 @@ extern "C" int torchport_caching_enable(void** functions, int count, int devices
   return 1;
 }
 
+// The runtime's C query of `device`'s default stream (NativeCopies.query_default_stream:
+// `fn(context, phys)`, 1 when that stream ran everything queued), asked before the runtime's
+// Python query_stream for each block freed on an asynchronous device.
+extern "C" int torchport_caching_set_default_stream_query(int device, void* fn, void* context,
+                                                          int phys) {
+  return caching_guarded([&] {
+    CachingAllocator& a = caching_of(device);
+    a.default_stream_context = context;
+    a.phys = phys;
+    a.default_stream_query = reinterpret_cast<int32_t (*)(void*, int32_t)>(fn);
+  });
+}
+
 // The interpreter is exiting: blocks freed from now on stay with the process.
 extern "C" void torchport_caching_detach() { caching_on.store(false); }
 

@@ -8,7 +8,9 @@
 // runtime's Python method takes it (and raises its own illegal-address error). An
 // asynchronous runtime marks a device busy while its default queue has work left or an
 // error to report, and the whole table declined while it injects faults: such copies too
-// return 1, and the Python method waits, raises or fails as the runtime's rule says.
+// return 1, and the Python method waits, raises or fails as the runtime's rule says. The same
+// flag answers such a runtime's default-stream query (`NativeCopies.query_default_stream`):
+// the caching allocator asks it for each block freed, and a settled queue needs no Python.
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -105,6 +107,15 @@ extern "C" void torchport_host_memory_remove(void* table, int32_t index, uint64_
   std::unique_lock<std::shared_mutex> writing(t->lock);
   if (index >= 0 && static_cast<size_t>(index) < t->devices.size())
     t->devices[static_cast<size_t>(index)].erase(base);
+}
+
+// Runtime.native_copies' default-stream query, for a runtime that marks a device busy exactly
+// while its default queue has work left or an error to report: 1 when device `index`'s queue
+// is settled; -1 otherwise (the runtime's query_stream answers).
+extern "C" int32_t torchport_host_memory_settled(void* table, int32_t index) {
+  auto* t = static_cast<Table*>(table);
+  if (index < 0 || static_cast<size_t>(index) >= t->devices.size()) return -1;
+  return t->busy[static_cast<size_t>(index)].load(std::memory_order_acquire) == 0 ? 1 : -1;
 }
 
 // Runtime.native_copies' two copies.

@@ -420,7 +420,7 @@ class RefRuntime(Runtime):
         serves the others: it waits, reports and fires them)."""
         with self.lock:
             if self._table is None:
-                table = HostMemoryTable(len(self.blocks))
+                table = HostMemoryTable(len(self.blocks), tracks_queues=True)
                 for index, blocks in enumerate(self.blocks):
                     for base, block in blocks.items():
                         table.add(index, base, block.ctypes.data, block.nbytes)
