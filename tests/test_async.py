@@ -462,6 +462,56 @@ def test_cpp_queues_the_calls_the_python_kernels_taught_it():
 
 
 @needs_cpp
+def test_unboxed_and_boxed_calls_queue_alike_and_keep_their_arguments_references():
+    """An op of tensors and numbers that returns one new tensor, or writes its first argument
+    and returns it, has an unboxed entry: calls from the bindings, autograd and composite
+    ops are queued from their arguments as they are, without a counted reference to them;
+    boxed calls (``torch.ops``) reach the same kernel. Each schema shape computes bit for bit
+    as the CPU, an in-place call returns its argument, and no reference is left or lost."""
+    out = run("""
+        import sys
+        from torchport.ops import native_hostops as nh
+        A = torch.ops.aten
+        torch.manual_seed(0)
+        a, b, c = torch.randn(8, 8), torch.randn(8, 8), torch.rand(8, 8)
+        m = a > 0
+        def calls(x, y, z, m):
+            out = [torch.relu(x), torch.exp(x),                               # T>T
+                   x * y, x @ y, A.mul.Tensor(x, y), x * 2,                    # TT>T
+                   x.pow(2), A.mul.Scalar(x, 3.0),                             # TS>T
+                   torch.add(x, y, alpha=0.5), A.add.Tensor(x, y, alpha=2),    # TTS>T
+                   torch.nn.functional.hardtanh(x, -0.5, 0.5), A.add.Scalar(x, 2, 3),
+                   torch.where(m, x, y), torch.lerp(x, y, z),                  # TTT>T
+                   torch.addmm(z, x, y, beta=0.5, alpha=2)]                    # TTTSS>T
+            w = x.clone()
+            ret = [w.relu_(), w.mul_(y), w.mul_(0.5), w.add_(y, alpha=0.25),   # W>W WT>W WS>W
+                   A.add_.Tensor(w, z, alpha=-1), torch.nn.functional.hardtanh_(w, -0.3, 0.3)]
+            assert all(r is w for r in ret)
+            g = x.detach().requires_grad_()
+            (torch.relu(g) * y).sum().backward()                              # autograd's calls
+            return out + [w, g.grad]
+        want = calls(a, b, c, m)
+        dev = [t.to("sim") for t in (a, b, c, m)]
+        calls(*dev)                                  # the Python kernels learn and teach
+        torch.sim.synchronize()
+        refs = [sys.getrefcount(t) for t in dev]
+        served = nh.counts()[0]
+        close_gate()
+        got = calls(*dev)
+        assert not torch.sim.current_stream().query()  # queued behind the gate
+        assert nh.counts()[0] - served >= 18, nh.counts()[0] - served
+        gate.set()
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g.cpu(), w), (i, g, w)
+        del got, g
+        torch.sim.synchronize()
+        assert [sys.getrefcount(t) for t in dev] == refs, ([sys.getrefcount(t) for t in dev], refs)
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+@needs_cpp
 def test_a_block_freed_behind_queued_work_waits_for_it_without_queueing_anything():
     """A block freed while the default stream still has work that reads it goes back to the
     allocator once that work ran: its event is the ticket of the queue's last job, so the

@@ -100,6 +100,20 @@ std::unique_ptr<torch::Library> fallback_registered;
 
 void call_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
+// An unboxed call's arguments on a stack without counting a reference to its tensors: the
+// caller holds them for the call. Their IValues are emptied, uncounted, when it goes.
+struct LentStack {
+  torch::jit::Stack stack;
+  ~LentStack() {
+    for (c10::IValue& v : stack)
+      if (v.isTensor()) c10::MaybeOwnedTraits<c10::IValue>::destroyBorrow(v);
+  }
+};
+inline c10::IValue lend(const at::Tensor& t) {
+  return c10::IValue(c10::MaybeOwnedTraits<at::Tensor>::createBorrow(t));
+}
+inline c10::IValue lend(const c10::Scalar& s) { return c10::IValue(s); }
+
 
 class HostOp final : public c10::OperatorKernel {
  public:
@@ -146,6 +160,32 @@ class HostOp final : public c10::OperatorKernel {
       return false;
     index = d;
     return true;
+  }
+
+  // The unboxed entry of an op of tensors and numbers returning one tensor: queued from its
+  // arguments as they are where queued() would queue it, else the boxed kernel. A boxed
+  // call's stack holds a counted reference to each argument; for a tensor Python holds, the
+  // first such reference also takes its PyObject's, under the GIL, and gives it back after.
+  template <class... Args>
+  at::Tensor functional_call(const c10::OperatorHandle& op, const at::Tensor& self,
+                             const Args&... args) {
+    c10::SmallVector<at::Tensor, 1> results;
+    if (queued_unboxed(op, results, self, args...)) return results.empty() ? self : results[0];
+    torch::jit::Stack stack;
+    boxed_call(op, stack, self, args...);
+    return std::move(stack.back()).toTensor();
+  }
+
+  // The same for an op writing its first argument and returning it.
+  template <class... Args>
+  at::Tensor& in_place_call(const c10::OperatorHandle& op, at::Tensor& self,
+                            const Args&... args) {
+    c10::SmallVector<at::Tensor, 1> results;
+    if (!queued_unboxed(op, results, self, args...)) {
+      torch::jit::Stack stack;
+      boxed_call(op, stack, self, args...);
+    }
+    return self;
   }
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
@@ -621,6 +661,30 @@ class HostOp final : public c10::OperatorKernel {
     return true;
   }
 
+  // queued()'s call queued from the C++ queue's learnt layouts, from an unboxed call: true,
+  // its new results in `results` (none for one written in place). False: the boxed kernel's.
+  template <class... Args>
+  bool queued_unboxed(const c10::OperatorHandle& op, c10::SmallVectorImpl<at::Tensor>& results,
+                      const Args&... args) {
+    if (!torchport::queued_mode() || composite_ || to_copy_ || cpu_tensors_ || fallback_ ||
+        random(op))
+      return false;
+    LentStack lent;
+    lent.stack.reserve(sizeof...(Args));
+    (lent.stack.push_back(lend(args)), ...);
+    thread_local std::string key;
+    if (!torchport::queued_serve(op, &lent.stack, queued_, key, &results)) return false;
+    served.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+
+  template <class... Args>
+  void boxed_call(const c10::OperatorHandle& op, torch::jit::Stack& stack, const Args&... args) {
+    stack.reserve(sizeof...(Args));
+    (stack.emplace_back(args), ...);
+    (*this)(op, c10::DispatchKeySet(), &stack);
+  }
+
   // The op's Python kernel (the Python fallback for a learnt one) on the arguments on the
   // stack; its results replace them.
   void python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -932,6 +996,84 @@ void call_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   torchport::push_results(op, stack, result);
 }
 
+// An op of tensors and numbers returning one new tensor, or one writing its first argument
+// and returning it: its kernel's unboxed entry. Unboxed calls (every call from C++: the
+// Python bindings, autograd, composite ops) then reach the kernel with their arguments as
+// they are. Its boxed entry unboxes a boxed call's stack for it.
+using TensorArg = const at::Tensor&;
+using ScalarArg = const c10::Scalar&;
+
+template <class... Args>
+torch::CppFunction functional_entry(std::shared_ptr<HostOp> k, c10::OperatorHandle op) {
+  return torch::CppFunction([k, op](TensorArg self, Args... args) -> at::Tensor {
+    return k->functional_call(op, self, args...);
+  });
+}
+
+template <class... Args>
+torch::CppFunction in_place_entry(std::shared_ptr<HostOp> k, c10::OperatorHandle op) {
+  return torch::CppFunction([k, op](at::Tensor& self, Args... args) -> at::Tensor& {
+    return k->in_place_call(op, self, args...);
+  });
+}
+
+// The op's arguments as letters ('T' a tensor, 'W' a tensor it writes, 'S' a number), with
+// '>' then the return ('T', 'W'); empty for any other schema.
+std::string arguments_shape(const c10::FunctionSchema& schema) {
+  auto letter = [](const c10::Argument& a) -> char {
+    const c10::TypeKind kind = a.type()->kind();
+    if (kind == c10::TypeKind::NumberType) return a.alias_info() ? 0 : 'S';
+    if (kind != c10::TypeKind::TensorType) return 0;
+    if (!a.alias_info()) return 'T';
+    return a.alias_info()->isWrite() ? 'W' : 0;
+  };
+  std::string shape;
+  for (const c10::Argument& a : schema.arguments()) {
+    const char c = letter(a);
+    if (!c) return "";
+    shape += c;
+  }
+  if (schema.returns().size() != 1 || schema.is_vararg() || schema.is_varret()) return "";
+  const char r = letter(schema.returns()[0]);
+  if (!r) return "";
+  return shape + '>' + r;
+}
+
+// The kernel for the op `name` ("add.Tensor"): unboxed and boxed where its schema is one of
+// the shapes below, boxed only otherwise.
+torch::CppFunction host_op_entry(const char* name, std::unique_ptr<HostOp> kernel) {
+  const char* dot = std::strchr(name, '.');
+  const c10::OperatorName opname(std::string("aten::") + (dot ? std::string(name, dot) : name),
+                                 dot ? dot + 1 : "");
+  const auto op = c10::Dispatcher::singleton().findSchema(opname);
+  const std::string shape = op ? arguments_shape(op->schema()) : "";
+  std::shared_ptr<HostOp> k(std::move(kernel));
+  using T = TensorArg;
+  using S = ScalarArg;
+  if (shape == "T>T") return functional_entry<>(k, *op);
+  if (shape == "TT>T") return functional_entry<T>(k, *op);
+  if (shape == "TS>T") return functional_entry<S>(k, *op);
+  if (shape == "TTS>T") return functional_entry<T, S>(k, *op);
+  if (shape == "TSS>T") return functional_entry<S, S>(k, *op);
+  if (shape == "TTT>T") return functional_entry<T, T>(k, *op);
+  if (shape == "TTTSS>T") return functional_entry<T, T, S, S>(k, *op);
+  if (shape == "W>W") return in_place_entry<>(k, *op);
+  if (shape == "WT>W") return in_place_entry<T>(k, *op);
+  if (shape == "WS>W") return in_place_entry<S>(k, *op);
+  if (shape == "WTS>W") return in_place_entry<T, S>(k, *op);
+  if (shape == "WSS>W") return in_place_entry<S, S>(k, *op);
+  struct Boxed final : public c10::OperatorKernel {
+    std::shared_ptr<HostOp> k;
+    void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                    torch::jit::Stack* stack) {
+      (*k)(op, ks, stack);
+    }
+  };
+  auto boxed = std::make_unique<Boxed>();
+  boxed->k = std::move(k);
+  return torch::CppFunction::makeFromBoxedFunctor(std::move(boxed));
+}
+
 }  // namespace
 
 // Serve the ops in `kernels` (a dict: overload name -> (Python kernel, functional flag, CPU
@@ -979,7 +1121,7 @@ extern "C" int torchport_native_hostops_enable(PyObject* kernels, PyObject* resu
       bool done = false;
       for (const auto& n : registered_names) done = done || n == name;
       if (done) continue;
-      registered->impl(name, torch::CppFunction::makeFromBoxedFunctor(std::make_unique<HostOp>(
+      registered->impl(name, host_op_entry(name, std::make_unique<HostOp>(
                                  PyTuple_GET_ITEM(value, 0),
                                  PyObject_IsTrue(PyTuple_GET_ITEM(value, 1)) == 1,
                                  PyObject_IsTrue(PyTuple_GET_ITEM(value, 2)) == 1,

@@ -260,8 +260,11 @@ bool queued_mode();
 bool queued_host_turn(int index, bool wait);
 // Queue the call on `stack` as `calls` learned it: true, its results on the stack. False:
 // not served; `key` is then the layout key to learn under (empty: nothing to learn).
+// `unboxed`: the stack holds an unboxed call's arguments, its tensors lent (no reference
+// counted), and stays as it is; a call queued puts its new results there (none where it
+// returns its first argument), and one whose results come as a list is not served.
 bool queued_serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, QueuedCalls& calls,
-                  std::string& key);
+                  std::string& key, c10::SmallVectorImpl<at::Tensor>* unboxed = nullptr);
 // While alive: the op's Python kernel may teach what it queued (torchport_queued_teach).
 class QueuedTeaching {
  public:

@@ -223,7 +223,7 @@ bool queued_host_turn(int index, bool wait) {
 }
 
 bool queued_serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, QueuedCalls& calls,
-                  std::string& key) {
+                  std::string& key, c10::SmallVectorImpl<at::Tensor>* unboxed) {
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
   const size_t first = stack->size() - nargs;
@@ -246,6 +246,10 @@ bool queued_serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, Queue
     if (it != calls.by_layout.end()) launch = it->second;
   }
   if (!launch) return false;  // the Python kernel decides, and may teach
+  if (unboxed && launch->copied) {
+    key.clear();
+    return false;
+  }
   if (!launch->out && !launch->copied) {
     // in place: a written tensor sharing memory with another argument is the Python
     // kernel's to check (a partial overlap the CPU refuses)
@@ -302,7 +306,12 @@ bool queued_serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, Queue
     }
     queues::submit_op(queue, launch->out ? *launch->out : op, std::move(job), nullptr,
                       std::move(aliases));
-    return_results(schema, first, results, launch->out.has_value(), stack);
+    if (unboxed) {
+      if (launch->out)  // (return_results' rule: in place, the call returns its first argument)
+        for (at::Tensor& r : results) unboxed->push_back(std::move(r));
+    } else {
+      return_results(schema, first, results, launch->out.has_value(), stack);
+    }
     return true;
   }
   c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 6> aliases;
