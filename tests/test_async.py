@@ -512,6 +512,44 @@ def test_unboxed_and_boxed_calls_queue_alike_and_keep_their_arguments_references
 
 
 @needs_cpp
+def test_calls_queued_while_the_worker_runs_grow_the_ring_and_run_in_order():
+    """Jobs wait in a ring of slots the worker runs them in: hundreds of calls queued from C++
+    while the worker is held inside one job make the ring grow several times under it, and a
+    slot is reused only after its job ran. A chain of in-place and new-result calls over few
+    tensors then gives the CPU's bits (any job run out of order, twice, or on a slot's stale
+    arguments changes them)."""
+    out = run("""
+        from torchport.ops import native_hostops as nh
+        torch.manual_seed(0)
+        a, b = torch.randn(16, 16), torch.randn(16, 16)
+        def chain(x, y, n):
+            outs = []
+            for i in range(n):
+                x.mul_(0.5).add_(y, alpha=0.25)
+                y = torch.tanh(x + y) * 1.5
+                if i % 50 == 0:
+                    outs.append(y)
+            return outs + [x, y]
+        want = chain(a.clone(), b.clone(), 180)   # 900 calls: within the bound (1024)
+        da, db = a.to("sim"), b.to("sim")
+        chain(da.clone(), db.clone(), 2); torch.sim.synchronize()   # taught to C++
+        for round in range(2):                      # the second reuses the grown ring's slots
+            x, y = da.clone(), db.clone()
+            torch.sim.synchronize()
+            served = nh.counts()[0]
+            close_gate()
+            got = chain(x, y, 180)
+            assert not torch.sim.current_stream().query()          # all behind the gate
+            assert nh.counts()[0] - served >= 700, nh.counts()[0] - served
+            gate.set()
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert torch.equal(g.cpu(), w), (round, i)
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+@needs_cpp
 def test_a_block_freed_behind_queued_work_waits_for_it_without_queueing_anything():
     """A block freed while the default stream still has work that reads it goes back to the
     allocator once that work ran: its event is the ticket of the queue's last job, so the

@@ -65,6 +65,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -788,6 +789,7 @@ at::Tensor cpu_alias(const at::Tensor& t,
 }
 
 void AliasesLater::add(uint32_t slot, const at::Tensor& t, int32_t element) {
+  static_assert(std::is_trivially_copyable_v<Read>);
   const c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
   Read& r = tensors_.emplace_back();
   r.slot = slot;
@@ -798,8 +800,10 @@ void AliasesLater::add(uint32_t slot, const at::Tensor& t, int32_t element) {
   r.nbytes = st->nbytes();
   r.offset = t.storage_offset();
   r.dtype = t.dtype();
-  r.sizes_strides.append(t.sizes().begin(), t.sizes().end());
-  r.sizes_strides.append(t.strides().begin(), t.strides().end());
+  r.at = static_cast<uint32_t>(sizes_strides_.size());
+  r.dim = static_cast<uint32_t>(t.dim());
+  sizes_strides_.append(t.sizes().begin(), t.sizes().end());
+  sizes_strides_.append(t.strides().begin(), t.strides().end());
 }
 
 void AliasesLater::make(torch::jit::Stack& stack) const {
@@ -825,9 +829,8 @@ void AliasesLater::make(torch::jit::Stack& stack) const {
       put(r, made(*same));
       continue;
     }
-    const size_t dim = r.sizes_strides.size() / 2;
-    const c10::IntArrayRef sizes(r.sizes_strides.data(), dim),
-        strides(r.sizes_strides.data() + dim, dim);
+    const c10::IntArrayRef sizes(sizes_strides_.data() + r.at, r.dim),
+        strides(sizes_strides_.data() + r.at + r.dim, r.dim);
     c10::Storage storage = same != nullptr ? made(*same).storage()
                                            : cpu_storage_over(r.data, r.nbytes, false);
     put(r, cpu_tensor_over(std::move(storage), r.dtype, sizes, strides, r.offset));

@@ -92,6 +92,7 @@ class DefaultDrawsFrom {
 #include <ATen/core/stack.h>
 #include <Python.h>
 
+#include <c10/util/FunctionRef.h>
 #include <c10/util/SmallVector.h>
 
 #include <bitset>
@@ -126,10 +127,15 @@ class AliasesLater {
   void add(uint32_t slot, const at::Tensor& t, int32_t element = -1);
   void make(torch::jit::Stack& stack) const;
   bool empty() const { return tensors_.empty(); }
+  void clear() {
+    tensors_.clear();
+    sizes_strides_.clear();
+  }
 
  private:
+  // (plain data, so that moving a job into its queue copies bytes rather than element by
+  // element)
   struct Read {
-    Read() noexcept {}  // (no zeroing of the inline sizes: each field is set by `add`)
     uint32_t slot;
     int32_t element;
     const void* tensor;   // the device tensor's and its storage's identities: what the call
@@ -138,9 +144,10 @@ class AliasesLater {
     size_t nbytes;
     int64_t offset;
     caffe2::TypeMeta dtype;
-    c10::SmallVector<int64_t, 8> sizes_strides;  // the sizes, then the strides
+    uint32_t at, dim;  // its sizes, then its strides, in sizes_strides_ from `at`
   };
   c10::SmallVector<Read, 3> tensors_;
+  c10::SmallVector<int64_t, 24> sizes_strides_;
 };
 // native_hostops.cpp: a CPU result as a device tensor by the Python `result(cpu, index)`
 // function of the host-op kernels (a large one adopted, another dtype converted). Takes the
@@ -212,13 +219,17 @@ void set_default_queue(int index, Queue* q);
 // waiting for room where the queue is full; its ticket. `name`: what a failure is reported
 // under (null: the op's).
 // (`aliases`: the CPU tensors the worker makes into `stack` before the call.)
-int64_t submit_op(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack stack,
-                  const char* name = nullptr, AliasesLater aliases = {});
+int64_t submit_op(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack&& stack,
+                  const char* name = nullptr, AliasesLater&& aliases = AliasesLater());
+// The same, on the stack and aliases `fill` writes where the job waits (empty, with the
+// buffers of an earlier job: neither allocated nor moved per call).
+int64_t submit_op_filled(Queue* q, const c10::OperatorHandle& op,
+                         c10::function_ref<void(torch::jit::Stack&, AliasesLater&)> fill);
 // Queue `op`'s functional CPU kernel on `stack`, its list of results then copied into `outs`
 // (CPU tensors over device memory, laid out as the results must be: a result of another
 // shape or dtype fails the queue).
-int64_t submit_copied(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack stack,
-                      std::vector<at::Tensor> outs);
+int64_t submit_copied(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack&& stack,
+                      std::vector<at::Tensor>&& outs);
 // May the host read or write what the work queued on `q` so far uses? Its turn comes once
 // that work has run (`wait`: waits for it, without the GIL, Ctrl-C raising; else only where
 // it has) and no failure is kept for a synchronising call to report.

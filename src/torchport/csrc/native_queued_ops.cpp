@@ -45,7 +45,6 @@ namespace {
 constexpr auto kDevice = c10::DeviceType::PrivateUse1;
 
 std::mutex configuring;
-std::vector<torchport::queues::Queue*> default_queues;  // by device index; empty: off
 std::atomic<bool> enabled{false};
 thread_local torchport::QueuedTeaching* teaching = nullptr;
 
@@ -55,11 +54,14 @@ void put(std::string& key, T v) {
 }
 
 void put_tensor(std::string& key, const at::Tensor& t) {
-  put(key, 'T');
-  put(key, static_cast<int8_t>(t.scalar_type()));
-  put(key, static_cast<int32_t>(t.dim()));
-  for (int64_t s : t.sizes()) put(key, s);
-  for (int64_t s : t.strides()) put(key, s);
+  // (three appends, not one a field: the key is built at every call)
+  const c10::IntArrayRef sizes = t.sizes(), strides = t.strides();
+  char head[6] = {'T', static_cast<char>(t.scalar_type())};
+  const auto dim = static_cast<int32_t>(sizes.size());
+  std::memcpy(head + 2, &dim, sizeof(dim));
+  key.append(head, sizeof(head));
+  key.append(reinterpret_cast<const char*>(sizes.data()), sizes.size() * sizeof(int64_t));
+  key.append(reinterpret_cast<const char*>(strides.data()), strides.size() * sizeof(int64_t));
 }
 
 // Is `t` a tensor a queued call may take (setting `index` from the first)?
@@ -84,11 +86,8 @@ bool is_optional_tensor_list(const c10::Argument& argument) {
 // The queue C++ queues device `index`'s calls on: its default stream's, while that stream is
 // the current one (null: none, or a side stream is current).
 torchport::queues::Queue* serving_queue(int index) {
-  torchport::queues::Queue* queue = nullptr;
-  {
-    std::lock_guard<std::mutex> l(configuring);
-    if (static_cast<size_t>(index) < default_queues.size()) queue = default_queues[index];
-  }
+  torchport::queues::Queue* queue =
+      enabled.load(std::memory_order_acquire) ? torchport::queues::default_queue(index) : nullptr;
   if (queue == nullptr ||
       torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0)
     return nullptr;
@@ -267,45 +266,43 @@ bool queued_serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, Queue
     results.push_back(caching_new_tensor(index, s.nbytes, s.dtype, s.sizes, s.strides, 0));
   if (!launch->copied) {
     // the worker makes the CPU tensors when it runs the call (in lists: their places)
-    torch::jit::Stack job;
-    job.reserve(nargs + results.size());
-    job.resize(nargs);
-    AliasesLater aliases;
-    for (size_t i = 0; i < nargs; ++i) {
-      const c10::IValue& v = (*stack)[first + i];
-      const auto slot = static_cast<uint32_t>(i);
-      if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().type() == kDevice) {
-        aliases.add(slot, v.toTensor());
-      } else if (v.isTensorList()) {
-        const c10::List<at::Tensor> list = v.toTensorList();
-        c10::List<at::Tensor> later;
-        later.reserve(list.size());
-        for (size_t k = 0; k < list.size(); ++k) {
-          later.push_back(at::Tensor());
-          aliases.add(slot, list.get(k), static_cast<int32_t>(k));
+    const auto fill = [&](torch::jit::Stack& job, AliasesLater& aliases) {
+      job.resize(nargs);
+      for (size_t i = 0; i < nargs; ++i) {
+        const c10::IValue& v = (*stack)[first + i];
+        const auto slot = static_cast<uint32_t>(i);
+        if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().type() == kDevice) {
+          aliases.add(slot, v.toTensor());
+        } else if (v.isTensorList()) {
+          const c10::List<at::Tensor> list = v.toTensorList();
+          c10::List<at::Tensor> later;
+          later.reserve(list.size());
+          for (size_t k = 0; k < list.size(); ++k) {
+            later.push_back(at::Tensor());
+            aliases.add(slot, list.get(k), static_cast<int32_t>(k));
+          }
+          job[i] = std::move(later);
+        } else if (v.isList() && is_optional_tensor_list(schema.arguments()[i])) {
+          const c10::List<c10::IValue> list = v.toList();
+          c10::List<std::optional<at::Tensor>> later;
+          later.reserve(list.size());
+          for (size_t k = 0; k < list.size(); ++k) {
+            later.push_back(std::nullopt);
+            const c10::IValue& e = list.get(k);
+            if (e.isTensor() && e.toTensor().defined())
+              aliases.add(slot, e.toTensor(), static_cast<int32_t>(k));
+          }
+          job[i] = std::move(later);
+        } else {
+          job[i] = v;
         }
-        job[i] = std::move(later);
-      } else if (v.isList() && is_optional_tensor_list(schema.arguments()[i])) {
-        const c10::List<c10::IValue> list = v.toList();
-        c10::List<std::optional<at::Tensor>> later;
-        later.reserve(list.size());
-        for (size_t k = 0; k < list.size(); ++k) {
-          later.push_back(std::nullopt);
-          const c10::IValue& e = list.get(k);
-          if (e.isTensor() && e.toTensor().defined())
-            aliases.add(slot, e.toTensor(), static_cast<int32_t>(k));
-        }
-        job[i] = std::move(later);
-      } else {
-        job[i] = v;
       }
-    }
-    for (const at::Tensor& r : results) {
-      aliases.add(static_cast<uint32_t>(job.size()), r);
-      job.emplace_back();
-    }
-    queues::submit_op(queue, launch->out ? *launch->out : op, std::move(job), nullptr,
-                      std::move(aliases));
+      for (const at::Tensor& r : results) {
+        aliases.add(static_cast<uint32_t>(job.size()), r);
+        job.emplace_back();
+      }
+    };
+    queues::submit_op_filled(queue, launch->out ? *launch->out : op, fill);
     if (unboxed) {
       if (launch->out)  // (return_results' rule: in place, the call returns its first argument)
         for (at::Tensor& r : results) unboxed->push_back(std::move(r));
@@ -432,8 +429,7 @@ int torchport_queued_enable(PyObject* queues) {
   std::lock_guard<std::mutex> l(configuring);
   for (size_t i = 0; i < found.size(); ++i)  // the allocator's, for good
     torchport::queues::set_default_queue(static_cast<int>(i), found[i]);
-  default_queues = std::move(found);
-  enabled.store(!default_queues.empty());
+  enabled.store(!found.empty());
   return 1;
 }
 

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -58,6 +59,16 @@ struct Job {
   int64_t ticket = 0;
   std::string name;       // what a failure is reported under (kOp, kCopied: empty, the op's)
   int64_t number = 0;     // this job's ticket
+
+  // Empty again for the next job its ring slot holds, its buffers kept (run() cleared the
+  // stack and the results: what holds device memory).
+  void reset() {
+    kind = kMarker;
+    aliases.clear();
+    other = nullptr;
+    ticket = 0;
+    name.clear();
+  }
 };
 
 const std::string& op_name(const Job& job) {
@@ -81,9 +92,14 @@ class Queue {
     all.push_back(this);
   }
 
-  int64_t submit(Job job, bool bounded) {
+  // A job `fill` writes where it waits, in an empty slot of the ring (no job is moved: the
+  // worker runs it in its slot, whose buffers serve the next job there).
+  template <class Fill>
+  int64_t submit(bool bounded, Fill&& fill) {
     std::unique_lock<std::mutex> l(m_);
     if (inline_) {
+      Job job;
+      fill(job);
       job.number = submitted_.load(std::memory_order_relaxed) + 1;
       submitted_.store(job.number, std::memory_order_release);
       l.unlock();
@@ -110,10 +126,19 @@ class Queue {
         l.lock();
       }
     }
-    job.number = submitted_.load(std::memory_order_relaxed) + 1;
-    submitted_.store(job.number, std::memory_order_release);
-    const int64_t ticket = job.number;
-    push(std::move(job));
+    Job& slot = next_slot();
+    try {
+      fill(slot);
+    } catch (...) {
+      slot.stack.clear();
+      slot.outs.clear();
+      slot.reset();
+      throw;
+    }
+    const int64_t ticket = submitted_.load(std::memory_order_relaxed) + 1;
+    slot.number = ticket;
+    submitted_.store(ticket, std::memory_order_release);
+    ++count_;
     // written only when it changes: a spinning worker reads its cache line
     if (!queued_.load(std::memory_order_relaxed)) queued_.store(true, std::memory_order_release);
     const bool asleep = sleeping_;
@@ -178,6 +203,9 @@ class Queue {
   }
   static void after_fork_child() {
     for (Queue* q : all) {
+      // (the job at head_ may have been running in the parent's worker, half-written: left
+      // as it is, not destroyed)
+      if (q->count_ > 0) static_cast<void>(q->ring_[q->head_].release());
       q->ring_.clear();
       q->head_ = q->count_ = 0;
       q->queued_.store(false);
@@ -192,12 +220,18 @@ class Queue {
   }
 
  private:
+  // The worker runs the job at head_ in its slot, counted in count_ until it ran.
   void loop() {
-    Job job;
+    Job* job = nullptr;
     for (;;) {
       {
         std::unique_lock<std::mutex> l(m_);
+        if (job != nullptr) {  // the one that ran: its slot free for the host again
+          head_ = (head_ + 1) % ring_.size();
+          --count_;
+        }
         if (count_ == 0) {
+          queued_.store(false, std::memory_order_relaxed);
           l.unlock();
           spin();
           l.lock();
@@ -207,30 +241,26 @@ class Queue {
           work_.wait(l);
           sleeping_ = false;
         }
-        job = pop();
-        if (count_ == 0) queued_.store(false, std::memory_order_relaxed);
+        job = ring_[head_].get();
       }
-      run(job);
+      run(*job);
+      job->reset();
     }
   }
 
-  // The jobs, a ring the host grows (the worker frees nothing of it: memory the host
-  // allocates and another thread frees costs both threads malloc's arena lock).
-  void push(Job&& job) {
+  // The slot after the queued jobs, a ring the host grows: by slots that stay where they are
+  // (the worker runs the job at head_ without the lock) and keep their buffers (the worker
+  // frees nothing of them: memory the host allocates and another thread frees costs both
+  // threads malloc's arena lock).
+  Job& next_slot() {
     if (count_ == ring_.size()) {
-      std::vector<Job> bigger(std::max<size_t>(64, 2 * ring_.size()));
+      std::vector<std::unique_ptr<Job>> bigger(std::max<size_t>(64, 2 * ring_.size()));
       for (size_t i = 0; i < count_; ++i) bigger[i] = std::move(ring_[(head_ + i) % ring_.size()]);
+      for (size_t i = count_; i < bigger.size(); ++i) bigger[i] = std::make_unique<Job>();
       ring_.swap(bigger);
       head_ = 0;
     }
-    ring_[(head_ + count_) % ring_.size()] = std::move(job);
-    ++count_;
-  }
-  Job pop() {
-    Job job = std::move(ring_[head_]);
-    head_ = (head_ + 1) % ring_.size();
-    --count_;
-    return job;
+    return *ring_[(head_ + count_) % ring_.size()];
   }
 
   // An idle worker watches its queue for kSpin before it sleeps: a host issuing tiny ops
@@ -351,7 +381,7 @@ class Queue {
   bool inline_;
   std::mutex m_;
   std::condition_variable work_, done_;
-  std::vector<Job> ring_;  // the queued jobs: count_ of them from head_
+  std::vector<std::unique_ptr<Job>> ring_;  // the queued jobs: count_ of them from head_
   size_t head_ = 0, count_ = 0;
   // a job is queued (read without m_ while spinning), on a cache line of its own
   alignas(64) std::atomic<bool> queued_{false};
@@ -388,7 +418,9 @@ void set_default_queue(int index, Queue* q) {
   if (index >= 0 && index < 64) defaults[index].store(q, std::memory_order_release);
 }
 
-int64_t marker(Queue* q) { return q->submit(Job{}, false); }
+int64_t marker(Queue* q) {
+  return q->submit(false, [](Job&) {});  // (an empty slot is a marker)
+}
 
 int64_t last_ticket(Queue* q) { return q->submitted(); }
 
@@ -419,25 +451,34 @@ bool host_turn(Queue* q, bool wait) {
   return !q->failed();
 }
 
-int64_t submit_op(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack stack,
-                  const char* name, AliasesLater aliases) {
-  Job job;
-  job.kind = Job::kOp;
-  job.op = op;
-  job.stack = std::move(stack);
-  job.aliases = std::move(aliases);
-  if (name != nullptr) job.name = name;
-  return q->submit(std::move(job), /*bounded=*/true);
+int64_t submit_op(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack&& stack,
+                  const char* name, AliasesLater&& aliases) {
+  return q->submit(/*bounded=*/true, [&](Job& job) {
+    job.kind = Job::kOp;
+    job.op = op;
+    job.stack = std::move(stack);
+    job.aliases = std::move(aliases);
+    if (name != nullptr) job.name = name;
+  });
 }
 
-int64_t submit_copied(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack stack,
-                      std::vector<at::Tensor> outs) {
-  Job job;
-  job.kind = Job::kCopied;
-  job.op = op;
-  job.stack = std::move(stack);
-  job.outs = std::move(outs);
-  return q->submit(std::move(job), /*bounded=*/true);
+int64_t submit_op_filled(Queue* q, const c10::OperatorHandle& op,
+                         c10::function_ref<void(torch::jit::Stack&, AliasesLater&)> fill) {
+  return q->submit(/*bounded=*/true, [&](Job& job) {
+    job.kind = Job::kOp;
+    job.op = op;
+    fill(job.stack, job.aliases);
+  });
+}
+
+int64_t submit_copied(Queue* q, const c10::OperatorHandle& op, torch::jit::Stack&& stack,
+                      std::vector<at::Tensor>&& outs) {
+  return q->submit(/*bounded=*/true, [&](Job& job) {
+    job.kind = Job::kCopied;
+    job.op = op;
+    job.stack = std::move(stack);
+    job.outs = std::move(outs);
+  });
 }
 
 }  // namespace torchport::queues
@@ -452,12 +493,12 @@ void* torchport_queue_new(const char* label, int64_t bound, int run_inline) {
 
 // Python work (`fn()`, called with the GIL on the worker); the GIL held.
 int64_t torchport_queue_submit(void* q, PyObject* fn, const char* name, int bounded) {
-  Job job;
-  job.kind = Job::kPython;
-  Py_INCREF(fn);
-  job.fn = fn;
-  job.name = name;
-  return static_cast<Queue*>(q)->submit(std::move(job), bounded != 0);
+  return static_cast<Queue*>(q)->submit(bounded != 0, [&](Job& job) {
+    job.kind = Job::kPython;
+    job.name = name;
+    Py_INCREF(fn);
+    job.fn = fn;
+  });
 }
 
 // The CPU kernel of operator `name`.`overload` on Python's (args, kwargs) -- host views of
@@ -497,11 +538,11 @@ int64_t torchport_queue_submit_call(void* q, const char* name, const char* overl
 int64_t torchport_queue_marker(void* q) { return torchport::queues::marker(static_cast<Queue*>(q)); }
 
 int64_t torchport_queue_wait_for(void* q, void* other, int64_t ticket) {
-  Job job;
-  job.kind = Job::kWaitFor;
-  job.other = static_cast<Queue*>(other);
-  job.ticket = ticket;
-  return static_cast<Queue*>(q)->submit(std::move(job), false);
+  return static_cast<Queue*>(q)->submit(false, [&](Job& job) {
+    job.kind = Job::kWaitFor;
+    job.other = static_cast<Queue*>(other);
+    job.ticket = ticket;
+  });
 }
 
 int torchport_queue_wait(void* q, int64_t ticket, int timeout_ms) {
