@@ -787,7 +787,7 @@ def _on_side_stream(fn):
 
 @needs_cpp
 def test_a_vendor_copy_kernel_takes_copy_back_to_python() -> None:
-    from torchport.ops import KernelSet, registry
+    from torchport.ops import KernelSet
 
     assert "native_hostops.cpp" in privateuse1_registrations("aten::copy_")[0]
     seen = []
@@ -808,8 +808,7 @@ def test_a_vendor_copy_kernel_takes_copy_back_to_python() -> None:
         torch.empty(3, device="sim").copy_(torch.ones(3, device="sim", dtype=torch.half))
         assert seen == [torch.half]
     finally:
-        registry.drop_override(_B, "copy_")
-        _B.kernel_sets.remove(ks)
+        _B.remove_kernels(ks)
     lines = privateuse1_registrations("aten::copy_")
     assert len(lines) == 1 and "native_hostops.cpp" in lines[0], lines
 

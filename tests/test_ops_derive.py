@@ -34,6 +34,7 @@ def hypot_calls():
 
     done = b.add_kernels(ks)
     yield calls, done
+    b.remove_kernels(ks)
 
 
 def test_declaration_lists_derived_overloads(hypot_calls):

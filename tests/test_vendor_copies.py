@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torchport
-from torchport.ops import Decline, KernelSet, registry
+from torchport.ops import Decline, KernelSet
 
 pytestmark = pytest.mark.modes
 
@@ -71,9 +71,7 @@ def test_a_vendor_copy_kernel_is_offered_same_device_copies():
         assert torch.equal(h.cpu(), x.half()) and torch.equal(e.cpu(), x.t())
         assert torch.equal(host, x)
     finally:
-        for name in ("copy_", "_to_copy"):
-            registry.drop_override(backend, name)
-        backend.kernel_sets.remove(ks)
+        backend.remove_kernels(ks)
 
 
 def test_an_ignored_declaration_warns():
@@ -87,7 +85,7 @@ def test_an_ignored_declaration_warns():
         text = " | ".join(str(w.message) for w in caught)
         assert "'set_.source_Tensor' is ignored" in text and "'add.Tensor' is ignored" in text
     finally:
-        backend.kernel_sets.remove(ks)
+        backend.remove_kernels(ks)
 
 
 def test_a_backend_that_cannot_be_imported_is_named_with_the_fix():

@@ -44,6 +44,7 @@ def logaddexp_calls():
 
     assert set(_B.add_kernels(ks)) == {"logaddexp.out", "logaddexp"}
     yield calls
+    _B.remove_kernels(ks)
 
 
 def _served() -> int:
@@ -151,12 +152,15 @@ def test_a_plain_kernel_of_a_device_checked_op_gets_no_cpu_operand():
         return torch.empty_like(self)
 
     _B.add_kernels(ks)
-    x = torch.randn(4, device="sim")
-    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
-        torch.logaddexp2(x, torch.tensor(1.0))
-    assert calls == []
-    torch.logaddexp2(x, x)
-    assert calls == [1]
+    try:
+        x = torch.randn(4, device="sim")
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+            torch.logaddexp2(x, torch.tensor(1.0))
+        assert calls == []
+        torch.logaddexp2(x, x)
+        assert calls == [1]
+    finally:
+        _B.remove_kernels(ks)
 
 
 @needs_cpp
@@ -268,6 +272,7 @@ def c_library(tmp_path_factory):
     ks.c_out_kernel("copysign.out", so.copysign_out, dtypes=[torch.float32])
     assert set(_B.add_kernels(ks)) == {"copysign.out", "copysign.Tensor", "copysign_.Tensor"}
     yield so
+    _B.remove_kernels(ks)
 
 
 class _nothing:
@@ -365,3 +370,4 @@ def test_c_kernel_declarations_are_checked():
         ks.c_out_kernel("copysign.out", lambda c: 0)
     with pytest.raises(ValueError, match="argument 'generator' of type Generator"):
         c_kernels.CKernel(ops.declarations.CFunction(1), torch.ops.aten.bernoulli.out, _B)
+

@@ -356,7 +356,19 @@ class Backend:
         if not self.registered:
             return []
         from torchport.ops import registry
-        return registry.install_kernel_set(self, ks)
+        return registry.add_kernel_set(self, ks)
+
+    def remove_kernels(self, ks: Any) -> None:
+        """Withdraw a :class:`~torchport.ops.KernelSet` added with :meth:`add_kernels`:
+        its overloads take the path they took before it. A set given at registration
+        stays (``ValueError``); none of its kernels may be running in another thread."""
+        if not any(k is ks for k in self.kernel_sets):
+            raise ValueError(f"kernel set {getattr(ks, 'name', ks)!r} is not one of backend "
+                             f"{self.name!r}'s; add it with add_kernels first")
+        if self.registered:
+            from torchport.ops import registry
+            registry.remove_kernel_set(self, ks)
+        self.kernel_sets = [k for k in self.kernel_sets if k is not ks]
 
     # ---- registration -------------------------------------------------------
     def register(self) -> Backend:

@@ -66,8 +66,14 @@ std::atomic<int64_t> served{0};
 std::atomic<int64_t> handed{0};
 std::atomic<int64_t> declined{0};
 std::mutex registering;
-std::unique_ptr<torch::Library> registered;
-std::vector<std::string> registered_names;
+// The registrations of one kernel set: withdrawn together (torchport_vendor_kernels_remove),
+// with the references to the Python objects its kernels call.
+struct Group {
+  std::unique_ptr<torch::Library> library;
+  std::vector<std::string> names;
+  std::vector<PyObject*> references;
+};
+std::unordered_map<int64_t, Group> groups;
 
 c10::OperatorHandle find_op(const std::string& name) {
   const size_t dot = name.find('.');
@@ -208,7 +214,7 @@ class VendorOp final : public c10::OperatorKernel {
         c_fn_(reinterpret_cast<TorchportKernel>(c_fn)),
         op_names_(keyword_names(op_.schema())),
         out_names_(keyword_names(out_op_.schema())) {
-    for (PyObject* o : {python_, planner_, next_, fn_}) Py_INCREF(o);  // kept for the process
+    // (the references are its group's: kept until the group is removed)
     const auto& arguments = op_.schema().arguments();
     for (size_t i = 0; i < arguments.size(); ++i) {
       const c10::AliasInfo* alias = arguments[i].alias_info();
@@ -446,31 +452,55 @@ int torchport_vendor_kernels_configure(PyObject* decline, PyObject* handle) {
 // `kind` 0 (the out= overload), 1 (functional) or 2 (in place), with the Python kernel
 // `python` for the calls C++ does not serve, the planner, the next path for a declined call,
 // and the vendor's kernel `fn` (its C function's address `c_fn`, or 0): 1; 0 with a Python
-// error. An overload registered before stays. Through ctypes.PyDLL.
+// error. An overload registered before (in any group) stays. The registration belongs to
+// group `group` (a kernel set's), which torchport_vendor_kernels_remove withdraws. Through
+// ctypes.PyDLL.
 int torchport_vendor_kernels_add(const char* name, const char* out_name, int kind,
                                  PyObject* python, PyObject* planner, PyObject* next,
-                                 PyObject* fn, uint64_t c_fn) {
+                                 PyObject* fn, uint64_t c_fn, int64_t group) {
   if (decline_type == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "torchport_vendor_kernels_configure first");
     return 0;
   }
   std::lock_guard<std::mutex> lock(registering);
   try {
-    for (const auto& n : registered_names)
-      if (n == name) return 1;
-    if (!registered)
-      registered = std::make_unique<torch::Library>(
+    for (const auto& g : groups)
+      for (const auto& n : g.second.names)
+        if (n == name) return 1;
+    Group& g = groups[group];
+    if (!g.library)
+      g.library = std::make_unique<torch::Library>(
           torch::Library::IMPL, "aten", std::make_optional(c10::DispatchKey::PrivateUse1),
           __FILE__, __LINE__);
-    registered->impl(name, torch::CppFunction::makeFromBoxedFunctor(std::make_unique<VendorOp>(
-                               name, out_name, kind, python, planner, next, fn,
-                               static_cast<uintptr_t>(c_fn))));
-    registered_names.emplace_back(name);
+    g.library->impl(name, torch::CppFunction::makeFromBoxedFunctor(std::make_unique<VendorOp>(
+                              name, out_name, kind, python, planner, next, fn,
+                              static_cast<uintptr_t>(c_fn))));
+    g.names.emplace_back(name);
+    for (PyObject* o : {python, planner, next, fn}) {
+      Py_INCREF(o);
+      g.references.push_back(o);
+    }
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return 0;
   }
   return 1;
+}
+
+// Withdraw group `group`'s registrations (the dispatcher's next kernel serves their overloads
+// again) and release its Python objects; no call of them may be running. Through
+// ctypes.PyDLL (the GIL held).
+void torchport_vendor_kernels_remove(int64_t group) {
+  Group g;
+  {
+    std::lock_guard<std::mutex> lock(registering);
+    auto it = groups.find(group);
+    if (it == groups.end()) return;
+    g = std::move(it->second);
+    groups.erase(it);
+  }
+  g.library.reset();  // deregisters; the kernels' functors go with it
+  for (PyObject* o : g.references) Py_DECREF(o);
 }
 
 // While set, every call takes its Python kernel (ops intercepted; tests of the Python path).

@@ -142,6 +142,20 @@ class HostOpKernels:
         elif self._registered is not None:
             self._registered.impl(name, kernel, "PrivateUse1")
 
+    def remove(self, name: str) -> None:
+        """Withdraw ``name``'s kernel (C++ and a Python library unregister all their kernels
+        at once: the others are registered again, by whichever set served)."""
+        from torchport.ops import fallback
+
+        if self.python.pop(name, None) is None:
+            return
+        self._kept.discard(name)
+        self._drop_native()
+        if self._registered is not None:
+            self._registered._destroy()
+            self._registered = None
+        self.use(not fallback.INTERCEPTING)
+
     def keep_in_python(self, name: str, keep: bool = True) -> None:
         """Serve ``name`` by its Python kernel even where C++ serves the others (it consults
         at call time what C++ does not: a vendor's ``copy_`` kernel), or no longer."""

@@ -40,7 +40,7 @@ def _functions() -> tuple[Any, Any] | None:
     add = native.python_function(
         "torchport_vendor_kernels_add",
         [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.py_object, ctypes.py_object,
-         ctypes.py_object, ctypes.py_object, ctypes.c_uint64], ctypes.c_int)
+         ctypes.py_object, ctypes.py_object, ctypes.c_uint64, ctypes.c_int64], ctypes.c_int)
     configure = native.python_function("torchport_vendor_kernels_configure",
                                        [ctypes.py_object, ctypes.py_object], ctypes.c_int)
     return None if add is None or configure is None else (add, configure)
@@ -48,11 +48,13 @@ def _functions() -> tuple[Any, Any] | None:
 
 def register(backend: DeviceBackend, name: str, op: torch._ops.OpOverload, kind: str,
              out_op: torch._ops.OpOverload, kernel: Callable[..., Any], fn: Callable[..., Any],
-             refuses: Callable[[tuple, dict], bool], next_path: Callable[..., Any]) -> bool:
+             refuses: Callable[[tuple, dict], bool], next_path: Callable[..., Any],
+             group: int = 0) -> bool:
     """Register overload ``name`` (``op``, of ``kind``) of the vendor's out= kernel ``fn``
     (of ``out_op``) in C++, with ``kernel`` (as Python would register it) for the calls C++
-    leaves to Python and ``next_path`` for a declined call; False: the library cannot, the
-    caller registers ``kernel``."""
+    leaves to Python and ``next_path`` for a declined call, as one of ``group``'s (a kernel
+    set's, which :func:`remove` withdraws); False: the library cannot, the caller registers
+    ``kernel``."""
     global _listening
     functions = _functions()
     if functions is None or backend._guard_device is None:
@@ -63,7 +65,7 @@ def register(backend: DeviceBackend, name: str, op: torch._ops.OpOverload, kind:
         "." + out_op._schema.overload_name if out_op._schema.overload_name else "")
     address = fn.address if isinstance(fn, c_kernels.CKernel) else 0
     add(name.encode(), out_name.encode(), KINDS[kind], kernel,
-        derive.planner(kind, op, out_op, refuses), next_path, fn, address)
+        derive.planner(kind, op, out_op, refuses), next_path, fn, address, group)
     native.enabled("vendor kernels")
     if not _listening:
         from torchport.ops import fallback, teardown
@@ -73,6 +75,14 @@ def register(backend: DeviceBackend, name: str, op: torch._ops.OpOverload, kind:
         _listening = True
         _refresh()
     return True
+
+
+def remove(group: int) -> None:
+    """Withdraw ``group``'s registrations: their overloads take the dispatcher's next
+    kernel again (none of their calls may be running)."""
+    fn = native.python_function("torchport_vendor_kernels_remove", [ctypes.c_int64], None)
+    if fn is not None:
+        fn(group)
 
 
 def _refresh() -> None:

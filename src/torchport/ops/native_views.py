@@ -49,17 +49,36 @@ class ViewKernels:
         self.python: dict[str, Any] = {}  # overload name -> Python kernel
         self._registered: torch.library.Library | None = None  # the Python ones, while serving
         self.native = False
-        self.vendor_owned = False  # the backend has its own kernel for one of OPS
+        self.vendor_owned: set[str] = set()  # those of OPS the backend has a kernel of
 
-    def give_way(self) -> None:
-        """A kernel set brings its own kernel for one of :data:`OPS`: C++ no longer serves."""
-        self.vendor_owned = True
+    def give_way(self, name: str) -> None:
+        """A kernel set brings its own kernel for ``name``, one of :data:`OPS`: C++ no
+        longer serves."""
+        self.vendor_owned.add(name)
         self.use(False)
+
+    def take_back(self, name: str) -> None:
+        """The kernel set's ``name`` is withdrawn: C++ serves again once no other is left
+        (unless ops are intercepted)."""
+        from torchport.ops import fallback
+
+        self.vendor_owned.discard(name)
+        if not self.vendor_owned:
+            self.use(not fallback.INTERCEPTING)
 
     def add(self, name: str, kernel: Any) -> None:
         self.python[name] = kernel
         if self._registered is not None:
             self._registered.impl(name, kernel, "PrivateUse1")
+
+    def remove(self, name: str) -> None:
+        """Withdraw ``name``'s Python kernel (a library unregisters all its kernels at
+        once: the others are registered again)."""
+        if self.python.pop(name, None) is None or self._registered is None:
+            return
+        self._registered._destroy()
+        self._registered = None
+        self.use(False)
 
     def use(self, from_cpp: bool) -> None:
         """Serve views from C++ (where it could be loaded) or from the Python kernels."""

@@ -148,6 +148,12 @@ def _timed(name: str, fn: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
         stats.add(name, "native", args, kwargs, time.perf_counter() - t0, "quantized")
 
 
+def withdraw_host_view(to_cpu: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Forget a :func:`declare_host_view` of ``to_cpu``."""
+    if _HOST_VIEW and _HOST_VIEW[0] is to_cpu:
+        _HOST_VIEW.clear()
+
+
 def declare_host_view(to_cpu: Callable[[torch.Tensor], torch.Tensor]) -> bool:
     """The backend's kernels are the CPU's over ``to_cpu``'s views, quantized ones included
     (the first declaration wins)."""

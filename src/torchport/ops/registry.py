@@ -23,12 +23,14 @@ Declarations stay inspectable: :func:`native_overloads` lists them.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchport.core.libraries import keep_past_exit
 from torchport.ops import (
     c_kernels,
     core,
@@ -241,17 +243,18 @@ def _vendor_function(backend: DeviceBackend, decl: KernelDecl,
     return decl.fn
 
 
-def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library.Library | None = None,
+def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library.Library,
                        taken: set[str] | None = None, warn: bool = True,
-                       fills: list[tuple[KernelDecl, Callable[..., Any]]] | None = None
-                       ) -> list[str]:
+                       fills: list[tuple[KernelDecl, Callable[..., Any]]] | None = None,
+                       added: _AddedSet | None = None) -> list[str]:
     """Register a kernel set's declarations (at registration, or later for one added
-    after it); returns the overloads registered. The first declaration of an overload wins;
-    one that names an overload (or a core one) and makes nothing native because others were
-    first is reported (``warn``). A ``fill_.Scalar`` kernel also serves ``zero_`` where no
-    declaration does: decided at the end, or by the caller that passes ``fills``."""
-    if lib is None:
-        lib = backend.library()
+    after it: ``added`` then notes what to withdraw); returns the overloads registered. The
+    first declaration of an overload wins; one that names an overload (or a core one) and
+    makes nothing native because others were first is reported (``warn``). A
+    ``fill_.Scalar`` kernel also serves ``zero_`` where no declaration does: decided at the
+    end, or by the caller that passes ``fills``."""
+    undo = [] if added is None else added.undo
+    native_before = set(_NATIVE)
     if taken is None:
         taken = set(_NATIVE) | _CORE
     own_fills = fills is None
@@ -264,15 +267,17 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                 done.append(overload_name(op))
             continue
         if decl.kind == "sparse":
-            done += _install_sparse(decl)
+            done += _install_sparse(decl, undo)
             continue
         if decl.kind == "sparse_host":  # no overload of its own: the whole sparse path
             assert decl.to_cpu is not None
-            sparse.declare_host_view(decl.to_cpu)
+            if sparse.declare_host_view(decl.to_cpu):
+                undo.append(lambda f=decl.to_cpu: sparse.withdraw_host_view(f))
             continue
         if decl.kind == "quantized_host":  # the QuantizedPrivateUse1 path, and the dense
             assert decl.to_cpu is not None  # ops that make quantized tensors
             if quantized.declare_host_view(decl.to_cpu):
+                undo.append(lambda f=decl.to_cpu: quantized.withdraw_host_view(f))
                 done += _install_quantizing(backend, lib, taken, decl)
             continue
         ignored, installed = [], False
@@ -284,6 +289,7 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                 _OVERRIDES[oname] = own if d.dtypes is None else _dtype_checked(op, own, d.dtypes)
                 backend.host_op_kernels.keep_in_python(oname)  # the core kernel asks it
                 stats.OWN.discard(oname)  # the vendor's kernel does the work
+                undo.append(lambda n=oname: drop_override(backend, n))
                 _NATIVE[oname] = d
                 done.append(oname)
                 installed = True
@@ -312,19 +318,24 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                 fn = _wrap(backend, op, oname, fn, route)
             if d.kind == "host" and plan_for(op).is_view and native_views.switchable(op):
                 backend.view_kernels.add(oname, fn)  # or PyTorch's C++ kernels serve
+                undo.append(lambda n=oname: backend.view_kernels.remove(n))
             elif d.kind == "host" and d.dtypes is None and native_hostops.servable(op):
                 backend.host_op_kernels.add(oname, op, fn)  # or the C++ host-op kernel serves
+                undo.append(lambda n=oname: backend.host_op_kernels.remove(n))
             elif d.kind == "host" and d.dtypes is None and \
                     hostkernels.schema.factory(op, random=True):
                 backend.host_op_kernels.add(oname, op, fn, composite=True)  # (likewise)
+                undo.append(lambda n=oname: backend.host_op_kernels.remove(n))
             elif make is not None and out_op is not None and vendor is not None and \
                     _no_layout_from_values(op, make) and native_vendor.register(
                         backend, oname, op, make, out_op, fn, vendor,
-                        _refuses(d.dtypes), _next_path(backend, op, oname)):
+                        _refuses(d.dtypes), _next_path(backend, op, oname),
+                        0 if added is None else added.group):
                 pass  # the C++ caller of the vendor's kernel serves (Python's calls: fn)
             else:
                 if oname in native_views.OPS:  # the vendor's own view kernel serves
-                    backend.view_kernels.give_way()
+                    backend.view_kernels.give_way(oname)
+                    undo.append(lambda n=oname: backend.view_kernels.take_back(n))
                 lib.impl(oname, fn, "PrivateUse1")
             taken.add(oname)
             _NATIVE[oname] = d
@@ -337,8 +348,48 @@ def install_kernel_set(backend: DeviceBackend, ks: KernelSet, lib: torch.library
                           f"earlier declaration); declare each overload once", stacklevel=3)
     if own_fills:
         done += _install_zero(backend, lib, taken, fills)
+    for name in set(_NATIVE) - native_before:
+        undo.append(lambda n=name: _NATIVE.pop(n, None))
     paths.forget_decisions()
     return done
+
+
+class _AddedSet:
+    """What a kernel set added after registration installed, for :func:`remove_kernel_set`:
+    its own library (Python kernels), its C++ group (``native_vendor``), and how to undo the
+    rest (overrides, host-op and view kernels, sparse and quantized declarations)."""
+
+    def __init__(self, group: int) -> None:
+        self.lib = keep_past_exit(torch.library.Library("aten", "IMPL"))
+        self.group = group
+        self.undo: list[Callable[[], None]] = []
+
+
+_ADDED: dict[int, tuple[KernelSet, _AddedSet]] = {}  # id(kernel set) ->
+_GROUPS = itertools.count(1)  # (0: the sets given at registration)
+
+
+def add_kernel_set(backend: DeviceBackend, ks: KernelSet) -> list[str]:
+    """Install a kernel set after registration, withdrawable by :func:`remove_kernel_set`."""
+    added = _AddedSet(next(_GROUPS))
+    _ADDED[id(ks)] = (ks, added)
+    return install_kernel_set(backend, ks, added.lib, added=added)
+
+
+def remove_kernel_set(backend: DeviceBackend, ks: KernelSet) -> None:
+    """Withdraw what :func:`add_kernel_set` installed for ``ks``: its overloads take the
+    path they took before it (torchport's kernel, a decomposition, the fallback). None of
+    its kernels may be running in another thread."""
+    entry = _ADDED.pop(id(ks), None)
+    if entry is None:
+        raise ValueError(f"kernel set {ks.name!r} was not added after registration "
+                         f"(Backend.add_kernels); a set given at registration stays")
+    _, added = entry
+    for undo in reversed(added.undo):
+        undo()
+    native_vendor.remove(added.group)
+    added.lib._destroy()
+    paths.forget_decisions()
 
 
 def _install_zero(backend: DeviceBackend, lib: torch.library.Library, taken: set[str],
@@ -407,13 +458,14 @@ def _install_quantizing(backend: DeviceBackend, lib: torch.library.Library, take
     return done
 
 
-def _install_sparse(decl: KernelDecl) -> list[str]:
+def _install_sparse(decl: KernelDecl, undo: list[Callable[[], None]]) -> list[str]:
     """A vendor's sparse kernel, which the sparse path of its layout's dispatch key asks
     first (the first declaration of an overload wins)."""
     done = []
     for op in resolve_overloads(decl.name):
         oname = overload_name(op)
         if _has_backend_slot(op) and sparse.declare(decl, op):
+            undo.append(lambda o=op: sparse.withdraw(decl, o))
             _NATIVE[f"{oname} ({sparse.key_of(decl.layout)})"] = decl
             done.append(oname)
     return done

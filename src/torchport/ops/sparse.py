@@ -351,6 +351,19 @@ def declare(decl: KernelDecl, op: torch._ops.OpOverload) -> bool:
     return True
 
 
+def withdraw(decl: KernelDecl, op: torch._ops.OpOverload) -> None:
+    """Forget the vendor's sparse kernel of ``op`` that ``decl`` declared."""
+    key = (key_of(decl.layout), op)
+    if _VENDOR.get(key) is decl.fn:
+        del _VENDOR[key]
+
+
+def withdraw_host_view(to_cpu: Callable[[Tensor], Tensor]) -> None:
+    """Forget a :func:`declare_host_view` of ``to_cpu``."""
+    if _HOST_VIEW and _HOST_VIEW[0] is to_cpu:
+        _HOST_VIEW.clear()
+
+
 def declare_host_view(to_cpu: Callable[[Tensor], Tensor]) -> bool:
     """The backend's kernels are the CPU's over ``to_cpu``'s views, sparse ones included
     (the first declaration wins)."""
