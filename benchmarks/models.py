@@ -13,6 +13,9 @@ with the same ATen CPU kernels), small-batch ones by the per-op host cost.
 (one Python call per ATen op, nothing else), timed in the same alternation; its ratio to
 the CPU is what a Python layer between PyTorch and the kernels costs by itself.
 
+``--from-host`` moves each step's batch from host memory inside the step (``x.to(device)``,
+as a loop over a DataLoader does; on the CPU a no-op), rather than once before the runs.
+
 ``--python-views`` adds the sim step with the Python view kernels instead of PyTorch's C++
 ones (``torchport.ops.native_views``), switched in this process, in the same alternation.
 
@@ -50,6 +53,7 @@ from torchport.backend import active_backend
 from torchport.tools.run import load_backend
 
 DEVICE = "sim"  # the device the sides labelled "sim" run on (``--backend`` picks another)
+FROM_HOST = False  # each step moves its batch from host memory (``--from-host``)
 
 
 @dataclass
@@ -137,7 +141,8 @@ def make_step(case: Case, device: str, python_floor: bool = False,
     optimizer step through ``torch.compile``."""
     torch.manual_seed(0)
     model = case.make_model().to(device)
-    x, y = (t.to(device) for t in case.make_batch())
+    host_batch = case.make_batch()
+    x, y = (t.to(device) for t in host_batch)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if case.optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     forward = torch.compile(model) if compiled else model
@@ -145,7 +150,8 @@ def make_step(case: Case, device: str, python_floor: bool = False,
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
-        loss = case.loss(forward(x), y)
+        xs, ys = (t.to(device) for t in host_batch) if FROM_HOST else (x, y)
+        loss = case.loss(forward(xs), ys)
         loss.backward()
         opt_step()
         return loss.item()
@@ -358,8 +364,12 @@ def main() -> None:
     p.add_argument("-b", "--backend", default="sim",
                    help="the device's backend, as torchport run's -b: sim, reference (kernel-"
                         "light, device-only memory), bare_sim (the sim with no kernels), a module")
+    p.add_argument("--from-host", action="store_true",
+                   help="each step moves its batch from host memory (x.to(device), as a loop "
+                        "over a DataLoader does), not once before")
     args = p.parse_args()
-    global DEVICE
+    global DEVICE, FROM_HOST
+    FROM_HOST = args.from_host
     backend = load_backend(args.backend)
     DEVICE = backend.name
     memory = "host-addressable" if backend.runtime.host_addressable else "device-only"

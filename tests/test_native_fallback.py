@@ -469,3 +469,103 @@ def test_a_fallback_call_on_a_side_stream_is_the_python_fallbacks() -> None:
     assert torch.equal(got.cpu(), torch.hypot(a.cpu(), b.cpu()))
     if _STAGED:
         assert c.served == 0 and c.handed >= 1
+
+
+# Copies and Tensor.item on device-only memory (the core kernels C++ serves through the
+# runtime's copies): (name, fn(x) -> result) with x a CPU tensor; the device's result must
+# equal the CPU's bit for bit, and the host tensor a copy writes must be the one returned.
+def _into_columns(x: torch.Tensor, dev: str) -> torch.Tensor:
+    big = torch.arange(64.0).view(8, 8).to(dev)  # every other column written, the rest kept
+    big[:, ::2].copy_(x[:, :4])
+    return big
+
+
+def _to_host_in_place(x: torch.Tensor, dev: str) -> torch.Tensor:
+    dst = torch.full((8, 8), 7.0)
+    got = dst.copy_(x.to(dev).t())
+    assert got is dst
+    return got
+
+
+_STAGED_COPIES = [
+    ("to device", lambda x, dev: x.to(dev)),
+    ("to device as float64", lambda x, dev: x.to(dev, torch.float64)),
+    ("int64 to device", lambda x, dev: (x * 100).long().to(dev)),
+    ("to host", lambda x, dev: x.to(dev).cpu()),
+    ("to host as float16", lambda x, dev: x.to(dev).to("cpu", torch.float16)),
+    ("channels_last to device",
+     lambda x, dev: x.view(1, 4, 4, 4).to(dev, memory_format=torch.channels_last)),
+    ("strided view to host", lambda x, dev: x.to(dev).t()[::2].to("cpu", copy=True)),
+    ("into strided columns", _into_columns),
+    ("host destination", _to_host_in_place),
+    ("0-dim to device", lambda x, dev: x[0, 0].to(dev)),
+    ("broadcast", lambda x, dev: torch.empty(3, 8, 8, device=dev).copy_(x)),
+    ("item float", lambda x, dev: x.to(dev)[2, 3].item()),
+    ("item int", lambda x, dev: (x * 100).long().to(dev)[1, 1].item()),
+    ("item bool", lambda x, dev: (x > 0).to(dev)[0, 0].item()),
+]
+
+
+@serves
+@pytest.mark.skipif(not _STAGED, reason="device-only memory: copies through the runtime's")
+@pytest.mark.parametrize("name,fn", _STAGED_COPIES, ids=[n for n, _ in _STAGED_COPIES])
+def test_small_copies_and_items_on_device_only_memory_are_served_in_cpp(name, fn) -> None:
+    x = _x(3)
+    fn(x, "sim")  # (a first call may warm what it calls)
+    with calls() as c, torchport_frames() as frames:
+        got = fn(x, "sim")
+    want = fn(x, "cpu")
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.stride() == want.stride(), (got.stride(), want.stride())
+        assert torch.equal(got.cpu(), want)
+    else:
+        assert type(got) is type(want) and got == want
+    assert c.served >= 1 and c.handed == 0 and c.to_python == 0, (c.served, c.handed)
+    # no Python of torchport's but the runtime's own copies
+    assert not [f for f in frames if not runtime_frame(f)], frames
+
+
+def _within_a_storage(d: torch.Tensor) -> torch.Tensor:
+    d = d.clone()
+    d[4:].copy_(d[:4])  # source and destination in one storage
+    d[:, 1::2].copy_(d[:, ::2])
+    return d
+
+
+@serves
+@pytest.mark.skipif(not _STAGED, reason="device-only memory: copies through the runtime's")
+def test_copies_cpp_leaves_to_python_behave_as_before() -> None:
+    """A tensor over a MiB (copied once by the Python kernel rather than twice), a
+    ``non_blocking`` copy (ordered on the stream by it), a copy while a side stream is
+    current and copies within the device (the runtime's ``copy_d2d``, or a vendor's kernel)
+    take the Python kernels, with the same results."""
+    x = _x(7)
+    d = x.to("sim")
+    for fn in (lambda t: torch.empty(8, 8, device=t.device).copy_(t.t()),
+               lambda t: t.to(torch.float16), _within_a_storage):
+        with calls() as c:
+            got = fn(d)
+        assert c.served == 0 and torch.equal(got.cpu(), fn(x))
+    q = torch.quantize_per_tensor(x, 0.05, 3, torch.qint8)  # (its own tensor type)
+    with calls() as c:
+        dq = q.to("sim")
+    assert c.served == 0 and torch.equal(dq.cpu().int_repr(), q.int_repr())
+    big = torch.randn(600, 600)
+    for fn in (lambda: big.to("sim"), lambda: big.to("sim").cpu()):
+        with calls() as c:
+            got = fn()
+        assert c.handed >= 1 and torch.equal(got.cpu(), big)
+    small = _x(4)
+    d = small.to("sim")
+    with calls() as c:
+        got = d.to("cpu", non_blocking=True)
+        torch.sim.synchronize()
+    assert c.handed >= 1 and torch.equal(got, small)
+    s = torch.sim.Stream()
+    s.wait_stream(torch.sim.current_stream())
+    with torch.sim.stream(s), calls() as c:
+        got = d.cpu()
+        item = d[0, 0].item()
+    assert c.served == 0 and c.handed >= 2
+    assert torch.equal(got, small) and item == small[0, 0].item()

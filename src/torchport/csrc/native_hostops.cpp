@@ -120,7 +120,7 @@ class HostOp final : public c10::OperatorKernel {
  public:
   HostOp(PyObject* python, bool functional, bool cpu_tensors, bool to_copy, bool composite,
          bool device_checked, bool fallback = false, uint64_t written = 0,
-         bool stageable = false)
+         bool stageable = false, bool staged_core = false, bool overwrites_self = false)
       : python_(python),
         functional_(functional),
         cpu_tensors_(cpu_tensors),
@@ -129,7 +129,9 @@ class HostOp final : public c10::OperatorKernel {
         device_checked_(device_checked),
         fallback_(fallback),
         written_(written),
-        stageable_(stageable) {
+        stageable_(stageable || staged_core),
+        staged_core_(staged_core),
+        overwrites_self_(overwrites_self) {
     Py_INCREF(python_);  // kept for the process, as the Python registration keeps it
   }
 
@@ -198,12 +200,15 @@ class HostOp final : public c10::OperatorKernel {
     }
     if (to_copy_) return to_copy(op, stack);
     if (composite_) return composite(op, stack);
-    // device-only memory: the learnt fallback's calls through the runtime's copies
-    const bool staged = fallback_ && torchport::staging_on();
+    // device-only memory: the learnt fallback's calls through the runtime's copies, and the
+    // core kernels' blocking copies of small tensors
+    const bool staged = (fallback_ || staged_core_) && torchport::staging_on();
     if (staged && !stageable_) return python(op, stack);
     const auto& schema = op.schema();
     const size_t nargs = schema.arguments().size();
     const size_t first = stack->size() - nargs;
+    if (staged && staged_core_ && !staged_core_servable(schema, *stack, first))
+      return python(op, stack);
     int index = -1;
     bool host = false;
     int drawn = -1;  // a random op's generator argument
@@ -256,8 +261,9 @@ class HostOp final : public c10::OperatorKernel {
         const c10::IValue& v = (*stack)[first + i];
         const c10::Argument& a = schema.arguments()[i];
         if (v.isTensor()) {  // an out= (written, keyword-only, not written unannounced)
-          staging->add(v.toTensor(), a.kwarg_only() && a.alias_info() != nullptr &&
-                                         a.alias_info()->isWrite());
+          staging->add(v.toTensor(), (a.kwarg_only() && a.alias_info() != nullptr &&
+                                      a.alias_info()->isWrite()) ||
+                                         (i == 0 && overwrites_self_));
         } else if (v.isTensorList()) {
           for (const at::Tensor& t : v.toTensorList()) staging->add(t);
         } else if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
@@ -428,21 +434,77 @@ class HostOp final : public c10::OperatorKernel {
     if ((!from_device || to.type() != kDevice) &&
         torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0)
       return python(op, stack);
+    // device-only memory: a small tensor's bytes between the host and the device through
+    // the runtime's copies, in the default stream's order (staged_core_servable)
+    const bool staged = staged_core_ && torchport::staging_on();
+    if (staged && ((from_device && to.type() == kDevice) || self.is_quantized() ||
+                   self._is_zerotensor() || torchport::Staged::bytes(self) > copy_max ||
+                   ((*stack)[first + 5].isBool() && (*stack)[first + 5].toBool()) ||
+                   torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0))
+      return python(op, stack);
+    std::optional<torchport::CallbackInterrupts> held;
+    std::optional<torchport::Staged> staging;
     c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 6> tensors;
     c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 6> storages;
-    if (from_device) (*stack)[first] = c10::IValue(cpu_alias(self, tensors, storages));
+    if (staged) {
+      if (!torchport::staging_native()) held.emplace();
+      staging.emplace(index);
+      if (from_device) {
+        staging->add(self);
+        staging->fetch();
+        (*stack)[first] = c10::IValue(staging->cpu(self));
+      } else if ((dtype.isNone() || dtype.toScalarType() == self.scalar_type()) &&
+                 ((*stack)[first + 6].isNone() ||
+                  (*stack)[first + 6].toMemoryFormat() == c10::MemoryFormat::Preserve) &&
+                 self.is_non_overlapping_and_dense()) {
+        // a host tensor to the device as it is: its bytes, its strides (the CPU's
+        // _to_copy would copy them first)
+        at::Tensor result = staging->on_device(self);
+        torch::jit::drop(*stack, 7);
+        stack->emplace_back(std::move(result));
+        served.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+    } else if (from_device) {
+      (*stack)[first] = c10::IValue(cpu_alias(self, tensors, storages));
+    }
     (*stack)[first + 3] = c10::IValue(c10::Device(c10::DeviceType::CPU));
     {
-      torchport::HostResultsIn results(to.type() == kDevice && results_in_blocks ? index : -1);
+      torchport::HostResultsIn results(
+          to.type() == kDevice && results_in_blocks && !staged ? index : -1);
       op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
     }
     if (to.type() == kDevice) {
       at::Tensor cpu = stack->back().toTensor();
       tensors.clear();
       storages.clear();  // the result is new: nothing of it is an argument's
-      stack->back() = c10::IValue(on_device(cpu, index, tensors, storages));
+      stack->back() = c10::IValue(staged ? staging->on_device(cpu)
+                                         : on_device(cpu, index, tensors, storages));
     }
     served.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  // A core kernel's call on device-only memory served here: a copy between the host and the
+  // device (one within the device stays the runtime's copy_d2d or the vendor's kernel, on
+  // the device) or Tensor.item; a blocking one (non_blocking copies keep their Python
+  // kernel's ordering on the stream); each device tensor spanning at most `copy_max` bytes
+  // (a larger one is copied once by the Python kernel, where this copies it into staging
+  // and then again).
+  bool staged_core_servable(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
+                            size_t first) const {
+    const auto& arguments = schema.arguments();
+    if (overwrites_self_ && stack[first].isTensor() && stack[first + 1].isTensor() &&
+        stack[first].toTensor().device().type() == kDevice &&
+        stack[first + 1].toTensor().device().type() == kDevice)
+      return false;
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      const c10::IValue& v = stack[first + i];
+      if (v.isBool() && v.toBool() && arguments[i].name() == "non_blocking") return false;
+      if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().type() == kDevice &&
+          torchport::Staged::bytes(v.toTensor()) > copy_max)
+        return false;
+    }
+    return true;
   }
 
   // A staged call's written arguments copied back (its schema's and the hidden ones the
@@ -461,10 +523,19 @@ class HostOp final : public c10::OperatorKernel {
       }
     }
     const size_t nret = schema.returns().size();
+    // (a host tensor given and returned, a copy's destination, is returned as it is)
+    auto given_host = [&](const at::Tensor& t) {
+      if (t.device().type() == kDevice) return false;
+      for (const c10::IValue& o : originals)
+        if (o.isTensor() && o.toTensor().unsafeGetTensorImpl() == t.unsafeGetTensorImpl())
+          return true;
+      return false;
+    };
     for (size_t r = stack->size() - nret; r < stack->size(); ++r) {
       c10::IValue& v = (*stack)[r];
       if (v.isTensor()) {
-        if (v.toTensor().defined()) v = c10::IValue(staging.on_device(v.toTensor()));
+        if (v.toTensor().defined() && !given_host(v.toTensor()))
+          v = c10::IValue(staging.on_device(v.toTensor()));
       } else if (v.isTensorList()) {
         c10::List<at::Tensor> results;
         results.reserve(v.toTensorList().size());
@@ -703,6 +774,8 @@ class HostOp final : public c10::OperatorKernel {
   bool fallback_;        // a learnt overload of the CPU fallback
   uint64_t written_;     // (learnt) the arguments it writes, by index, its schema's or not
   bool stageable_;       // (learnt) served through the runtime's copies on device-only memory
+  bool staged_core_;     // a core kernel (a copy, Tensor.item) served so on device-only memory
+  bool overwrites_self_;  // (copy_) every element of its first argument is written
   torchport::QueuedCalls queued_;
   std::atomic<int8_t> random_{-1};  // random(op), once known
 };
@@ -1083,11 +1156,14 @@ torch::CppFunction host_op_entry(const char* name, std::unique_ptr<HostOp> kerne
 // tensors of any size pass, a composite factory, CUDA compares its tensors' devices))
 // from C++, with `result` for the results not copied here (and those of the dtypes in
 // `refuse`, a list of torch.dtype, which it refuses), `devices` visible devices, functional
-// inputs up to `input_max` bytes and copies up to `copy_max` bytes: 1; 0 with a Python
-// error. Ops already served stay. Called through ctypes.PyDLL (with the GIL).
+// inputs up to `input_max` bytes and copies up to `copy_max` bytes; `staged`: the device's
+// memory is device-only, and these are core kernels whose small blocking calls go through
+// the runtime's copies (native_staged.cpp): 1; 0 with a Python error. Ops already served
+// stay. Called through ctypes.PyDLL (with the GIL).
 extern "C" int torchport_native_hostops_enable(PyObject* kernels, PyObject* result,
                                                PyObject* refuse, int devices,
-                                               int64_t input_max, int64_t max_copy) {
+                                               int64_t input_max, int64_t max_copy,
+                                               int staged) {
   if (!PyDict_Check(kernels) || !PyCallable_Check(result) || !PyList_Check(refuse)) {
     PyErr_SetString(PyExc_TypeError, "expected a dict of kernels, a callable and a list");
     return 0;
@@ -1102,7 +1178,8 @@ extern "C" int torchport_native_hostops_enable(PyObject* kernels, PyObject* resu
   visible = devices;
   functional_input_max = static_cast<uint64_t>(input_max);
   copy_max = static_cast<uint64_t>(max_copy);
-  results_in_blocks = torchport::host_results_install();
+  // (staged calls make their results in host memory and copy them)
+  results_in_blocks = staged == 0 && torchport::host_results_install();
   try {
     if (!registered) {
       registered = std::make_unique<torch::Library>(
@@ -1124,13 +1201,17 @@ extern "C" int torchport_native_hostops_enable(PyObject* kernels, PyObject* resu
       bool done = false;
       for (const auto& n : registered_names) done = done || n == name;
       if (done) continue;
+      const bool copy = std::strcmp(name, "copy_") == 0;  // (writes all of its first argument)
       registered->impl(name, host_op_entry(name, std::make_unique<HostOp>(
                                  PyTuple_GET_ITEM(value, 0),
                                  PyObject_IsTrue(PyTuple_GET_ITEM(value, 1)) == 1,
                                  PyObject_IsTrue(PyTuple_GET_ITEM(value, 2)) == 1,
                                  std::strcmp(name, "_to_copy") == 0,
                                  PyObject_IsTrue(PyTuple_GET_ITEM(value, 3)) == 1,
-                                 PyObject_IsTrue(PyTuple_GET_ITEM(value, 4)) == 1)));
+                                 PyObject_IsTrue(PyTuple_GET_ITEM(value, 4)) == 1,
+                                 /*fallback=*/false, /*written=*/0, /*stageable=*/false,
+                                 /*staged_core=*/staged != 0,
+                                 /*overwrites_self=*/staged != 0 && copy)));
       registered_names.emplace_back(name);
     }
   } catch (const std::exception& e) {

@@ -181,6 +181,8 @@ class Staged {
   at::Tensor cpu(const at::Tensor& t);
   void store(const at::Tensor& dev);
   at::Tensor on_device(const at::Tensor& cpu);
+  // The bytes of its storage a tensor's elements span (what `fetch` copies of it alone).
+  static uint64_t bytes(const at::Tensor& t);
 
  private:
   struct Span {

@@ -96,6 +96,12 @@ bool staging_native() {
 
 Staged::Staged(int index) : index_(index), copies_(copies.load(std::memory_order_acquire)) {}
 
+uint64_t Staged::bytes(const at::Tensor& t) {
+  if (t.numel() == 0) return 0;
+  auto [lo, hi] = span(t);
+  return hi - lo;
+}
+
 void Staged::add(const at::Tensor& t, bool overwritten) {
   if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1 || t.numel() == 0)
     return;

@@ -66,6 +66,11 @@ FUNCTIONAL_INPUT_MAX = 1 << 20
 #: ``Tensor.item``, read without a Python object, also by finalisers at exit).
 CORE = frozenset({"copy_", "_to_copy", "resize_", "_local_scalar_dense"})
 
+#: Those served in C++ on device-only memory too (``HostOpKernels.staged``): their blocking
+#: calls on tensors of up to ``ADOPT_MIN_BYTES`` through the runtime's copies, as the
+#: fallback's learnt calls (``native_staged.cpp``); the others take the Python kernels.
+STAGED_CORE = frozenset({"copy_", "_to_copy", "_local_scalar_dense"})
+
 #: What C++ is given per op: (Python kernel, functional, CPU tensors pass as they are,
 #: composite factory, CUDA's registration compares its tensors' devices: a 0-dim CPU
 #: operand takes the Python kernel, whose device check raises as CUDA's).
@@ -118,7 +123,9 @@ class HostOpKernels:
         self._registered: torch.library.Library | None = None  # the Python ones, while serving
         self._kept: set[str] = set()  # served by their Python kernel whatever serves the rest
         self._kept_registered: torch.library.Library | None = None
+        self._registered_names: frozenset[str] = frozenset()  # those in ``_registered``
         self.native = False
+        self.staged_core = False  # STAGED_CORE served in C++ on device-only memory
         self._held = 0  # python_only() depth
         self._staged: bool | None = None  # staged(), once configured
         self._native_copies: NativeCopies | None = None  # the runtime's C copies C++ calls
@@ -139,8 +146,12 @@ class HostOpKernels:
                 self._keep_registered({name: self.python[name]})
             else:
                 self._enable({name: self.python[name]})
+        elif self.staged_core and name in STAGED_CORE:
+            self._drop_native()
+            self.use(True)
         elif self._registered is not None:
             self._registered.impl(name, kernel, "PrivateUse1")
+            self._registered_names |= {name}
 
     def remove(self, name: str) -> None:
         """Withdraw ``name``'s kernel (C++ and a Python library unregister all their kernels
@@ -165,8 +176,8 @@ class HostOpKernels:
             self._kept.add(name)
         else:
             self._kept.discard(name)
-        if name in self.python and self.native:  # C++ unregisters per library, not per op
-            self._drop_native()
+        if name in self.python and (self.native or self.staged_core):
+            self._drop_native()  # (C++ unregisters per library, not per op)
             self.use(True)
 
     def direct(self) -> bool:
@@ -211,30 +222,35 @@ class HostOpKernels:
         handles = [queue(b.visible[i]) for i in range(b.device_count())]
         return None if not handles or None in handles else handles
 
-    def _library(self) -> Any:
-        """The library's enable function, where C++ can serve the device."""
+    def _library(self, staged: bool = False) -> Any:
+        """The library's enable function, where C++ can serve the device (``staged``: on
+        device-only memory, through the runtime's copies)."""
         b = self.backend
-        if b._guard_device is None or not (self.direct() or self.queues() is not None) \
+        if b._guard_device is None or not (
+                self.staged() if staged else self.direct() or self.queues() is not None) \
                 or any(getattr(a, "new_tensor", None) is None for a in b.allocators):
             return None
         return native.python_function(
             "torchport_native_hostops_enable",
             [ctypes.py_object, ctypes.py_object, ctypes.py_object, ctypes.c_int, ctypes.c_int64,
-             ctypes.c_int64], ctypes.c_int)
+             ctypes.c_int64, ctypes.c_int], ctypes.c_int)
 
-    def _enable(self, kernels: dict[str, Entry]) -> bool:
+    def _enable(self, kernels: dict[str, Entry], staged: bool = False) -> bool:
         from torchport.memory.allocator import ADOPT_MIN_BYTES
 
-        enable = self._library()
+        enable = self._library(staged)
         if enable is None:
             return False
-        if self._registered is not None:  # never both registered
+        if self._registered is not None and not staged:  # never both registered
             self._registered._destroy()
             self._registered = None
+            self._registered_names = frozenset()
         enable({n: k for n, k in kernels.items() if n not in self._kept},
                _result_function(self.backend), self.backend.refused_dtypes(),
                self.backend.device_count(),
-               FUNCTIONAL_INPUT_MAX, ADOPT_MIN_BYTES - 1)
+               FUNCTIONAL_INPUT_MAX, ADOPT_MIN_BYTES - 1, int(staged))
+        if staged:
+            return True
         _queued(self.queues())
         self._keep_registered({n: k for n, k in kernels.items() if n in self._kept})
         return True
@@ -257,7 +273,7 @@ class HostOpKernels:
         if self._kept_registered is not None:
             self._kept_registered._destroy()
             self._kept_registered = None
-        self.native = False
+        self.native = self.staged_core = False
         from torchport.ops import fallback
 
         fallback.serve_learnt(False)
@@ -287,11 +303,24 @@ class HostOpKernels:
                 fallback.serve_learnt(self.direct() or self.queues() is not None)
                 return
         self._drop_native()
+        staged = from_cpp and not self._held and self.staged()
+        # on device-only memory C++ serves the core copies, the Python kernels the rest
+        cpp = {n: e for n, e in self.python.items() if n in STAGED_CORE and n not in self._kept} \
+            if staged else {}
+        if cpp and self._enable(cpp, staged=True):
+            self.staged_core = True
+        else:
+            cpp = {}
+        names = frozenset(self.python) - frozenset(cpp)
+        if self._registered is not None and self._registered_names != names:
+            self._registered._destroy()
+            self._registered = None
         if self._registered is None:
             self._registered = keep_past_exit(torch.library.Library("aten", "IMPL"))
-            for name, (kernel, *_) in self.python.items():
-                self._registered.impl(name, kernel, "PrivateUse1")
-        if from_cpp and not self._held and self.staged():
+            self._registered_names = names
+            for name in names:
+                self._registered.impl(name, self.python[name][0], "PrivateUse1")
+        if staged:
             fallback.serve_learnt(True)
 
 
