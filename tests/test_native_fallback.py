@@ -547,7 +547,9 @@ def test_copies_cpp_leaves_to_python_behave_as_before() -> None:
         with calls() as c:
             got = fn(d)
         assert c.served == 0 and torch.equal(got.cpu(), fn(x))
-    q = torch.quantize_per_tensor(x, 0.05, 3, torch.qint8)  # (its own tensor type)
+    with warnings.catch_warnings():  # (PyTorch deprecates qint8's creation functions)
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch.quantize_per_tensor(x, 0.05, 3, torch.qint8)  # (its own tensor type)
     with calls() as c:
         dq = q.to("sim")
     assert c.served == 0 and torch.equal(dq.cpu().int_repr(), q.int_repr())

@@ -306,15 +306,13 @@ class HostOpKernels:
         staged = from_cpp and not self._held and self.staged()
         # on device-only memory C++ serves the core copies, the Python kernels the rest
         cpp = {n: e for n, e in self.python.items() if n in STAGED_CORE and n not in self._kept} \
-            if staged else {}
-        if cpp and self._enable(cpp, staged=True):
-            self.staged_core = True
-        else:
-            cpp = {}
+            if staged and self._library(staged=True) is not None else {}
         names = frozenset(self.python) - frozenset(cpp)
         if self._registered is not None and self._registered_names != names:
-            self._registered._destroy()
+            self._registered._destroy()  # (before C++ registers: never both registered)
             self._registered = None
+        if cpp:
+            self.staged_core = self._enable(cpp, staged=True)
         if self._registered is None:
             self._registered = keep_past_exit(torch.library.Library("aten", "IMPL"))
             self._registered_names = names
