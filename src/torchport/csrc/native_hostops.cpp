@@ -1329,13 +1329,16 @@ extern "C" int torchport_fallback_learn(const char* name, const char* overload, 
 
 // The learnt overloads on device-only memory, served through the runtime's copies
 // (native_staged.cpp: `d2h`, `h2d`, `result`, `refuse`, `phys`, one runtime index per
-// visible device, `native` the runtime's C copies or None), or no longer (`d2h` None): 1; 0
-// with a Python error. Called through ctypes.PyDLL (with the GIL).
+// visible device, `native` the runtime's C copies or None, `asynchronous`: its queues run
+// behind the host), or no longer (`d2h` None): 1; 0 with a Python error. Called through
+// ctypes.PyDLL (with the GIL).
 extern "C" int torchport_fallback_staged(PyObject* d2h, PyObject* h2d, PyObject* result,
-                                         PyObject* refuse, PyObject* phys, PyObject* native) {
+                                         PyObject* refuse, PyObject* phys, PyObject* native,
+                                         int asynchronous) {
   std::lock_guard<std::mutex> lock(registering);
   if (d2h != Py_None && PyList_Check(phys)) visible = static_cast<int>(PyList_GET_SIZE(phys));
-  return torchport::staging_configure(d2h, h2d, result, refuse, phys, native);
+  return torchport::staging_configure(d2h, h2d, result, refuse, phys, native,
+                                      asynchronous != 0);
 }
 
 // Serve the learnt overloads in C++ (1) or hand every call to the Python fallback (0).

@@ -164,9 +164,10 @@ bool staging_native();
 // Serve through `d2h` and `h2d` (the runtime's copy methods; `result`: a result not copied,
 // as a device tensor; `refuse`: the dtypes the device refuses; `phys`: the runtime's index
 // of each device; `native`: None, or the addresses of its C copies and their context,
-// Runtime.native_copies), or no longer (`d2h` None): 1; 0 with a Python error. Holds the GIL.
+// Runtime.native_copies; `asynchronous`: its queues run behind the host), or no longer
+// (`d2h` None): 1; 0 with a Python error. Holds the GIL.
 int staging_configure(PyObject* d2h, PyObject* h2d, PyObject* result, PyObject* refuse,
-                      PyObject* phys, PyObject* native);
+                      PyObject* phys, PyObject* native, bool asynchronous);
 struct Copies;
 // One call's host copies of the bytes its device tensors span: `add` each device tensor the
 // call passes, `fetch` (copies them to the host), then `cpu` maps each to a CPU tensor over

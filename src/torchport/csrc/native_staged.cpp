@@ -40,6 +40,11 @@ struct Copies {
   NativeCopy native_d2h = nullptr;  // the same copies in C (null: none)
   NativeCopy native_h2d = nullptr;
   void* context = nullptr;          // (their first argument)
+  // The runtime's queues run behind the host: a span a call overwrites is read all the same,
+  // as its copy to the host waits for the default stream, which orders the write after the
+  // queued work that reads it (a runtime's copy_h2d with stream=None need not wait: the
+  // sim's does not)
+  bool asynchronous = false;
   PyObject* result = nullptr;  // result(cpu_tensor, index): a result not copied here
   std::vector<int> phys;       // the runtime's index of each device
   std::bitset<256> refused;    // dtypes the device refuses: their results go to `result`
@@ -108,7 +113,9 @@ void Staged::add(const at::Tensor& t, bool overwritten) {
   c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
   auto [lo, hi] = span(t);
   // an out= whose span is its elements, which the kernel writes: nothing of it to read
-  const bool read = !(overwritten && t.is_non_overlapping_and_dense());
+  // (on a synchronous runtime)
+  const bool read =
+      !(overwritten && !copies_->asynchronous && t.is_non_overlapping_and_dense());
   for (Span& s : spans_) {
     if (s.dev != st) continue;
     s.lo = std::min(s.lo, lo);
@@ -321,7 +328,7 @@ at::Tensor Staged::on_device(const at::Tensor& cpu) {
 namespace torchport {
 
 int staging_configure(PyObject* d2h, PyObject* h2d, PyObject* result, PyObject* refuse,
-                      PyObject* phys, PyObject* native) {
+                      PyObject* phys, PyObject* native, bool asynchronous) {
   if (d2h == Py_None) {
     staging.store(false, std::memory_order_release);
     return 1;
@@ -338,6 +345,7 @@ int staging_configure(PyObject* d2h, PyObject* h2d, PyObject* result, PyObject* 
     return 0;
   }
   made->phys.assign(indices.begin(), indices.end());
+  made->asynchronous = asynchronous;
   if (native != Py_None) {  // (d2h address, h2d address, context)
     std::vector<int64_t> entry;
     if (!read_ints(native, entry) || entry.size() != 3 || entry[0] == 0 || entry[1] == 0) {

@@ -197,7 +197,7 @@ class HostOpKernels:
                 or any(getattr(a, "new_tensor", None) is None for a in b.allocators):
             return False
         configure = native.python_function(
-            "torchport_fallback_staged", [ctypes.py_object] * 6, ctypes.c_int)
+            "torchport_fallback_staged", [ctypes.py_object] * 6 + [ctypes.c_int], ctypes.c_int)
         if configure is None:
             return False
         rt = b.runtime
@@ -205,7 +205,8 @@ class HostOpKernels:
         self._native_copies = c  # (alive while C++ may call them)
         configure(rt.copy_d2h, rt.copy_h2d, _result_function(b), b.refused_dtypes(),
                   [b.phys(i) for i in range(b.device_count())],
-                  None if c is None else (c.copy_d2h, c.copy_h2d, c.context))
+                  None if c is None else (c.copy_d2h, c.copy_h2d, c.context),
+                  int(rt.asynchronous))
         self._staged = True
         return True
 
