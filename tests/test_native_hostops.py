@@ -298,6 +298,30 @@ def test_a_grown_out_never_writes_past_its_storage(name, fn, kernels) -> None:
     assert [str(w.message) for w in dev_warnings] == [str(w.message) for w in cpu_warnings]
 
 
+@pytest.mark.parametrize("strict", ["0", "1"])
+def test_without_the_library_a_grown_out_warns_as_the_cpu_does(strict: str) -> None:
+    # no C++ library: the out= the CPU kernel cannot grow in place is run again on copies;
+    # the user sees each of PyTorch's warnings once, as on the CPU
+    out = check_python("""
+        import warnings, torch, torchport.sim
+        def said(fn, device):
+            out = torch.ones(3, device=device)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                r = fn(torch.arange(1000.).to(device), out)
+            assert r is out and r.shape != (3,)
+            return [str(w.message) for w in seen]
+        for fn in [lambda a, out: torch.add(a, a, out=out),
+                   lambda a, out: torch.cat([a, a], out=out),
+                   lambda a, out: torch.sum(a.view(-1, 10), 1, out=out),
+                   lambda a, out: torch.mm(a[:900].view(30, 30), a[:900].view(30, 30), out=out),
+                   lambda a, out: torch.arange(float(a.numel()), out=out)]:
+            dev, cpu = said(fn, "sim"), said(fn, "cpu")
+            print(len(dev), len(cpu), dev == cpu)
+    """, env=child_env(TORCHPORT_NATIVE="0", TORCHPORT_SIM_STRICT=strict))
+    assert out.split() == ["1", "1", "True"] * 5, out
+
+
 @needs_cpp
 @pytest.mark.parametrize("name,fn", [
     ("mm", lambda a, out: torch.mm(a, a.t(), out=out)),

@@ -15,6 +15,7 @@ host views). Given a way to see device tensors as CPU tensors it:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ from torchport.ops.plan import (
     numbers_as_tensors,
     plan_for,
 )
+from torchport.ops.quiet import warnings_of
 
 if TYPE_CHECKING:
     from torchport.core.contracts import DeviceBackend
@@ -241,7 +243,7 @@ class HostCall:
     writes land directly); otherwise written arguments are copied back."""
 
     __slots__ = ("backend", "op", "plan", "index", "to_cpu", "zero_copy", "views", "seen",
-                 "bounded", "shared", "copies")
+                 "bounded", "fixed", "shared", "copies")
 
     def __init__(self, backend: DeviceBackend, op: Any, plan: OpPlan, index: int | None,
                  to_cpu: Callable[[Tensor], Tensor], zero_copy: bool) -> None:
@@ -258,6 +260,7 @@ class HostCall:
         # device storage address -> the CPU storage of exactly its bytes, for the storages
         # of out= arguments: every argument on one sees it (the CPU's overlap checks)
         self.bounded: dict[int, tuple[torch.UntypedStorage, int]] | None = None
+        self.fixed = False  # one of them cannot grow (no C++ library): a second run may come
         # device-only memory: device storage address -> (one host copy of the bytes its
         # arguments span, the byte of the storage that copy starts at), for the storages
         # two argument tensors share: the CPU kernel sees their overlap as the device has it
@@ -314,7 +317,7 @@ class HostCall:
             self._stage_shared(args, kwargs)
         cargs, ckw = self._map_all(args, kwargs)
         try:
-            result = self._call(args, kwargs, cargs, ckw)
+            result = self._first_call(args, kwargs, cargs, ckw)
         except RuntimeError as e:
             if not self.bounded or "not resizable" not in str(e):
                 raise
@@ -359,6 +362,7 @@ class HostCall:
                 st = native.growable_host_storage(at, n)
                 bounded[dev.data_ptr()] = (tensors.host_storage(at, n) if st is None else st,
                                            at)
+                self.fixed = self.fixed or st is None
         self.bounded = bounded or None
 
     def _stage_shared(self, args: tuple, kwargs: dict) -> None:
@@ -398,14 +402,25 @@ class HostCall:
 
     def _grow_copies(self, args: tuple, kwargs: dict) -> tuple[list, dict, Any]:
         """Without the C++ library: the call again, with the out= arguments' storages
-        copied to resizable host memory for the CPU kernel to grow (the warnings the first
-        run gave before it stopped, PyTorch's own about resizing an out=, come twice)."""
+        copied to resizable host memory for the CPU kernel to grow."""
         assert self.bounded is not None
         self.bounded = {k: (st.clone(), at) for k, (st, at) in self.bounded.items()}
         self.views.clear()
         self.seen.clear()
         cargs, ckw = self._map_all(args, kwargs)
         return cargs, ckw, self._call(args, kwargs, cargs, ckw)
+
+    def _first_call(self, args: tuple, kwargs: dict, cargs: list, ckw: dict) -> Any:
+        """The CPU kernel's call; where an out= cannot grow (no C++ library), its warnings
+        are held until it returns, so that a run that stops at the growth (and runs again
+        on copies, :meth:`_grow_copies`) does not tell them twice."""
+        if not self.fixed:
+            return self._call(args, kwargs, cargs, ckw)
+        result: list = []
+        said = warnings_of(lambda: result.append(self._call(args, kwargs, cargs, ckw)))
+        for w in said:
+            warnings.warn(w.message, w.category, stacklevel=2)
+        return result[0]
 
     def _run_random(self, args: tuple, kwargs: dict, cargs: list, ckw: dict) -> Any:
         if self.plan.has_generator_arg:
