@@ -24,7 +24,9 @@ from torch.testing import assert_close
 
 import torchport
 from tests.helpers import run_python
-from torchport.ops import FallbackWarning
+from torchport.core import native
+from torchport.ops import FallbackWarning, fallback, plan
+from torchport.ops.plan import plan_for
 
 pytestmark = pytest.mark.modes
 
@@ -458,8 +460,16 @@ _VENDOR = textwrap.dedent("""
     assert len(want) == len(got) == 6
     for w, g in zip(want, got):
         assert torch.equal(w, g), (w - g).abs().max()
+    # no convolution kernel at any level: convolution itself is the fallback's, and a direct
+    # _convolution call still reaches the overrideable route
+    assert rec.path_of("convolution") == "fallback", rec.table()
+    assert rec.path_of("convolution_backward") == "fallback", rec.table()
+    args = ([1, 1], [1, 1], [1, 1], False, [0, 0], 1, False, False, True, True)
+    w, b = cnn[0].weight.detach(), cnn[0].bias.detach()
+    with record() as rec:
+        got = torch.ops.aten._convolution(x.to("vendor"), w.to("vendor"), b.to("vendor"), *args)
+    assert torch.equal(got.cpu(), torch.ops.aten._convolution(x, w, b, *args))
     assert rec.path_of("convolution_overrideable") == "native", rec.table()
-    assert rec.path_of("convolution_backward_overrideable") == "native", rec.table()
     print("VENDOR-OK")
 """)
 
@@ -501,6 +511,70 @@ def test_convolution_overrideable_on_backend_without_conv_kernel():
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHPORT_FALLBACK_WARN="0")
     r = run_python(_VENDOR, env=env, timeout=240)
     assert r.returncode == 0 and "VENDOR-OK" in r.stdout, r.stdout + r.stderr
+
+
+_ROUTED = textwrap.dedent("""
+    import torch
+    import torch.nn.functional as F
+    from torchport.backend import Backend
+    from torchport.backends.sim import SimRuntime
+    from torchport.ops import native_hostops, set_fallback_warn
+
+    set_fallback_warn(False)
+    Backend("vendor", SimRuntime(), []).register()  # no kernels of its own
+    for name in ("aten::native_layer_norm", "aten::native_group_norm", "aten::convolution",
+                 "aten::convolution_backward", "aten::addr"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "PrivateUse1"), name
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 6, 8), torch.randn(8), torch.randn(8)
+    img, k, kb = torch.randn(2, 3, 7, 7), torch.randn(4, 3, 3, 3), torch.randn(4)
+    u, v, m = torch.randn(5), torch.randn(3), torch.randn(5, 3)
+
+    def step(d):
+        leaves = [t.detach().to(d).requires_grad_() for t in (x, w, b, img, k, kb)]
+        xd, wd, bd, imgd, kd, kbd = leaves
+        y = F.layer_norm(xd, (8,), wd, bd)
+        z = F.conv2d(imgd, kd, kbd, padding=1)
+        g = F.group_norm(z, 2)
+        r = torch.addr(m.to(d), u.to(d), v.to(d))
+        ((y * y).sum() + (g * z).sum()).backward()
+        return [t.detach().cpu() for t in (y, z, g, r)] + [t.grad.cpu() for t in leaves]
+
+    want = step("cpu")
+    for _ in range(3):
+        got = step("vendor")
+        for i, (w_, g_) in enumerate(zip(want, got, strict=True)):
+            assert torch.equal(w_, g_), (i, (w_ - g_).abs().max())
+    handed = native_hostops.fallback_counts()[1]
+    step("vendor")
+    # the warm step's routed ops are C++'s, as any learnt fallback op: none handed to Python
+    print("HANDED", native_hostops.fallback_counts()[1] - handed)
+    from torchport.ops import fallback
+    print("INCPP", fallback._DENSE.in_cpp)
+""")
+
+
+@pytest.mark.parametrize("strict", ["0", "1"])
+def test_a_backend_without_them_takes_the_fallback_for_composite_only_ops(strict):
+    # native_layer_norm, native_group_norm, addr (a CompositeExplicitAutograd kernel on every
+    # device but the CPU and CUDA) and convolution: the fallback's, served from C++ when
+    # warm, bit for bit the CPU's, on host-addressable and on device-only memory
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHPORT_FALLBACK_WARN="0",
+               TORCHPORT_SIM_STRICT=strict)
+    env.pop("TORCHPORT_SIM_ASYNC", None)
+    r = run_python(_ROUTED, env=env, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    if native.load() is not None:
+        assert "INCPP True" in r.stdout and "HANDED 0" in r.stdout, r.stdout
+
+
+def test_ops_the_sim_declares_are_not_routed_to_its_fallback():
+    # a backend's own kernels win: the sim computes these with its own
+    routed = {plan_for(op).overload_name for op in fallback._DENSE.routes}
+    assert not routed & {"native_layer_norm", "native_group_norm", "addr", "convolution",
+                         "convolution_backward"}, routed
+    assert {"all.dims_out", "any.dims_out"} & set(plan.composite_elsewhere()) <= routed | set(
+        torchport.ops.native_overloads())
 
 
 def test_route_kernels_are_declared_for_the_sim():

@@ -98,6 +98,9 @@ PyObject* fallback_python = nullptr;
 std::atomic<bool> fallback_serving{false};
 std::atomic<int64_t> fallback_calls{0};  // calls this fallback handed to the Python one
 std::unique_ptr<torch::Library> fallback_registered;
+// The ops routed to that fallback although PyTorch gives the device a kernel for them (a
+// CompositeExplicitAutograd one CUDA never runs): their PrivateUse1 kernel is it too.
+std::unique_ptr<torch::Library> fallback_routes;
 
 void call_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
@@ -437,7 +440,10 @@ class HostOp final : public c10::OperatorKernel {
     // device-only memory: a small tensor's bytes between the host and the device through
     // the runtime's copies, in the default stream's order (staged_core_servable)
     const bool staged = staged_core_ && torchport::staging_on();
-    if (staged && ((from_device && to.type() == kDevice) || self.is_quantized() ||
+    if (staged && ((from_device && to.type() == kDevice &&
+                    plain_bytes(self, dtype.isNone() ? self.scalar_type() : dtype.toScalarType(),
+                                (*stack)[first + 6])) ||
+                   self.is_quantized() ||
                    self._is_zerotensor() || torchport::Staged::bytes(self) > copy_max ||
                    ((*stack)[first + 5].isBool() && (*stack)[first + 5].toBool()) ||
                    torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0))
@@ -484,19 +490,35 @@ class HostOp final : public c10::OperatorKernel {
     served.fetch_add(1, std::memory_order_relaxed);
   }
 
+  // A copy within the device that is one span of bytes (the same dtype, both contiguous,
+  // `format` of a _to_copy none, preserve or contiguous): the runtime's copy_d2d serves it,
+  // on the device. Any other goes through the host (a cast, a transpose made contiguous),
+  // as the Python kernel copies it too.
+  static bool plain_bytes(const at::Tensor& src, c10::ScalarType dtype, const c10::IValue& format) {
+    if (!format.isNone() && format.toMemoryFormat() != c10::MemoryFormat::Preserve &&
+        format.toMemoryFormat() != c10::MemoryFormat::Contiguous)
+      return false;
+    return src.scalar_type() == dtype && src.is_contiguous();
+  }
+
   // A core kernel's call on device-only memory served here: a copy between the host and the
-  // device (one within the device stays the runtime's copy_d2d or the vendor's kernel, on
-  // the device) or Tensor.item; a blocking one (non_blocking copies keep their Python
-  // kernel's ordering on the stream); each device tensor spanning at most `copy_max` bytes
-  // (a larger one is copied once by the Python kernel, where this copies it into staging
-  // and then again).
+  // device, one within the device that is not one span of bytes (a span stays the runtime's
+  // copy_d2d or the vendor's kernel, on the device), or Tensor.item; a blocking one
+  // (non_blocking copies keep their Python kernel's ordering on the stream); each device
+  // tensor spanning at most `copy_max` bytes (a larger one is copied once by the Python
+  // kernel, where this copies it into staging and then again).
   bool staged_core_servable(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
                             size_t first) const {
     const auto& arguments = schema.arguments();
-    if (overwrites_self_ && stack[first].isTensor() && stack[first + 1].isTensor() &&
-        stack[first].toTensor().device().type() == kDevice &&
-        stack[first + 1].toTensor().device().type() == kDevice)
-      return false;
+    if (overwrites_self_ && stack[first].isTensor() && stack[first + 1].isTensor()) {
+      const at::Tensor& self = stack[first].toTensor();
+      const at::Tensor& src = stack[first + 1].toTensor();
+      if (self.device().type() == kDevice && src.device().type() == kDevice &&
+          (self.device() != src.device() ||
+           (self.sizes().equals(src.sizes()) && self.is_contiguous() &&
+            plain_bytes(src, self.scalar_type(), c10::IValue()))))
+        return false;
+    }
     for (size_t i = 0; i < arguments.size(); ++i) {
       const c10::IValue& v = stack[first + i];
       if (v.isBool() && v.toBool() && arguments[i].name() == "non_blocking") return false;
@@ -1284,6 +1306,7 @@ extern "C" int torchport_fallback_install(PyObject* fallback) {
   }
   std::lock_guard<std::mutex> lock(registering);
   try {
+    fallback_routes.reset();
     fallback_registered.reset();
     Py_INCREF(fallback);
     Py_XDECREF(fallback_python);
@@ -1301,10 +1324,35 @@ extern "C" int torchport_fallback_install(PyObject* fallback) {
   return 1;
 }
 
-// Removes that fallback (the caller registers the Python one again).
+// Routes overload `name` (`"native_layer_norm"`, `"addr.out"`) of aten to that fallback:
+// registered as its PrivateUse1 kernel, until the fallback is removed. 1; 0 with a Python
+// error (no fallback installed, or PyTorch refused). Called through ctypes.PyDLL (with the
+// GIL).
+extern "C" int torchport_fallback_route(const char* name) {
+  std::lock_guard<std::mutex> lock(registering);
+  if (!fallback_registered) {
+    PyErr_SetString(PyExc_RuntimeError, "no C++ fallback is installed to route ops to");
+    return 0;
+  }
+  try {
+    if (!fallback_routes)
+      fallback_routes = std::make_unique<torch::Library>(
+          torch::Library::IMPL, "aten", std::make_optional(c10::DispatchKey::PrivateUse1),
+          __FILE__, __LINE__);
+    fallback_routes->impl(name,
+                          torch::CppFunction::makeFromBoxedFunctor(std::make_unique<LearntFallback>()));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return 0;
+  }
+  return 1;
+}
+
+// Removes that fallback and its routes (the caller registers the Python ones again).
 extern "C" void torchport_fallback_uninstall() {
   std::lock_guard<std::mutex> lock(registering);
   fallback_serving.store(false);
+  fallback_routes.reset();
   fallback_registered.reset();
 }
 

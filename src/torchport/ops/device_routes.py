@@ -13,7 +13,9 @@ serve it:
   picks ``ConvBackend::Overrideable`` on PrivateUse1 when the backend has no
   convolution kernel; PyTorch's own implementation raises. Here they run the CPU's
   ``convolution``/``convolution_backward`` through the CPU fallback (same kernel as
-  ``nn.Conv*`` on the CPU, so bit for bit).
+  ``nn.Conv*`` on the CPU, so bit for bit). Where the backend declares no convolution at
+  any level, ``convolution`` and ``convolution_backward`` themselves are the fallback's
+  (:func:`fallback_routes`), so that only a direct ``_convolution`` call comes here.
 * ``conj_physical_``: its only kernel is a composite calling the CPU/CUDA kernels'
   ``DispatchStub`` on the device tensor ("missing kernel for sim"); here the ``out=``
   overload with the tensor as its own output, which reaches the device's kernel (or the
@@ -36,11 +38,12 @@ device computes with a ``CompositeExplicitAutograd`` kernel (``native_layer_norm
 ``native_group_norm``, ``addr``: :func:`torchport.ops.plan.composite_elsewhere`). Those
 composites compute in the input's dtype, where the CPU's and CUDA's kernels accumulate in
 float32 (a float16 group norm off by 0.006, a float32 layer norm of one element by 1e-4):
-here the device takes torchport's next path instead, PyTorch's decomposition (which computes
-in float32) when its pieces have device kernels, else the CPU kernel.
+here the device's kernel of them is its fallback (:func:`fallback_routes`), which takes
+PyTorch's decomposition (which computes in float32) when its pieces have device kernels,
+else the CPU kernel, and serves its warm calls from C++ as for any op without a kernel.
 
 Installed for every backend after its own kernel sets: a vendor's declaration of
-one of these ops wins. The kernels compute with ATen ops on device tensors, so they
+one of these ops wins (the routes are decided when the backend registers). The kernels compute with ATen ops on device tensors, so they
 take the device's own kernels where it has them.
 """
 
@@ -217,20 +220,35 @@ def _autograd_on() -> Any:
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
-def _own_kernel_elsewhere(*args: Any, **kwargs: Any) -> Any:
-    raise Decline("CPU and CUDA compute it with a kernel of their own, not the composite "
-                  "other devices get: the decomposition or the CPU kernel")
+#: The convolution a backend's kernels may take at any of its levels, forward and backward:
+#: where it declares none, the fallback serves ``convolution`` itself (the CPU's checks and
+#: kernel choice, bit for bit), rather than ``_convolution`` reaching the overrideable route.
+_CONVOLUTION_LEVELS = {"convolution": ("convolution", "_convolution", "convolution_overrideable"),
+                       "convolution_backward": ("convolution_backward",
+                                                "convolution_backward_overrideable")}
+
+
+def fallback_routes(declared: set[str]) -> list[torch._ops.OpOverload]:
+    """Overloads the device's fallback serves although PyTorch gives every device a
+    ``CompositeExplicitAutograd`` kernel of them, where the backend's kernel sets (the
+    overloads ``declared``) have none: the fallback takes PyTorch's decomposition where its
+    pieces have device kernels, else the CPU kernel, as for any op without a kernel (and
+    its warm calls are C++'s, as theirs)."""
+    names = [n for n in plan.composite_elsewhere() if n not in declared]
+    names += [n for n, levels in _CONVOLUTION_LEVELS.items()
+              if not declared.intersection(levels)]
+    ops = []
+    for name in names:
+        base, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, base, None), overload or "default", None)
+        if op is not None:  # an op of this torch
+            ops.append(op)
+    return ops
 
 
 def make_kernel_set(backend: DeviceBackend) -> KernelSet:
     """The route kernels for ``backend`` (installed after its own kernel sets)."""
     ks = KernelSet("device-routes")
-    for name in plan.composite_elsewhere():
-        if "." not in name:
-            name += ".default"
-        base, _, overload = name.partition(".")
-        if hasattr(getattr(torch.ops.aten, base, None), overload):  # an op of this torch
-            ks.kernel(name)(_own_kernel_elsewhere)
     ks.kernel("_thnn_fused_lstm_cell.default")(fused_lstm_cell)
     ks.kernel("_thnn_fused_lstm_cell_backward_impl.default")(fused_lstm_cell_backward_impl)
     ks.kernel("_thnn_fused_gru_cell.default")(fused_gru_cell)

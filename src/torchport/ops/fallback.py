@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -552,13 +552,18 @@ def connect_cpp(controls: Any) -> None:
 
 
 class _Registration:
-    """A device dispatch key's boxed fallback: the Python one, or (the dense key) C++'s."""
+    """A device dispatch key's boxed fallback: the Python one, or (the dense key) C++'s;
+    ``routes``: overloads whose kernel for the key is the fallback too (ops PyTorch gives
+    the device a composite kernel of, which CUDA never runs)."""
 
-    def __init__(self, backend: DeviceBackend, fn: Callable[..., Any], key: str) -> None:
+    def __init__(self, backend: DeviceBackend, fn: Callable[..., Any], key: str,
+                 routes: Sequence[Any] = ()) -> None:
         self.backend = backend
         self.fn = fn
         self.key = key
+        self.routes = list(routes)
         self.lib: torch.library.Library | None = None
+        self.routes_lib: torch.library.Library | None = None
         self.in_cpp = False  # C++'s fallback is registered
         self.closed = False  # the exit fallback has replaced this one
         self.swapped = False  # C++'s has been registered once
@@ -573,6 +578,11 @@ class _Registration:
             self.lib = keep_past_exit(torch.library.Library("_", "IMPL")) if self.swapped \
                 else self.backend.library("_")
             self.lib.fallback(self.fn, self.key, with_keyset=True)
+        if self.routes and self.routes_lib is None:
+            self.routes_lib = keep_past_exit(torch.library.Library("aten", "IMPL"))
+            for op in self.routes:
+                self.routes_lib.impl(plan_for(op).overload_name, _routed(self.fn, op),
+                                     self.key, with_keyset=True)
 
     def cpp(self) -> bool:
         """Register C++'s fallback in place of the Python one; False where it cannot."""
@@ -581,14 +591,18 @@ class _Registration:
         if _CPP is None:
             self.python()
             return False
-        if self.lib is not None:
-            self.lib._destroy()
-            self.lib = None
+        self._drop_python()
         self.swapped = True
-        self.in_cpp = _CPP.install_fallback(self.fn)
+        self.in_cpp = _CPP.install_fallback(self.fn, self.routes)
         if not self.in_cpp:
             self.python()
         return self.in_cpp
+
+    def _drop_python(self) -> None:
+        for lib in (self.lib, self.routes_lib):
+            if lib is not None:
+                lib._destroy()
+        self.lib = self.routes_lib = None
 
     def release(self) -> None:
         """Remove whichever is registered (the exit fallback takes the key)."""
@@ -596,9 +610,15 @@ class _Registration:
         if self.in_cpp:
             _CPP.uninstall_fallback()
             self.in_cpp = False
-        elif self.lib is not None:
-            self.lib._destroy()
-            self.lib = None
+        else:
+            self._drop_python()
+
+
+def _routed(fn: Callable[..., Any], op: Any) -> Callable[..., Any]:
+    """The boxed fallback ``fn`` as the kernel of overload ``op``."""
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        return fn(keyset, op, *args, **kwargs)
+    return kernel
 
 
 _DENSE: _Registration | None = None  # the PrivateUse1 fallback's
@@ -645,15 +665,16 @@ def _forget_learnt() -> None:
 paths.on_forget(_forget_learnt)
 
 
-def register(backend: DeviceBackend, fn: Callable[..., Any], key: str) -> None:
+def register(backend: DeviceBackend, fn: Callable[..., Any], key: str,
+             routes: Sequence[Any] = ()) -> None:
     """Register ``fn(keyset, op, *args, **kwargs)`` as the boxed fallback of dispatch key
     ``key`` (for the dense key, C++'s fallback calls it where C++ serves: see
-    :func:`serve_learnt`). From torchport's exit handler on, the C++ library's exit fallback
+    :func:`serve_learnt`), and as the kernel of the overloads ``routes`` for that key. From torchport's exit handler on, the C++ library's exit fallback
     calls it instead of PyTorch's registration, which imports ``torch`` to find an op it
     meets for the first time: an op first met in a finaliser during the interpreter's
     teardown would raise (native_exit_fallback.cpp)."""
     global _DENSE
-    reg = _Registration(backend, fn, key)
+    reg = _Registration(backend, fn, key, routes)
     reg.python()
     if key == "PrivateUse1":
         _DENSE = reg

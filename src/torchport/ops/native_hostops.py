@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -374,16 +374,22 @@ def counts() -> tuple[int, int, int]:
     return native.counters("torchport_native_hostops_counts", 3)  # type: ignore[return-value]
 
 
-def install_fallback(fn: Callable[..., Any]) -> bool:
+def install_fallback(fn: Callable[..., Any], routes: Iterable[torch._ops.OpOverload] = ()
+                     ) -> bool:
     """Register C++'s boxed fallback for the device, calling ``fn`` for what it does not
-    serve (the caller removed ``fn``'s registration); False where the library cannot."""
+    serve (the caller removed ``fn``'s registration), and as the device's kernel of the
+    overloads ``routes``; False where the library cannot (nothing then registered)."""
     install = native.python_function("torchport_fallback_install", [ctypes.py_object],
                                      ctypes.c_int)
-    if install is None:
+    route = native.python_function("torchport_fallback_route", [ctypes.c_char_p], ctypes.c_int)
+    if install is None or route is None:
         return False
     try:
         install(fn)
+        for op in routes:
+            route(plan_for(op).overload_name.encode())
     except RuntimeError:
+        uninstall_fallback()
         return False
     return True
 

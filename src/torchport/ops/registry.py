@@ -173,9 +173,10 @@ def install(backend: DeviceBackend) -> None:
         install_kernel_set(backend, ks, lib, taken, fills=fills)
     _install_zero(backend, lib, taken, fills)  # after every set: a zero_ of a later one wins
     from torchport.ops import device_routes  # after the backend's own: its kernels win
+    routes = device_routes.fallback_routes(taken)
     stats.OWN.update(install_kernel_set(backend, device_routes.make_kernel_set(backend), lib,
                                         taken, warn=False))
-    fallback.register(backend, fallback.make_fallback(backend), "PrivateUse1")
+    fallback.register(backend, fallback.make_fallback(backend), "PrivateUse1", routes)
     quantized.install(backend, lib)
     quantized.install_int_mm_route()
     sparse.install(backend, lib, taken)
