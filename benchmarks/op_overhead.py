@@ -67,6 +67,9 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
     w1 = torch.randn(32, 16, device=device)
     w2 = torch.randn(8, 32, device=device)
     bias = torch.randn(32, device=device)
+    img = torch.randn(2, 3, 8, 8, device=device)
+    kernel = torch.randn(4, 3, 3, 3, device=device)
+    gain = torch.randn(8, device=device)
 
     def autocast_linear_softmax() -> object:
         """Two autocast policies in one region: the linear cast to bfloat16 (its weight's
@@ -116,6 +119,12 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
         "mul 0-dim cpu": lambda: a * two,
         # ops without a sim kernel: the CPU fallback, warm
         "hypot (fallback)": lambda: torch.hypot(a, b),
+        # ops every device but the CPU and CUDA gets a composite kernel of (or, for the
+        # convolution, a route to convolution_overrideable); copies within the device
+        "conv2d": lambda: torch.nn.functional.conv2d(img, kernel, padding=1),
+        "layer_norm": lambda: torch.nn.functional.layer_norm(a, (8,), gain, gain),
+        "contiguous (a transpose)": lambda: a.t().contiguous(),
+        "clone": lambda: a.clone(),
         "mlp fwd (fallback)": fallback_mlp,
     }
 

@@ -43,8 +43,9 @@ PyTorch's decomposition (which computes in float32) when its pieces have device 
 else the CPU kernel, and serves its warm calls from C++ as for any op without a kernel.
 
 Installed for every backend after its own kernel sets: a vendor's declaration of
-one of these ops wins (the routes are decided when the backend registers). The kernels compute with ATen ops on device tensors, so they
-take the device's own kernels where it has them.
+one of these ops wins (the routes are decided when the backend registers). The kernels
+compute with ATen ops on device tensors, so they take the device's own kernels where it
+has them.
 """
 
 from __future__ import annotations

@@ -669,10 +669,11 @@ def register(backend: DeviceBackend, fn: Callable[..., Any], key: str,
              routes: Sequence[Any] = ()) -> None:
     """Register ``fn(keyset, op, *args, **kwargs)`` as the boxed fallback of dispatch key
     ``key`` (for the dense key, C++'s fallback calls it where C++ serves: see
-    :func:`serve_learnt`), and as the kernel of the overloads ``routes`` for that key. From torchport's exit handler on, the C++ library's exit fallback
-    calls it instead of PyTorch's registration, which imports ``torch`` to find an op it
-    meets for the first time: an op first met in a finaliser during the interpreter's
-    teardown would raise (native_exit_fallback.cpp)."""
+    :func:`serve_learnt`), and as the kernel of the overloads ``routes`` for that key. From
+    torchport's exit handler on, the C++ library's exit fallback calls it instead of
+    PyTorch's registration, which imports ``torch`` to find an op it meets for the first
+    time: an op first met in a finaliser during the interpreter's teardown would raise
+    (native_exit_fallback.cpp)."""
     global _DENSE
     reg = _Registration(backend, fn, key, routes)
     reg.python()
