@@ -173,6 +173,59 @@ def test_a_runtimes_c_copies_serve_warm_fallback_calls_and_hand_declined_ones_to
 
 
 @serves
+@pytest.mark.skipif(not _STAGED or _B.runtime.native_copies() is None,
+                    reason="a runtime with C copies on device-only memory (the strict sim)")
+def test_a_copy_within_the_device_takes_the_runtimes_c_copy_d2d(monkeypatch) -> None:
+    """``NativeCopies.copy_d2d``: a copy within the device of one span of bytes calls it
+    from C++; one it declines, and every such copy of a runtime without it, is the Python
+    kernel's (the runtime's ``copy_d2d`` method)."""
+    rt = _B.runtime
+    table = rt.native_copies()
+    assert table.copy_d2d
+    d2d_c = _COPY(table.copy_d2d)
+    seen: list[str] = []
+    declining = [False]
+
+    @_COPY
+    def d2d(context, index, dst, src, nbytes):  # noqa: ANN001, ANN202
+        seen.append("c d2d")
+        return 1 if declining[0] else d2d_c(context, index, dst, src, nbytes)
+
+    method = rt.copy_d2d
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        seen.append("python d2d")
+        return method(*args, **kwargs)
+
+    def address(fn: Any) -> int:
+        return ctypes.cast(fn, ctypes.c_void_p).value
+
+    x = _x(5)
+    src = x.to("sim")
+    monkeypatch.setattr(rt, "copy_d2d", counted)
+    try:
+        for given, decline, want in [(d2d, False, ["c d2d"]),
+                                     (d2d, True, ["c d2d", "python d2d"]),
+                                     (None, False, ["python d2d"])]:
+            monkeypatch.setattr(rt, "native_copies", lambda given=given: NativeCopies(
+                table.copy_d2h, table.copy_h2d, table.context, keep=(table.keep, d2d),
+                copy_d2d=0 if given is None else address(given)))
+            _K._staged = None
+            assert _K.staged()
+            declining[0] = decline
+            dst = torch.empty(8, 8, device="sim")
+            seen.clear()
+            with calls() as c:
+                got = dst.copy_(src)
+            assert got is dst and torch.equal(dst.cpu(), x) and seen == want, seen
+            assert (c.served, c.handed) == ((1, 0) if want == ["c d2d"] else (0, 1))
+    finally:
+        monkeypatch.undo()
+        _K._staged = None
+        assert _K.staged()
+
+
+@serves
 @pytest.mark.skipif(not _STAGED, reason="device-only memory: the staged calls' host buffers")
 @pytest.mark.parametrize("shape", [(8, 8), (700, 700)], ids=["tiny", "over-a-mebibyte"])
 def test_warm_staged_calls_reuse_their_host_buffers(shape) -> None:
@@ -517,13 +570,20 @@ _STAGED_COPIES = [
      lambda x, dev: torch.empty(1, 4, 4, 4, device=dev, memory_format=torch.channels_last)
      .copy_(x.view(1, 4, 4, 4).to(dev))),
     ("strided columns within one storage", _columns_within_a_storage),
+    # within the device, one span of bytes: the runtime's copy_d2d in C (the strict sim's)
+    ("contiguous within the device", lambda x, dev: torch.empty(8, 8, device=dev).copy_(
+        x.to(dev))),
+    ("rows within one storage", lambda x, dev: _within_a_storage(x.to(dev))),
 ]
+_WITHIN_ONE_SPAN = {"contiguous within the device", "rows within one storage"}
 
 
 @serves
 @pytest.mark.skipif(not _STAGED, reason="device-only memory: copies through the runtime's")
 @pytest.mark.parametrize("name,fn", _STAGED_COPIES, ids=[n for n, _ in _STAGED_COPIES])
 def test_small_copies_and_items_on_device_only_memory_are_served_in_cpp(name, fn) -> None:
+    if name in _WITHIN_ONE_SPAN and not getattr(_B.runtime.native_copies(), "copy_d2d", 0):
+        pytest.skip("no copy_d2d in C (the asynchronous sim): its Python copy_d2d serves")
     x = _x(3)
     fn(x, "sim")  # (a first call may warm what it calls)
     with calls() as c, torchport_frames() as frames:
@@ -551,17 +611,18 @@ def _within_a_storage(d: torch.Tensor) -> torch.Tensor:
 def test_copies_cpp_leaves_to_python_behave_as_before() -> None:
     """A tensor over a MiB (copied once by the Python kernel rather than twice), a
     ``non_blocking`` copy (ordered on the stream by it), a copy while a side stream is
-    current and copies within the device of one span of bytes (the runtime's ``copy_d2d``,
-    or a vendor's kernel) take the Python kernels, with the same results."""
+    current and a new tensor copied within the device take the Python kernels, with the
+    same results."""
     x = _x(7)
     d = x.to("sim")
-    for fn in (lambda t: torch.empty(8, 8, device=t.device).copy_(t),
-               lambda t: t.to(torch.float32, copy=True), _within_a_storage):
+    for fn in (lambda t: t.to(torch.float32, copy=True),):  # (a new tensor: Python's)
         with calls() as c:
             got = fn(d)
         assert c.handed >= 1 and torch.equal(got.cpu(), fn(x))
-    # a cast within one storage whose elements overlap (C++'s): ATen's error, nothing written
-    for fn in (lambda t: t.view(-1)[1:].copy_(t.view(torch.int32).view(-1)[:-1]),):
+    # elements of one storage that overlap, by a cast (C++'s) and as one span of bytes
+    # (handed to Python): ATen's error, nothing written
+    for fn in (lambda t: t.view(-1)[1:].copy_(t.view(torch.int32).view(-1)[:-1]),
+               lambda t: t.view(-1)[1:].copy_(t.view(-1)[:-1])):
         with pytest.raises(RuntimeError) as cpu_error:
             fn(x.clone())
         with pytest.raises(RuntimeError) as dev_error:

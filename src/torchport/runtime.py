@@ -131,6 +131,11 @@ class NativeCopies:
     path that declines a busy queue or an unknown address). ``keep`` holds what keeps the
     functions and the context alive (a ``ctypes`` library, ``CFUNCTYPE`` objects).
 
+    ``copy_d2d`` (optional) is the address of a copy within one device of the same signature
+    (``dst`` and ``src`` both device addresses of device ``index``; the spans may overlap),
+    under the same rules: a copy within the device of one span of bytes (``t.clone()``,
+    ``dst.copy_(src)`` of contiguous tensors of one dtype) then runs without Python.
+
     ``query_default_stream`` (optional, for an asynchronous runtime) is the address of
     ``int32_t fn(void *context, int32_t index)``: 1 when device ``index``'s default stream
     has run everything queued on it (``query_stream(index, None)`` would say True); any
@@ -143,6 +148,7 @@ class NativeCopies:
     context: int = 0
     keep: Any = None
     query_default_stream: int = 0
+    copy_d2d: int = 0
 
 
 class Runtime(abc.ABC):

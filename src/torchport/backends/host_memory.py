@@ -2,7 +2,7 @@
 
 A runtime that models a discrete device over host memory (the sim's strict mode) has its
 copies only in Python, where a driver has them in C. :class:`HostMemoryTable` mirrors the
-runtime's blocks in a C table (``csrc/native_host_memory.cpp``) whose two copies are the
+runtime's blocks in a C table (``csrc/native_host_memory.cpp``) whose copies are the
 runtime's :meth:`~torchport.runtime.Runtime.native_copies`: the CPU fallback's staged calls
 then move their bytes without entering Python. A copy outside every block the table holds
 returns to the runtime's Python method, which raises its own error; so does every copy of a
@@ -86,4 +86,5 @@ class HostMemoryTable:
         query = address(cpp.torchport_host_memory_settled) if self._tracks_queues else 0
         return NativeCopies(copy_d2h=address(cpp.torchport_host_memory_d2h),
                             copy_h2d=address(cpp.torchport_host_memory_h2d),
-                            context=self._table, keep=cpp, query_default_stream=query)
+                            context=self._table, keep=cpp, query_default_stream=query,
+                            copy_d2d=address(cpp.torchport_host_memory_d2d))

@@ -128,3 +128,15 @@ extern "C" int32_t torchport_host_memory_h2d(void* table, int32_t index, uint64_
                                              uint64_t src_host, uint64_t nbytes) {
   return copy_at(table, index, dst, src_host, nbytes, /*to_host=*/false);
 }
+
+// Runtime.native_copies' copy within device `index` (memmove: the spans may overlap).
+extern "C" int32_t torchport_host_memory_d2d(void* table, int32_t index, uint64_t dst,
+                                             uint64_t src, uint64_t nbytes) {
+  auto* t = static_cast<Table*>(table);
+  if (!passes(t, index)) return 1;
+  const uint64_t to = host_at(t, index, dst, nbytes);
+  const uint64_t from = host_at(t, index, src, nbytes);
+  if (to == 0 || from == 0) return 1;
+  std::memmove(reinterpret_cast<void*>(to), reinterpret_cast<const void*>(from), nbytes);
+  return 0;
+}

@@ -251,6 +251,25 @@ class HostOp final : public c10::OperatorKernel {
     // (a staged call's copies are ordered after the default stream's work only)
     if (staged && torchport::caching_current_stream(static_cast<c10::DeviceIndex>(index)) != 0)
       return python(op, stack);
+    if (staged && overwrites_self_ && !host) {
+      // a copy within the device of one span of bytes: the runtime's copy in C (the same
+      // elements: nothing to copy; spans that overlap otherwise: the Python kernel's error)
+      const at::Tensor self = (*stack)[first].toTensor();
+      const at::Tensor& src = (*stack)[first + 1].toTensor();
+      if (plain_within(self, src)) {
+        const auto dst = reinterpret_cast<uint64_t>(self.data_ptr());
+        const auto from = reinterpret_cast<uint64_t>(src.data_ptr());
+        const uint64_t nbytes = static_cast<uint64_t>(self.numel()) * self.itemsize();
+        if (dst != from && (dst < from + nbytes && from < dst + nbytes))
+          return python(op, stack);
+        if (dst != from && !torchport::staged_copy_within(index, dst, from, nbytes))
+          return python(op, stack);
+        torch::jit::drop(*stack, nargs);
+        stack->emplace_back(self);
+        served.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+    }
     std::optional<torchport::Staged> staging;
     // A staged call's copies call the runtime's Python (where it gives no C copies): one
     // hold of Ctrl-C for all of them and the CPU kernel between (each copy would otherwise
@@ -501,6 +520,12 @@ class HostOp final : public c10::OperatorKernel {
     return src.scalar_type() == dtype && src.is_contiguous();
   }
 
+  // `self.copy_(src)` within one device as one span of bytes.
+  static bool plain_within(const at::Tensor& self, const at::Tensor& src) {
+    return self.sizes().equals(src.sizes()) && self.is_contiguous() &&
+           plain_bytes(src, self.scalar_type(), c10::IValue());
+  }
+
   // A core kernel's call on device-only memory served here: a copy between the host and the
   // device, one within the device that is not one span of bytes (a span stays the runtime's
   // copy_d2d or the vendor's kernel, on the device), or Tensor.item; a blocking one
@@ -515,8 +540,7 @@ class HostOp final : public c10::OperatorKernel {
       const at::Tensor& src = stack[first + 1].toTensor();
       if (self.device().type() == kDevice && src.device().type() == kDevice &&
           (self.device() != src.device() ||
-           (self.sizes().equals(src.sizes()) && self.is_contiguous() &&
-            plain_bytes(src, self.scalar_type(), c10::IValue()))))
+           (plain_within(self, src) && !torchport::staging_within())))
         return false;
     }
     for (size_t i = 0; i < arguments.size(); ++i) {
@@ -1339,8 +1363,8 @@ extern "C" int torchport_fallback_route(const char* name) {
       fallback_routes = std::make_unique<torch::Library>(
           torch::Library::IMPL, "aten", std::make_optional(c10::DispatchKey::PrivateUse1),
           __FILE__, __LINE__);
-    fallback_routes->impl(name,
-                          torch::CppFunction::makeFromBoxedFunctor(std::make_unique<LearntFallback>()));
+    fallback_routes->impl(
+        name, torch::CppFunction::makeFromBoxedFunctor(std::make_unique<LearntFallback>()));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return 0;

@@ -39,6 +39,7 @@ struct Copies {
   PyObject* h2d = nullptr;     // runtime.copy_h2d(index, dst, src_host, nbytes)
   NativeCopy native_d2h = nullptr;  // the same copies in C (null: none)
   NativeCopy native_h2d = nullptr;
+  NativeCopy native_d2d = nullptr;  // a copy within a device in C (null: none)
   void* context = nullptr;          // (their first argument)
   // The runtime's queues run behind the host: a span a call overwrites is read all the same,
   // as its copy to the host waits for the default stream, which orders the write after the
@@ -97,6 +98,20 @@ bool staging_on() { return staging.load(std::memory_order_acquire); }
 bool staging_native() {
   const Copies* c = copies.load(std::memory_order_acquire);
   return c != nullptr && c->native_d2h != nullptr;
+}
+
+bool staging_within() {
+  const Copies* c = copies.load(std::memory_order_acquire);
+  return c != nullptr && c->native_d2d != nullptr;
+}
+
+bool staged_copy_within(int index, uint64_t dst, uint64_t src, uint64_t nbytes) {
+  const Copies* c = copies.load(std::memory_order_acquire);
+  if (c == nullptr || c->native_d2d == nullptr || index < 0 ||
+      static_cast<size_t>(index) >= c->phys.size())
+    return false;
+  return nbytes == 0 ||
+         c->native_d2d(c->context, c->phys[static_cast<size_t>(index)], dst, src, nbytes) == 0;
 }
 
 Staged::Staged(int index) : index_(index), copies_(copies.load(std::memory_order_acquire)) {}
@@ -346,17 +361,19 @@ int staging_configure(PyObject* d2h, PyObject* h2d, PyObject* result, PyObject* 
   }
   made->phys.assign(indices.begin(), indices.end());
   made->asynchronous = asynchronous;
-  if (native != Py_None) {  // (d2h address, h2d address, context)
+  if (native != Py_None) {  // (d2h address, h2d address, context, d2d address or 0)
     std::vector<int64_t> entry;
-    if (!read_ints(native, entry) || entry.size() != 3 || entry[0] == 0 || entry[1] == 0) {
+    if (!read_ints(native, entry) || entry.size() != 4 || entry[0] == 0 || entry[1] == 0) {
       if (!PyErr_Occurred())
-        PyErr_SetString(PyExc_TypeError, "expected the native copies' (d2h, h2d, context)");
+        PyErr_SetString(PyExc_TypeError,
+                        "expected the native copies' (d2h, h2d, context, d2d)");
       delete made;
       return 0;
     }
     made->native_d2h = reinterpret_cast<torchport::NativeCopy>(entry[0]);
     made->native_h2d = reinterpret_cast<torchport::NativeCopy>(entry[1]);
     made->context = reinterpret_cast<void*>(entry[2]);
+    made->native_d2d = reinterpret_cast<torchport::NativeCopy>(entry[3]);
   }
   Py_INCREF(d2h);
   Py_INCREF(h2d);

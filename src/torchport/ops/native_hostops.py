@@ -205,7 +205,7 @@ class HostOpKernels:
         self._native_copies = c  # (alive while C++ may call them)
         configure(rt.copy_d2h, rt.copy_h2d, _result_function(b), b.refused_dtypes(),
                   [b.phys(i) for i in range(b.device_count())],
-                  None if c is None else (c.copy_d2h, c.copy_h2d, c.context),
+                  None if c is None else (c.copy_d2h, c.copy_h2d, c.context, c.copy_d2d),
                   int(rt.asynchronous))
         self._staged = True
         return True
