@@ -37,3 +37,21 @@ def test_lazy_conv_takes_dtype_and_device_before_its_first_call():
     ref = torch.nn.Conv2d(2, 4, 3).to(torch.float64)
     ref.load_state_dict({k: v.cpu() for k, v in m.state_dict().items()})
     torch.testing.assert_close(y.cpu(), ref(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("build", ["linear", "conv"])
+def test_lazy_modules_under_the_python_view_kernels(build):
+    # the view kernels torchport's Python serves (no C++ library, or while ops are
+    # intercepted) meet the uninitialized parameters too (Tensor.to's alias of one)
+    from tests.helpers import python_host_kernels
+    from torchport.backend import active_backend
+    views = active_backend().view_kernels
+    views.use(False)
+    try:
+        with python_host_kernels():
+            if build == "linear":
+                test_lazy_linear_moves_to_the_device_then_materialises_there()
+            else:
+                test_lazy_conv_takes_dtype_and_device_before_its_first_call()
+    finally:
+        views.use(True)

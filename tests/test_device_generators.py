@@ -279,6 +279,7 @@ def test_without_the_cpp_library_the_cpu_generators_serve() -> None:
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr[-3000:]
 
 
+@needs_cpp  # (torch.Generator(device=...) is the C++ layer's)
 def test_device_1_generators_drive_randn_dropout_and_randperm_reproducibly():
     # dropout takes no generator: it draws from the device's default generator, which is
     # torch.sim.default_generators[1] itself; randn and randperm take a new generator

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 from torchport.memory.tensors import storage_ptr
 from torchport.ops import fallback, stats
@@ -44,6 +45,8 @@ def view_kernel(op: torch._ops.OpOverload, layouts: LayoutCache, slow: Call | No
         if slow is not None and fb.SLOW:
             return slow(args, kwargs)
         x = args[0]
+        if isinstance(x, UninitializedTensorMixin):  # (a lazy module's: no shape to read)
+            return redispatch(CPU_KS, *args, **kwargs)
         key = (x.shape, x.stride(), *[tuple(a) if type(a) is list else a for a in args[1:]],
                *kwargs.items())
         try:
