@@ -1,7 +1,7 @@
-"""Same-device copies: within one device they never go through the host (the runtime's
-``copy_d2d`` for one span of bytes, a vendor ``copy_`` kernel for the rest), a vendor kernel
-set may take over ``copy_``, and a declaration torchport ignores says so; a backend module
-that cannot be imported is named with the fix."""
+"""Same-device copies: one span of bytes never goes through the host (the runtime's
+``copy_d2d``, in C where it gives one), a vendor kernel set may take over ``copy_``, and a
+declaration torchport ignores says so; a backend module that cannot be imported is named
+with the fix."""
 
 import pytest
 import torch

@@ -169,8 +169,8 @@ bool staged_copy_within(int index, uint64_t dst, uint64_t src, uint64_t nbytes);
 // Serve through `d2h` and `h2d` (the runtime's copy methods; `result`: a result not copied,
 // as a device tensor; `refuse`: the dtypes the device refuses; `phys`: the runtime's index
 // of each device; `native`: None, or the addresses of its C copies, their context and the
-// copy within a device (0: none), Runtime.native_copies; `asynchronous`: its queues run behind the host), or no longer
-// (`d2h` None): 1; 0 with a Python error. Holds the GIL.
+// copy within a device (0: none), Runtime.native_copies; `asynchronous`: its queues run
+// behind the host), or no longer (`d2h` None): 1; 0 with a Python error. Holds the GIL.
 int staging_configure(PyObject* d2h, PyObject* h2d, PyObject* result, PyObject* refuse,
                       PyObject* phys, PyObject* native, bool asynchronous);
 struct Copies;
